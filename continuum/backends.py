@@ -1,0 +1,134 @@
+"""Backends at run time: in-flight counts, latency EWMA, recent success rate, health.
+
+One :class:`BackendPool` per worker process (see the concurrency notes in the README):
+in-flight counters and statistics are per worker. Under gevent a greenlet switch can only
+happen at I/O, so the plain integer updates here need no lock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from continuum.config import BackendConfig
+
+
+class Backend:
+    """Run-time view of one configured backend, as strategies and scorers see it.
+
+    Attributes:
+        name: unique backend name from the config.
+        url: base URL without a trailing slash.
+        weight: relative weight for weighted strategies.
+        in_flight: requests dispatched and not yet finished (released on every exit path).
+        healthy: current verdict of the active health checks.
+        latency_ewma: exponentially weighted mean of request latency in seconds (None until
+            the first completed request).
+        models: model ids this backend serves (configured, or discovered when none are).
+    """
+
+    __slots__ = (
+        "_alpha",
+        "_outcomes",
+        "_successes",
+        "config",
+        "discovered_models",
+        "healthy",
+        "in_flight",
+        "latency_ewma",
+        "name",
+        "url",
+        "weight",
+    )
+
+    def __init__(
+        self,
+        config: BackendConfig,
+        *,
+        ewma_alpha: float = 0.2,
+        success_window: int = 100,
+    ) -> None:
+        self.config = config
+        self.name = config.name
+        self.url = config.url.rstrip("/")
+        self.weight = config.weight
+        self.in_flight = 0
+        self.healthy = True
+        self.latency_ewma: float | None = None
+        self.discovered_models: frozenset[str] = frozenset()
+        self._alpha = ewma_alpha
+        self._outcomes: deque[bool] = deque(maxlen=success_window)
+        self._successes = 0
+
+    @property
+    def models(self) -> frozenset[str]:
+        """Configured models, or the ones discovered from ``/v1/models`` when none are set."""
+        return self.config.model_set or self.discovered_models
+
+    def serves(self, model: str) -> bool:
+        """Whether this backend serves ``model``."""
+        return model in self.models
+
+    @property
+    def success_rate(self) -> float:
+        """Fraction of successful requests over the recent window (1.0 with no history)."""
+        total = len(self._outcomes)
+        return 1.0 if total == 0 else self._successes / total
+
+    def record(self, ok: bool, latency: float | None) -> None:
+        """Record the outcome of one request (``latency`` in seconds, None if unknown)."""
+        outcomes = self._outcomes
+        if len(outcomes) == outcomes.maxlen and outcomes[0]:
+            self._successes -= 1
+        outcomes.append(ok)
+        if ok:
+            self._successes += 1
+        if latency is not None:
+            prev = self.latency_ewma
+            self.latency_ewma = latency if prev is None else prev + self._alpha * (latency - prev)
+
+    def __repr__(self) -> str:
+        return f"<Backend {self.name} in_flight={self.in_flight} healthy={self.healthy}>"
+
+
+class BackendPool:
+    """All configured backends of one worker, indexed by name."""
+
+    def __init__(self, backends: Iterable[Backend]) -> None:
+        self._by_name = {b.name: b for b in backends}
+        self._order = list(self._by_name.values())
+
+    def __iter__(self) -> Iterator[Backend]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def get(self, name: str) -> Backend | None:
+        """The backend called ``name``, or None."""
+        return self._by_name.get(name)
+
+    def routable(self) -> list[Backend]:
+        """Enabled, client-facing backends (``internal`` ones only serve the router itself)."""
+        return [b for b in self._order if b.config.enabled and not b.config.internal]
+
+    def serving(self, model: str) -> list[Backend]:
+        """Routable backends that serve ``model``, healthy or not."""
+        return [b for b in self.routable() if b.serves(model)]
+
+    def candidates(self, model: str) -> list[Backend]:
+        """Routable, healthy backends that serve ``model``, in config order."""
+        return [b for b in self.routable() if b.healthy and b.serves(model)]
+
+    def model_ids(self) -> list[str]:
+        """Union of the models of every routable backend, sorted."""
+        ids: set[str] = set()
+        for backend in self.routable():
+            ids.update(backend.models)
+        return sorted(ids)
+
+    def in_flight_snapshot(self) -> dict[str, int]:
+        """Current in-flight count of every backend."""
+        return {b.name: b.in_flight for b in self._order}

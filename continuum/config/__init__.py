@@ -1,0 +1,201 @@
+"""Configuration: one YAML file in, frozen dataclasses out.
+
+Usage::
+
+    config = load_config("config.yaml")          # raises ConfigError listing every problem
+    result = check_config_file("config.yaml")    # errors and warnings, for `config validate`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from continuum.config.fields import Issues, build_section, format_duration, walk
+from continuum.config.schema import (
+    AdminConfig,
+    BackendConfig,
+    HealthCheckConfig,
+    PoolConfig,
+    RouterConfig,
+    ServerConfig,
+)
+from continuum.errors import ConfigError, ConfigIssue
+
+if TYPE_CHECKING:
+    from continuum.registry import PluginRegistry
+
+__all__ = [
+    "AdminConfig",
+    "BackendConfig",
+    "CheckResult",
+    "ConfigError",
+    "HealthCheckConfig",
+    "PoolConfig",
+    "RouterConfig",
+    "ServerConfig",
+    "check_config",
+    "check_config_file",
+    "defaults_text",
+    "load_config",
+    "parse_config",
+    "restart_required",
+]
+
+CONFIG_ENV = "CONTINUUM_CONFIG"
+
+
+@dataclass
+class CheckResult:
+    """Outcome of reading a config: the config (None if invalid), errors and warnings."""
+
+    config: RouterConfig | None
+    errors: list[ConfigIssue]
+    warnings: list[ConfigIssue]
+    source: str
+
+
+def check_config(
+    data: Any, source: str = "<config>", registry: PluginRegistry | None = None
+) -> CheckResult:
+    """Read a parsed YAML document; collect every error and warning."""
+    issues = Issues()
+    config = build_section(RouterConfig, data, "", issues)
+    if config is not None and registry is not None:
+        from continuum.errors import PluginError
+
+        try:
+            registry.load("continuum.strategies", config.selection_strategy)
+        except PluginError as exc:
+            issues.error("selection_strategy", exc.message, config.selection_strategy)
+    return CheckResult(None if issues.errors else config, issues.errors, issues.warnings, source)
+
+
+def _read_yaml(path: str | os.PathLike[str]) -> Any:
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "<document>"
+        raise ConfigError([ConfigIssue(where, f"invalid YAML: {exc}")], str(path)) from None
+
+
+def check_config_file(
+    path: str | os.PathLike[str], registry: PluginRegistry | None = None
+) -> CheckResult:
+    """Read and check a config file (``continuum-router config validate``)."""
+    try:
+        data = _read_yaml(path)
+    except ConfigError as exc:
+        return CheckResult(None, exc.issues, [], str(path))
+    except OSError as exc:
+        return CheckResult(None, [ConfigIssue("<file>", f"cannot read: {exc}")], [], str(path))
+    return check_config(data, str(path), registry)
+
+
+def parse_config(
+    data: Any, source: str = "<config>", registry: PluginRegistry | None = None
+) -> RouterConfig:
+    """Like :func:`check_config` but raises :class:`ConfigError` on any error."""
+    result = check_config(data, source, registry)
+    if result.config is None:
+        raise ConfigError(result.errors, source)
+    return result.config
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, registry: PluginRegistry | None = None
+) -> RouterConfig:
+    """Load the config file at ``path`` (default: ``$CONTINUUM_CONFIG``)."""
+    path = path or os.environ.get(CONFIG_ENV)
+    if not path:
+        raise ConfigError(
+            [ConfigIssue("<file>", f"no config file given (use --config or ${CONFIG_ENV})")]
+        )
+    result = check_config_file(path, registry)
+    if result.config is None:
+        raise ConfigError(result.errors, str(path))
+    return result.config
+
+
+def restart_required(old: RouterConfig, new: RouterConfig) -> list[str]:
+    """Key paths that changed between ``old`` and ``new`` but only take effect on restart."""
+    old_leaves = {p: (f, v) for p, f, v in walk(old)}
+    changed = []
+    for path, f, value in walk(new):
+        before = old_leaves.get(path)
+        if before is not None and before[1] != value and f.metadata.get("restart"):
+            changed.append(path)
+    return changed
+
+
+def _render(value: Any, meta: dict[str, Any]) -> str:
+    if meta.get("duration") and isinstance(value, float):
+        return repr(format_duration(value))
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return "[]"
+    if isinstance(value, str):
+        return repr(value)
+    return str(value)
+
+
+def _limits(meta: dict[str, Any]) -> str:
+    parts = []
+    if meta.get("min") is not None or meta.get("max") is not None:
+        parts.append(f"range {meta.get('min', '')}..{meta.get('max', '')}")
+    if meta.get("choices"):
+        parts.append("one of " + "|".join(str(c) for c in meta["choices"]))
+    if meta.get("restart"):
+        parts.append("restart to change")
+    return f" [{'; '.join(parts)}]" if parts else ""
+
+
+def defaults_text() -> str:
+    """Every key with its default and meaning, as commented YAML."""
+    lines: list[str] = []
+
+    def section(cls: type, indent: str) -> None:
+        for f in dataclasses.fields(cls):
+            meta = dict(f.metadata)
+            tp = cls.__annotations__.get(f.name, "")
+            sub = _section_type(cls, f.name)
+            lines.append(f"{indent}# {meta.get('doc', '')}{_limits(meta)}")
+            if sub is not None and "tuple" in str(tp):
+                lines.append(f"{indent}{f.name}:")
+                lines.append(f"{indent}  - # one entry per item:")
+                section(sub, indent + "    ")
+            elif sub is not None:
+                lines.append(f"{indent}{f.name}:")
+                section(sub, indent + "  ")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                lines.append(f"{indent}{f.name}:  # required")
+            else:
+                default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+                lines.append(f"{indent}{f.name}: {_render(default, meta)}")
+
+    section(RouterConfig, "")
+    return "\n".join(lines) + "\n"
+
+
+def _section_type(cls: type, name: str) -> type | None:
+    import typing
+
+    from continuum.config.fields import hints
+
+    tp = hints(cls)[name]
+    if dataclasses.is_dataclass(tp):
+        return tp  # type: ignore[return-value]
+    args = typing.get_args(tp)
+    if args and dataclasses.is_dataclass(args[0]):
+        return args[0]  # type: ignore[no-any-return]
+    return None

@@ -1,0 +1,247 @@
+"""The machinery behind the config table: typed, documented, range-checked fields.
+
+A config section is a frozen dataclass whose fields are declared with :func:`setting`;
+the same declarations drive loading, validation, ``config defaults`` and hot-reload
+classification. Nothing here knows about particular sections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from collections.abc import Callable, Iterator
+from typing import Any, Union
+
+from continuum.errors import ConfigIssue
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(value: Any) -> float:
+    """``"5m"`` → 300.0; numbers are seconds. Raises ValueError on anything else."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as '30s' or '5m'")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if match:
+            return float(match.group(1)) * _UNITS[match.group(2)]
+    raise ValueError("expected a duration such as '30s', '5m' or a number of seconds")
+
+
+def format_duration(seconds: float) -> str:
+    """300.0 → ``"5m"``: the inverse of :func:`parse_duration` for round values."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds * 1000)}ms"
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    doc: str,
+    min: float | None = None,  # noqa: A002 - reads best in the table
+    max: float | None = None,  # noqa: A002
+    choices: tuple[Any, ...] | None = None,
+    pattern: str | None = None,
+    duration: bool = False,
+    restart: bool = False,
+    secret: bool = False,
+    default_factory: Callable[[], Any] | None = None,
+) -> Any:
+    """Declare one config key.
+
+    Args:
+        default: the seed's default; omit for a required key.
+        doc: one line for ``config defaults`` and the docs.
+        min, max: inclusive numeric range.
+        choices: allowed values.
+        pattern: regular expression a string must match in full.
+        duration: accept ``"30s"``/``"5m"`` strings; stored as float seconds.
+        restart: changing this key on hot reload needs a restart.
+        secret: never printed.
+    """
+    meta = {
+        "doc": doc,
+        "min": min,
+        "max": max,
+        "choices": choices,
+        "pattern": re.compile(pattern) if pattern else None,
+        "duration": duration,
+        "restart": restart,
+        "secret": secret,
+    }
+    if default_factory is not None:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+class Issues:
+    """Collects errors and warnings while a config is read, each with its key path."""
+
+    def __init__(self) -> None:
+        self.errors: list[ConfigIssue] = []
+        self.warnings: list[ConfigIssue] = []
+
+    def error(self, path: str, message: str, value: Any = None) -> None:
+        self.errors.append(ConfigIssue(path, message, value))
+
+    def warn(self, path: str, message: str, value: Any = None) -> None:
+        self.warnings.append(ConfigIssue(path, message, value))
+
+
+def join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def hints(cls: type) -> dict[str, Any]:
+    """Resolved type hints of a section class (cached)."""
+    cached = _HINTS.get(cls)
+    if cached is None:
+        cached = _HINTS[cls] = typing.get_type_hints(cls)
+    return cached
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+
+
+def _coerce_scalar(tp: Any, value: Any, meta: dict[str, Any]) -> Any:
+    if meta.get("duration"):
+        return parse_duration(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - a declaration bug, not a user error
+        raise TypeError(f"unsupported config type {tp!r}")
+    raise ValueError(f"expected {_TYPE_NAMES[tp]}")
+
+
+def _check_constraints(value: Any, meta: dict[str, Any]) -> str | None:
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is not None and hi is not None and not lo <= value <= hi:
+        return f"must be between {lo:g} and {hi:g}"
+    if lo is not None and value < lo:
+        return f"must be at least {lo:g}"
+    if hi is not None and value > hi:
+        return f"must be at most {hi:g}"
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        return "must be one of " + ", ".join(repr(c) for c in choices)
+    pattern = meta.get("pattern")
+    if pattern is not None and not pattern.fullmatch(value):
+        return f"must match {pattern.pattern}"
+    return None
+
+
+def build_section(cls: type, data: Any, path: str, issues: Issues) -> Any:
+    """Read ``data`` (a mapping from YAML) into an instance of section ``cls``.
+
+    Every problem is recorded in ``issues``; the result uses defaults where a value was
+    invalid so that reading can go on and report everything at once.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        issues.error(path or "<root>", "expected a mapping", data)
+        data = {}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            issues.error(join(path, str(key)), f"unknown key{hint}")
+    values: dict[str, Any] = {}
+    types_ = hints(cls)
+    for name, f in fields.items():
+        key_path = join(path, name)
+        if name not in data:
+            if _is_section(types_[name]):  # defaults get their cross-field checks too
+                values[name] = build_section(types_[name], {}, key_path, issues)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                issues.error(key_path, "is required")
+            continue
+        values[name] = read_value(types_[name], data[name], key_path, dict(f.metadata), issues)
+    try:
+        section = cls(**values)
+    except TypeError:  # a required field was missing; an error is already recorded
+        section = None
+    check = getattr(cls, "check", None)
+    if section is not None and check is not None:
+        check(section, path, issues)
+    return section
+
+
+def read_value(tp: Any, value: Any, path: str, meta: dict[str, Any], issues: Issues) -> Any:
+    """Read one value of declared type ``tp`` at ``path``."""
+    tp, optional = _unwrap_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        issues.error(path, "must not be empty")
+        return None
+    if _is_section(tp):
+        return build_section(tp, value, path, issues)
+    origin = typing.get_origin(tp)
+    if origin in (tuple, list):
+        (item_type, *_rest) = typing.get_args(tp)
+        if not isinstance(value, list):
+            issues.error(path, "expected a list", value)
+            return ()
+        items = [
+            read_value(item_type, item, f"{path}[{i}]", meta, issues) for i, item in enumerate(value)
+        ]
+        return tuple(items)
+    try:
+        coerced = _coerce_scalar(tp, value, meta)
+    except ValueError as exc:
+        issues.error(path, str(exc), value)
+        return None
+    problem = _check_constraints(coerced, meta)
+    if problem:
+        issues.error(path, problem, value)
+    return coerced
+
+
+def walk(section: Any, path: str = "") -> Iterator[tuple[str, dataclasses.Field[Any], Any]]:
+    """Yield ``(path, field, value)`` for every leaf of a section instance, depth first."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        key_path = join(path, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            yield from walk(value, key_path)
+        elif isinstance(value, tuple) and value and dataclasses.is_dataclass(value[0]):
+            for i, item in enumerate(value):
+                yield from walk(item, f"{key_path}[{i}]")
+        else:
+            yield key_path, f, value

@@ -1,0 +1,194 @@
+"""The router's config sections: every key, its default, range and meaning.
+
+Later tiers add their sections here; ``continuum-router config defaults`` prints this table.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from continuum.config.fields import Issues, join, setting
+
+NAME_PATTERN = r"[A-Za-z0-9_-]{1,64}"
+BACKEND_TYPES = ("openai",)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``server``: how the router listens and what it accepts."""
+
+    bind: str = setting("127.0.0.1:8080", doc="host:port gunicorn binds", restart=True)
+    workers: int = setting(
+        1, doc="gunicorn gevent worker processes (state is per worker)", min=1, max=256,
+        restart=True,
+    )
+    worker_connections: int = setting(
+        1000, doc="concurrent connections per gevent worker", min=1, max=100000, restart=True
+    )
+    max_body_bytes: int = setting(
+        10 * 1024 * 1024, doc="largest accepted request body; larger gets 413",
+        min=1024, max=1024**3,
+    )
+    log_level: str = setting(
+        "info", doc="log level", choices=("debug", "info", "warning", "error")
+    )
+    watch_config: bool = setting(
+        True, doc="reload the config when its file changes", restart=True
+    )
+    watch_interval_seconds: float = setting(
+        2.0, doc="how often the config file is checked", min=0.2, max=3600, restart=True
+    )
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """``backends[]``: one upstream inference server."""
+
+    name: str = setting(doc="unique backend name", pattern=NAME_PATTERN)
+    url: str = setting(doc="base URL, e.g. http://10.0.0.5:8000 (no /v1)")
+    type: str = setting("openai", doc="wire protocol of the backend", choices=BACKEND_TYPES)
+    models: tuple[str, ...] = setting(
+        default_factory=tuple,
+        doc="models served; empty = discovered from the backend's /v1/models",
+    )
+    weight: int = setting(1, doc="relative weight for weighted strategies", min=1, max=10000)
+    api_key: str | None = setting(None, doc="API key sent upstream", secret=True)
+    api_key_env: str | None = setting(None, doc="environment variable holding the API key")
+    connect_timeout_ms: int = setting(
+        3000, doc="TCP connect timeout", min=10, max=600000
+    )
+    request_timeout_ms: int = setting(
+        600000, doc="longest wait for the next upstream byte", min=100, max=3600000
+    )
+    enabled: bool = setting(True, doc="false removes the backend from every path")
+    internal: bool = setting(
+        False, doc="only the router itself calls it (e.g. embeddings); hidden from clients"
+    )
+
+    @property
+    def model_set(self) -> frozenset[str]:
+        return frozenset(self.models)
+
+    def resolved_api_key(self) -> str | None:
+        """The API key, reading ``api_key_env`` now."""
+        if self.api_key is not None:
+            return self.api_key
+        if self.api_key_env is not None:
+            return os.environ.get(self.api_key_env)
+        return None
+
+    def check(self, path: str, issues: Issues) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            issues.error(join(path, "url"), "must be an http:// or https:// URL", self.url)
+        elif parts.path.rstrip("/").endswith("/v1"):
+            issues.warn(
+                join(path, "url"), "ends in /v1; the router adds /v1/... itself", self.url
+            )
+        if self.api_key is not None and self.api_key_env is not None:
+            issues.error(join(path, "api_key_env"), "set either api_key or api_key_env, not both")
+        if self.api_key_env is not None and self.api_key_env not in os.environ:
+            issues.warn(
+                join(path, "api_key_env"),
+                "environment variable is not set; requests go upstream without a key",
+                self.api_key_env,
+            )
+
+
+@dataclass(frozen=True)
+class HealthCheckConfig:
+    """``health_check``: active probing that takes failing backends out and puts them back."""
+
+    enabled: bool = setting(True, doc="run active health checks")
+    interval_seconds: float = setting(
+        5.0, doc="time between probes of one backend", min=0.1, max=3600, duration=True
+    )
+    timeout_ms: int = setting(2000, doc="probe timeout", min=10, max=60000)
+    path: str = setting(
+        "/health", doc="probe path; '/v1/models' also refreshes discovered models",
+        pattern=r"/\S*",
+    )
+    unhealthy_threshold: int = setting(
+        2, doc="consecutive failures that take a backend out", min=1, max=100
+    )
+    healthy_threshold: int = setting(
+        2, doc="consecutive successes that put it back", min=1, max=100
+    )
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """``pool``: how backend statistics are kept."""
+
+    latency_ewma_alpha: float = setting(
+        0.2, doc="weight of the newest sample in the latency EWMA", min=0.01, max=1.0
+    )
+    success_window: int = setting(
+        100, doc="recent requests the success rate is computed over", min=1, max=100000,
+        restart=True,
+    )
+    retry_connect_errors: bool = setting(
+        True, doc="retry once on the next candidate when connecting fails before any byte"
+    )
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    """``admin``: the /admin endpoints."""
+
+    token: str | None = setting(None, doc="bearer token required by /admin", secret=True)
+    token_env: str | None = setting(None, doc="environment variable holding the token")
+
+    def resolved_token(self) -> str | None:
+        if self.token is not None:
+            return self.token
+        if self.token_env is not None:
+            return os.environ.get(self.token_env)
+        return None
+
+    def check(self, path: str, issues: Issues) -> None:
+        if self.token is not None and self.token_env is not None:
+            issues.error(join(path, "token_env"), "set either token or token_env, not both")
+        if self.token_env is not None and self.token_env not in os.environ:
+            issues.warn(
+                join(path, "token_env"),
+                "environment variable is not set; /admin would be open",
+                self.token_env,
+            )
+        if self.token is None and self.token_env is None:
+            issues.warn(path or "admin", "no token: /admin endpoints are unauthenticated")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The whole router config file."""
+
+    server: ServerConfig = setting(default_factory=ServerConfig, doc="HTTP server")
+    backends: tuple[BackendConfig, ...] = setting(
+        default_factory=tuple, doc="upstream backends"
+    )
+    selection_strategy: str = setting(
+        "RoundRobin", doc="strategy plugin name (entry-point group continuum.strategies)"
+    )
+    health_check: HealthCheckConfig = setting(
+        default_factory=HealthCheckConfig, doc="active health checks"
+    )
+    pool: PoolConfig = setting(default_factory=PoolConfig, doc="backend statistics")
+    admin: AdminConfig = setting(default_factory=AdminConfig, doc="admin API")
+
+    def check(self, path: str, issues: Issues) -> None:
+        seen: dict[str, int] = {}
+        for i, backend in enumerate(self.backends):
+            if backend is None:
+                continue
+            if backend.name in seen:
+                issues.error(
+                    f"backends[{i}].name",
+                    f"duplicate backend name (also backends[{seen[backend.name]}])",
+                    backend.name,
+                )
+            seen.setdefault(backend.name, i)
+        if not self.backends:
+            issues.warn("backends", "no backends configured; every request will get 503")

@@ -1,0 +1,162 @@
+"""The plugin interfaces: selection strategies, backend scorers, cache stores, KV indexes.
+
+These names are public API. Third-party distributions implement them and register the
+implementation under the matching entry-point group (see :mod:`continuum.registry`); the
+core finds its own built-ins the same way.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from continuum.backends import Backend
+    from continuum.config import RouterConfig
+    from continuum.request import RequestContext
+
+
+class SelectionStrategy(abc.ABC):
+    """Picks one backend from the healthy candidates for a request.
+
+    ``select`` must be synchronous, do no I/O and allocate little: it runs on every request.
+    Instances are built from the router config; ``reconfigure`` is called on hot reload.
+    """
+
+    #: Config name under which the strategy is registered (``selection_strategy: <name>``).
+    name: ClassVar[str] = ""
+
+    def __init__(self, config: RouterConfig | None = None, **collaborators: Any) -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    def select(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend:
+        """Return one of ``candidates``.
+
+        Raises:
+            NoHealthyBackendError: ``candidates`` is empty.
+        """
+
+    def reconfigure(self, config: RouterConfig) -> list[str]:
+        """Apply a reloaded config; return the key paths that need a restart to change."""
+        self.config = config
+        return []
+
+    def stats(self) -> dict[str, Any]:
+        """Strategy-specific statistics for the admin API."""
+        return {}
+
+
+#: The tier of the KV data a backend holds for a prefix.
+TIER_NONE = "none"
+TIER_GPU_HOT = "gpu_hot"
+TIER_STORAGE_WARM = "storage_warm"
+
+
+class BackendScorer(abc.ABC):
+    """Scores backends before the selection strategy runs (Tier 4 and friends).
+
+    ``prepare`` may do I/O (it runs once per request); ``score`` and ``score_with_tier``
+    are synchronous reads of what ``prepare`` fetched.
+    """
+
+    name: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def prepare(self, ctx: RequestContext, candidates: Sequence[Backend]) -> None:
+        """Fetch whatever scoring ``ctx`` needs."""
+
+    @abc.abstractmethod
+    def score(self, backend: Backend, ctx: RequestContext) -> float:
+        """Composite score of ``backend`` for ``ctx`` in [0, 1]."""
+
+    def score_with_tier(self, backend: Backend, ctx: RequestContext) -> tuple[float, str]:
+        """Score and the tier it was computed from, read together."""
+        return self.score(backend, ctx), TIER_NONE
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStoreStats:
+    """Counters every cache store reports."""
+
+    backend: str
+    entries: int
+    capacity: int | None = None
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    size_bytes: int = 0
+    extra: dict[str, Any] | None = None
+
+
+class CacheStore(abc.ABC):
+    """A byte-valued key/value store with TTLs (Tier 2/3 response cache storage).
+
+    Implementations wrap their own failures in :class:`continuum.errors.StoreError`.
+    """
+
+    name: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The value under ``key``, or None when absent or expired."""
+
+    @abc.abstractmethod
+    def set(self, key: str, value: bytes, ttl: float) -> None:
+        """Store ``value`` under ``key`` for ``ttl`` seconds."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key`` if present."""
+
+    @abc.abstractmethod
+    def clear(self) -> int:
+        """Remove every entry this store owns; return how many were removed."""
+
+    @abc.abstractmethod
+    def stats(self) -> CacheStoreStats:
+        """Current counters."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvHolding:
+    """What one backend holds for one prefix."""
+
+    backend: str
+    token_count: int
+    tier: str = TIER_GPU_HOT
+    updated_at: float = 0.0
+
+
+class KvCacheIndex(abc.ABC):
+    """``prefix_hash -> {backend -> holding}``, fed by engine KV events (Tier 4)."""
+
+    name: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def apply(self, backend: str, event: str, prefix_hash: str, token_count: int = 0) -> None:
+        """Apply one event (``cache_created``/``cache_evicted``/``cache_offloaded``/
+        ``cache_cleared``) from ``backend``."""
+
+    @abc.abstractmethod
+    def query_backends(self, prefix_hash: str) -> Sequence[KvHolding]:
+        """Holders of ``prefix_hash``, most tokens first."""
+
+    @abc.abstractmethod
+    def clear(self) -> int:
+        """Drop every entry; return how many were dropped."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters for the admin API."""
+
+
+#: Entry-point group → the interface its plugins must implement.
+PLUGIN_GROUPS: dict[str, type] = {
+    "continuum.strategies": SelectionStrategy,
+    "continuum.scorers": BackendScorer,
+    "continuum.cache_stores": CacheStore,
+    "continuum.kv_indexes": KvCacheIndex,
+}

@@ -1,0 +1,75 @@
+"""Engine KV-cache events, in one engine-neutral shape.
+
+The simulated engine produces these and publishes them in each engine's wire format; the
+listener's decoders turn every wire format back into exactly these structures. Field
+meanings follow vLLM's ``BlockStored``/``BlockRemoved``/``AllBlocksCleared``
+(``shared/formats/kv-events.md`` §4); fields an engine does not send stay ``None``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, Union
+
+#: A block hash as it travels on the wire: an int (most engines) or raw bytes (vLLM ≥0.10.2
+#: may send the full digest).
+BlockHash = Union[int, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Blocks newly stored in the KV cache by one request, chained to ``parent_block_hash``."""
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks evicted from ``medium`` (None = the engine did not say; GPU)."""
+
+    block_hashes: tuple[BlockHash, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The engine dropped its whole cache (or, from a decoder, state was lost)."""
+
+    medium: str | None = None
+
+
+KvEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventBatch:
+    """One published batch: the events of one scheduler step."""
+
+    ts: float
+    events: tuple[KvEvent, ...]
+    data_parallel_rank: int | None = 0
+    #: ZMQ sequence number (or TensorRT-LLM event id of the first event); None when unknown.
+    seq: int | None = None
+
+
+class KvEventSink(Protocol):
+    """Where an engine's cache model sends its events (a ZMQ publisher, an HTTP drain …)."""
+
+    def publish(self, events: Sequence[KvEvent]) -> None:
+        """Publish the events of one scheduler step as one batch."""
+
+
+#: ``hasher(parent_hash, block_token_ids, cache_salt) -> block_hash``
+BlockHasher = Callable[[BlockHash | None, Sequence[int], "str | None"], BlockHash]

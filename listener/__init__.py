@@ -1,0 +1,1 @@
+"""``continuum-kv-listener``: engine KV events in, per-backend prefix streams out."""
