@@ -68,8 +68,13 @@ class Backend:
         return self.config.model_set or self.discovered_models
 
     def serves(self, model: str) -> bool:
-        """Whether this backend serves ``model``."""
-        return model in self.models
+        """Whether this backend serves ``model``.
+
+        A backend with no configured models whose model list has not been discovered yet
+        is assumed to serve anything: refusing would turn a slow first probe into 404s.
+        """
+        models = self.models
+        return model in models or not models
 
     @property
     def success_rate(self) -> float:

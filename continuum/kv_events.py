@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import Protocol, Union
 
 #: A block hash as it travels on the wire: an int (most engines) or raw bytes (vLLM ≥0.10.2
-#: may send the full digest).
+#: may send the full digest). The listener's decoders always hand out the *canonical* form,
+#: an unsigned 64-bit int (see ``listener.decode.canonical_block_hash``), and
+#: ``continuum.sim.hashing`` computes hashes in that same form, so the two compare equal.
 BlockHash = Union[int, bytes]
 
 
@@ -32,6 +34,19 @@ class BlockStored:
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    #: vLLM ≥0.17: one entry per block hash, the block's hash extra keys (or None).
+    #: TensorRT-LLM: per block, the ``(mm_hash, start_offset)`` pairs of its ``mm_keys``.
+    extra_keys: tuple[tuple[object, ...] | None, ...] | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    #: vLLM ≥0.33: the L tokens after each block that its hash also covers.
+    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
+    #: SGLang EAGLE bigram mode: the wire's ``(token, next_token)`` pairs; ``token_ids`` then
+    #: holds the first element of each pair.
+    token_pairs: tuple[tuple[int, int], ...] | None = None
+    #: TensorRT-LLM retention priority (0-100, default 35).
+    priority: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +56,8 @@ class BlockRemoved:
     block_hashes: tuple[BlockHash, ...]
     medium: str | None = None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +79,10 @@ class KvEventBatch:
     data_parallel_rank: int | None = 0
     #: ZMQ sequence number (or TensorRT-LLM event id of the first event); None when unknown.
     seq: int | None = None
+    #: Events with a tag the decoder does not know, skipped rather than failing the batch.
+    skipped: int = 0
+    #: ZMQ topic frame the batch arrived with; None when not known (payload decoded alone).
+    topic: bytes | None = None
 
 
 class KvEventSink(Protocol):

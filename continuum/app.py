@@ -1,0 +1,202 @@
+"""The WSGI application: thin Falcon resources over :class:`~continuum.service.RouterService`.
+
+``gunicorn -k gevent -c conf/gunicorn.conf.py 'continuum.app:get_app()'`` calls
+:func:`get_app` in each worker after the fork; it reads ``$CONTINUUM_CONFIG``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import Any
+
+import falcon
+
+from continuum import request as rq
+from continuum.config import RouterConfig, load_config
+from continuum.errors import (
+    AuthenticationError,
+    ContinuumError,
+    PayloadTooLargeError,
+    RequestError,
+)
+from continuum.metrics import CONTENT_TYPE, RouterMetrics
+from continuum.registry import PluginRegistry
+from continuum.service import RouterService
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+
+
+def error_body(message: str, error_type: str, code: str | None, param: Any = None) -> bytes:
+    """An OpenAI-shaped error document."""
+    return json.dumps(
+        {"error": {"message": message, "type": error_type, "code": code, "param": param}}
+    ).encode()
+
+
+def _handle_continuum_error(
+    req: falcon.Request, resp: falcon.Response, exc: ContinuumError, params: Any
+) -> None:
+    resp.status = exc.status
+    resp.content_type = JSON
+    resp.data = error_body(exc.message, exc.error_type, exc.code, exc.fields.get("param"))
+    if exc.status == 401:
+        resp.set_header("WWW-Authenticate", "Bearer")
+
+
+def _serialize_http_error(
+    req: falcon.Request, resp: falcon.Response, exc: falcon.HTTPError
+) -> None:
+    code = exc.status[:3] if isinstance(exc.status, str) else str(exc.status)
+    error_type = "invalid_request_error" if code.startswith("4") else "server_error"
+    message = exc.description or exc.title or "error"
+    resp.content_type = JSON
+    resp.data = error_body(message, error_type, code)
+
+
+def read_body(req: falcon.Request, limit: int) -> bytes:
+    """Read the request body, refusing more than ``limit`` bytes."""
+    length = req.content_length
+    if length is not None and length > limit:
+        raise PayloadTooLargeError(
+            f"request body of {length} bytes exceeds the limit of {limit} bytes"
+        )
+    data = req.bounded_stream.read(limit + 1)
+    if len(data) > limit:
+        raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+    return data
+
+
+class ProxyResource:
+    """``POST`` an OpenAI-compatible request to the chosen backend."""
+
+    def __init__(self, service: RouterService, endpoint: str, path: str) -> None:
+        self.service = service
+        self.endpoint = endpoint
+        self.path = path
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        service = self.service
+        raw = read_body(req, service.config.server.max_body_bytes)
+        ctx = rq.parse_request(raw, self.endpoint, request_id=req.get_header("X-Request-Id"))
+        result = service.proxy(ctx, self.path)
+        resp.status = result.status
+        for name, value in result.headers.items():
+            resp.set_header(name, value)
+        if result.stream is not None:
+            resp.set_header("Cache-Control", "no-cache")
+            resp.stream = result.stream
+        else:
+            resp.data = result.body
+
+
+class ModelsResource:
+    """``GET /v1/models``: the union of every routable backend's models."""
+
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        data = [
+            {"id": mid, "object": "model", "created": 0, "owned_by": "continuum-router"}
+            for mid in self.service.pool.model_ids()
+        ]
+        resp.content_type = JSON
+        resp.data = json.dumps({"object": "list", "data": data}).encode()
+
+
+class HealthResource:
+    """``GET /health``: 200 while at least one routable backend is healthy, else 503."""
+
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        routable = self.service.pool.routable()
+        healthy = sum(1 for b in routable if b.healthy)
+        ok = healthy > 0
+        resp.status = 200 if ok else 503
+        resp.content_type = JSON
+        resp.data = json.dumps(
+            {"status": "ok" if ok else "unavailable",
+             "backends": {"healthy": healthy, "total": len(routable)}}
+        ).encode()
+
+
+class MetricsResource:
+    """``GET /metrics``: Prometheus text exposition (all workers in multiprocess mode)."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.content_type = CONTENT_TYPE
+        resp.data = self.metrics.exposition()
+
+
+class AdminAuth:
+    """Bearer-token check for ``/admin`` (constant-time compare); open when no token is set."""
+
+    def __init__(self, token: str | None) -> None:
+        self.token = token.encode() if token else None
+
+    def check(self, req: falcon.Request) -> None:
+        if self.token is None:
+            return
+        header = req.get_header("Authorization") or ""
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.token):
+            raise AuthenticationError("admin endpoints require a valid bearer token")
+
+
+class RouterApp(falcon.App):
+    """The Falcon app, with the worker's :class:`RouterService` at ``.service``."""
+
+    service: RouterService
+
+
+def create_app(
+    config: RouterConfig,
+    *,
+    registry: PluginRegistry | None = None,
+    metrics: RouterMetrics | None = None,
+    service: RouterService | None = None,
+) -> RouterApp:
+    """Build the Falcon app for ``config``; collaborators may be injected (tests)."""
+    from continuum import admin
+
+    registry = registry or PluginRegistry()
+    metrics = metrics or RouterMetrics()
+    service = service or RouterService(config, registry=registry, metrics=metrics)
+    app = RouterApp(media_type=JSON)
+    app.req_options.strip_url_path_trailing_slash = True
+    app.add_error_handler(ContinuumError, _handle_continuum_error)
+    app.set_error_serializer(_serialize_http_error)
+    app.add_route("/v1/chat/completions", ProxyResource(service, rq.CHAT, "/v1/chat/completions"))
+    app.add_route("/v1/completions", ProxyResource(service, rq.COMPLETIONS, "/v1/completions"))
+    app.add_route("/v1/embeddings", ProxyResource(service, rq.EMBEDDINGS, "/v1/embeddings"))
+    app.add_route("/v1/models", ModelsResource(service))
+    app.add_route("/health", HealthResource(service))
+    app.add_route("/metrics", MetricsResource(metrics))
+    admin.add_routes(app, service, AdminAuth(config.admin.resolved_token()))
+    app.service = service
+    return app
+
+
+def get_app() -> RouterApp:
+    """Entry point for gunicorn: load ``$CONTINUUM_CONFIG``, build the app, start greenlets."""
+    registry = PluginRegistry()
+    config = load_config(registry=registry)
+    logging.basicConfig(
+        level=config.server.log_level.upper(),
+        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
+    )
+    app = create_app(config, registry=registry)
+    app.service.start()
+    return app
+
+
+__all__ = ["RequestError", "create_app", "get_app"]

@@ -1,0 +1,63 @@
+"""gunicorn settings for the router (``conf/gunicorn.conf.py`` re-exports this module).
+
+Reads ``$CONTINUUM_CONFIG`` for ``server.bind``, ``server.workers`` and
+``server.worker_connections``; command-line flags given to gunicorn still win. Sets up
+prometheus-client multiprocess mode so ``/metrics`` is right with several workers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from typing import Any
+
+from continuum.config import CONFIG_ENV, load_config
+# Not imported from continuum.metrics: importing prometheus_client here, before the
+# variable is set, would fix its value class to single-process mode for every worker.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+worker_class = "gevent"
+# Gunicorn's own defaults, spelled out so operators see them here.
+keepalive = 75
+graceful_timeout = 30
+timeout = 0  # gevent workers heartbeat from the hub; long streams must not be killed
+accesslog = None
+errorlog = "-"
+
+if os.environ.get(CONFIG_ENV):
+    _server = load_config().server
+    bind = [_server.bind]
+    workers = _server.workers
+    worker_connections = _server.worker_connections
+    loglevel = _server.log_level
+
+# Must be decided before any worker imports prometheus_client: this file runs in the master
+# before the app is loaded. The directory is ours to wipe only when we created it.
+_OWN_MULTIPROC_DIR = None
+if not os.environ.get(MULTIPROC_ENV):
+    _OWN_MULTIPROC_DIR = tempfile.mkdtemp(prefix="continuum-metrics-")
+    os.environ[MULTIPROC_ENV] = _OWN_MULTIPROC_DIR
+
+
+def when_ready(server: Any) -> None:
+    """Disable Nagle on the listening sockets; accepted sockets inherit it on Linux, so the
+    first streamed chunk is never held back waiting for an ACK."""
+    for listener in server.LISTENERS:
+        sock = getattr(listener, "sock", None)
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def child_exit(server: Any, worker: Any) -> None:
+    """Let prometheus-client drop the live gauges of a dead worker."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)
+
+
+def on_exit(server: Any) -> None:
+    """Remove the metrics directory this config created."""
+    if _OWN_MULTIPROC_DIR:
+        shutil.rmtree(_OWN_MULTIPROC_DIR, ignore_errors=True)

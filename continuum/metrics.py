@@ -1,0 +1,123 @@
+"""Prometheus metrics, correct with several gunicorn workers.
+
+With ``PROMETHEUS_MULTIPROC_DIR`` set (``continuum-router serve`` and
+``conf/gunicorn.conf.py`` set it), every worker writes its samples to files there and
+``/metrics`` aggregates all live and dead workers through ``MultiProcessCollector``; the
+``child_exit`` hook marks dead workers. Without it, one process serves its own registry.
+
+Metric objects live on a :class:`RouterMetrics` instance (no module-level singletons), so
+tests can build as many apps as they like.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120,
+)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def multiprocess_enabled() -> bool:
+    """Whether samples go through the multiprocess directory."""
+    return bool(os.environ.get(MULTIPROC_ENV))
+
+
+class RouterMetrics:
+    """Every router metric, registered in one registry per app."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "continuum_requests_total",
+            "Client requests by endpoint, backend and HTTP status",
+            ["endpoint", "backend", "status"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "continuum_request_duration_seconds",
+            "Time from dispatch to the last byte of the upstream response",
+            ["endpoint", "backend"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttfb = Histogram(
+            "continuum_time_to_first_byte_seconds",
+            "Time from dispatch to the first byte of the upstream response",
+            ["endpoint", "backend"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "continuum_backend_in_flight",
+            "Requests dispatched to a backend and not yet finished",
+            ["backend"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "continuum_backend_healthy",
+            "1 when the backend passes health checks (minimum over workers)",
+            ["backend"],
+            multiprocess_mode="livemin",
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "continuum_upstream_errors_total",
+            "Upstream failures by backend and kind (connect, timeout, stream, status)",
+            ["backend", "kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "continuum_upstream_retries_total",
+            "Requests retried on another backend after a connect failure",
+            ["backend"],
+            registry=r,
+        )
+        self.health_transitions = Counter(
+            "continuum_backend_health_transitions_total",
+            "Health state changes by backend and new state",
+            ["backend", "state"],
+            registry=r,
+        )
+        self.worker_requests = Gauge(
+            "continuum_worker_requests",
+            "Requests proxied by each live worker (pid label), to see how workers share load",
+            [],
+            multiprocess_mode="liveall",
+            registry=r,
+        )
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """The labelled child of ``metric``, cached (``labels()`` costs microseconds)."""
+        key = (metric._name, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def exposition(self) -> bytes:
+        """The text exposition for ``GET /metrics``."""
+        if multiprocess_enabled():
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return bytes(generate_latest(registry))
+        return bytes(generate_latest(self.registry))

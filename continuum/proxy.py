@@ -1,0 +1,324 @@
+"""Forwarding one request to a backend and relaying its answer.
+
+The hot path talks to backends through urllib3 connection pools (the transport under
+``requests``) directly: ``requests.Session.request`` spends a few hundred microseconds of
+CPU per call on cookie, hook and environment handling the router never needs, and the
+router's goal is a sub-millisecond budget. Health checks and admin paths use ``requests``.
+
+Lifecycle of one dispatch:
+  * :meth:`Forwarder.open` picks a backend, takes an in-flight :class:`Lease`, and opens the
+    upstream request. A connect failure before any byte was sent releases the lease and is
+    retried once on the next candidate.
+  * Non-streaming: the body is read, the lease released, the result returned.
+  * Streaming: :meth:`Forwarder.relay` yields upstream chunks as they arrive; its ``finally``
+    closes the upstream connection and releases the lease on every exit, including the
+    client going away (the WSGI server then closes the generator).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import urllib3
+from urllib3.exceptions import (
+    ConnectTimeoutError,
+    HTTPError,
+    NewConnectionError,
+    ProtocolError,
+    ReadTimeoutError,
+)
+
+from continuum.errors import (
+    ModelNotFoundError,
+    NoHealthyBackendError,
+    UpstreamConnectError,
+    UpstreamTimeoutError,
+)
+
+if TYPE_CHECKING:
+    from continuum.backends import Backend, BackendPool
+    from continuum.metrics import RouterMetrics
+    from continuum.request import RequestContext
+
+log = logging.getLogger(__name__)
+
+_SOCKET_OPTIONS = [
+    (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),
+    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+]
+#: Headers of the upstream answer that are passed back to the client.
+PASS_HEADERS = ("content-type", "retry-after", "x-request-id", "openai-processing-ms")
+
+
+class Lease:
+    """One in-flight slot on a backend; :meth:`release` is idempotent."""
+
+    __slots__ = ("backend", "endpoint", "metrics", "released", "started")
+
+    def __init__(self, backend: Backend, endpoint: str, metrics: RouterMetrics) -> None:
+        self.backend = backend
+        self.endpoint = endpoint
+        self.metrics = metrics
+        self.released = False
+        self.started = time.perf_counter()
+        backend.in_flight += 1
+        metrics.child(metrics.in_flight, backend.name).inc()
+
+    def release(self, status: int, ok: bool) -> None:
+        """Give the slot back and record the outcome (once)."""
+        if self.released:
+            return
+        self.released = True
+        backend, metrics = self.backend, self.metrics
+        backend.in_flight -= 1
+        elapsed = time.perf_counter() - self.started
+        backend.record(ok, elapsed if ok else None)
+        metrics.child(metrics.in_flight, backend.name).dec()
+        metrics.child(metrics.requests, self.endpoint, backend.name, str(status)).inc()
+        metrics.child(metrics.duration, self.endpoint, backend.name).observe(elapsed)
+        metrics.worker_requests.inc()
+
+
+@dataclass
+class Upstream:
+    """An opened upstream response and the lease that pays for it."""
+
+    backend: Backend
+    response: urllib3.BaseHTTPResponse
+    lease: Lease
+
+    @property
+    def status(self) -> int:
+        return self.response.status
+
+    def headers(self) -> dict[str, str]:
+        """The upstream headers worth passing to the client."""
+        raw = self.response.headers
+        return {name: raw[name] for name in PASS_HEADERS if name in raw}
+
+
+Selector = Callable[["Sequence[Backend]", "RequestContext"], "Backend"]
+PassiveHealth = Callable[["Backend", bool], None]
+
+
+class Forwarder:
+    """Opens upstream requests with retry-on-connect-failure and relays their bodies."""
+
+    def __init__(
+        self,
+        pool: BackendPool,
+        metrics: RouterMetrics,
+        *,
+        retry_connect_errors: bool = True,
+        on_result: PassiveHealth | None = None,
+        maxsize: int = 64,
+    ) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.retry_connect_errors = retry_connect_errors
+        self.on_result = on_result
+        self._pools: dict[str, urllib3.HTTPConnectionPool] = {}
+        self._maxsize = maxsize
+
+    def connection_pool(self, backend: Backend) -> urllib3.HTTPConnectionPool:
+        """The keep-alive connection pool of ``backend`` (created on first use)."""
+        cp = self._pools.get(backend.name)
+        if cp is None:
+            parts = urlsplit(backend.url)
+            cfg = backend.config
+            timeout = urllib3.Timeout(
+                connect=cfg.connect_timeout_ms / 1000, read=cfg.request_timeout_ms / 1000
+            )
+            cls = urllib3.HTTPSConnectionPool if parts.scheme == "https" else urllib3.HTTPConnectionPool
+            cp = cls(
+                parts.hostname,
+                parts.port,
+                maxsize=self._maxsize,
+                block=False,
+                timeout=timeout,
+                retries=False,
+                socket_options=_SOCKET_OPTIONS,
+            )
+            self._pools[backend.name] = cp
+        return cp
+
+    def candidates(self, ctx: RequestContext) -> list[Backend]:
+        """Healthy backends for ``ctx.model``.
+
+        Raises:
+            ModelNotFoundError: no enabled backend serves the model at all.
+            NoHealthyBackendError: some do, but none is healthy.
+        """
+        found = self.pool.candidates(ctx.model)
+        if found:
+            return found
+        if not self.pool.serving(ctx.model):
+            raise ModelNotFoundError(
+                f"The model '{ctx.model}' does not exist or is not served by this router",
+                param="model",
+            )
+        raise NoHealthyBackendError(f"no healthy backend for model '{ctx.model}'")
+
+    def open(
+        self,
+        ctx: RequestContext,
+        select: Selector,
+        path: str,
+        body: bytes,
+        extra_headers: dict[str, str] | None = None,
+    ) -> Upstream:
+        """Select a backend and send the request; retry once on another after a connect error.
+
+        Raises:
+            UpstreamConnectError: the chosen backend (and the retry, if any) was unreachable.
+            UpstreamTimeoutError: the backend accepted the request but did not answer in time.
+        """
+        candidates = self.candidates(ctx)
+        backend = select(candidates, ctx)
+        attempts = 2 if self.retry_connect_errors and len(candidates) > 1 else 1
+        for attempt in range(attempts):
+            try:
+                return self._send(backend, ctx, path, body, extra_headers)
+            except UpstreamConnectError:
+                if attempt + 1 >= attempts:
+                    raise
+                remaining = [b for b in candidates if b is not backend]
+                self.metrics.child(self.metrics.retries, backend.name).inc()
+                log.warning("connect to %s failed; retrying on another backend", backend.name)
+                backend = select(remaining, ctx)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _send(
+        self,
+        backend: Backend,
+        ctx: RequestContext,
+        path: str,
+        body: bytes,
+        extra_headers: dict[str, str] | None,
+    ) -> Upstream:
+        headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id}
+        key = backend.config.resolved_api_key()
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        if extra_headers:
+            headers.update(extra_headers)
+        lease = Lease(backend, ctx.endpoint, self.metrics)
+        try:
+            response = self.connection_pool(backend).urlopen(
+                "POST", path, body=body, headers=headers, preload_content=False,
+                decode_content=False, redirect=False, assert_same_host=False,
+            )
+        except (ConnectTimeoutError, NewConnectionError) as exc:
+            self._failed(lease, "connect")
+            raise UpstreamConnectError(
+                f"could not connect to backend '{backend.name}': {exc}", backend=backend.name
+            ) from None
+        except ReadTimeoutError:
+            self._failed(lease, "timeout")
+            raise UpstreamTimeoutError(
+                f"backend '{backend.name}' did not answer in time", backend=backend.name
+            ) from None
+        except (ProtocolError, HTTPError, OSError) as exc:
+            # A kept-alive connection the backend had closed, or a reset during send: nothing
+            # was processed, so this is retried like a connect failure.
+            self._failed(lease, "connect")
+            raise UpstreamConnectError(
+                f"backend '{backend.name}' closed the connection: {exc}", backend=backend.name
+            ) from None
+        self.metrics.child(self.metrics.ttfb, ctx.endpoint, backend.name).observe(
+            time.perf_counter() - lease.started
+        )
+        if self.on_result is not None and response.status < 500:
+            self.on_result(backend, True)
+        return Upstream(backend, response, lease)
+
+    def _failed(self, lease: Lease, kind: str) -> None:
+        status = 504 if kind == "timeout" else 502
+        lease.release(status, ok=False)
+        self.metrics.child(self.metrics.upstream_errors, lease.backend.name, kind).inc()
+        if self.on_result is not None and kind == "connect":
+            self.on_result(lease.backend, False)
+
+    def read_all(self, upstream: Upstream) -> bytes:
+        """Read a whole non-streamed body and release the lease.
+
+        Raises:
+            UpstreamTimeoutError: the body stalled past the read timeout.
+            UpstreamConnectError: the backend dropped the connection mid-body.
+        """
+        response, lease = upstream.response, upstream.lease
+        try:
+            data = response.read()
+        except ReadTimeoutError:
+            response.close()
+            self._failed(lease, "timeout")
+            raise UpstreamTimeoutError(
+                f"backend '{upstream.backend.name}' did not answer in time",
+                backend=upstream.backend.name,
+            ) from None
+        except (ProtocolError, HTTPError, OSError) as exc:
+            response.close()
+            self._failed(lease, "stream")
+            raise UpstreamConnectError(
+                f"backend '{upstream.backend.name}' broke the response: {exc}",
+                backend=upstream.backend.name,
+            ) from None
+        finally:
+            response.release_conn()
+        lease.release(response.status, ok=response.status < 500)
+        return bytes(data)
+
+    def relay(self, upstream: Upstream, error_event: Callable[[str], bytes]) -> Iterator[bytes]:
+        """Yield the upstream body chunk by chunk as it arrives.
+
+        A stream that breaks midway ends with ``error_event(message)`` (an SSE error record
+        in the client's dialect), never a hang; the lease is released and the upstream
+        connection closed on every exit path, including ``GeneratorExit`` when the client
+        disconnects.
+        """
+        response, lease = upstream.response, upstream.lease
+        complete = False
+        status = response.status
+        try:
+            if response.chunked:
+                chunks: Iterator[bytes] = response.read_chunked(decode_content=False)
+            else:
+                chunks = iter(lambda: response.read1(65536), b"")
+            for chunk in chunks:
+                if chunk:
+                    yield chunk
+            complete = True
+        except (ReadTimeoutError, ProtocolError, HTTPError, OSError) as exc:
+            kind = "timeout" if isinstance(exc, ReadTimeoutError) else "stream"
+            self.metrics.child(self.metrics.upstream_errors, upstream.backend.name, kind).inc()
+            status = 504 if kind == "timeout" else 502
+            log.warning("stream from %s broke: %s", upstream.backend.name, exc)
+            yield error_event(f"upstream stream from backend '{upstream.backend.name}' broke")
+        finally:
+            if not complete:
+                # Unread data on this connection makes it unusable: close it so the backend
+                # sees the client go away and stops generating.
+                response.close()
+                status = 499 if status < 400 else status
+            response.release_conn()
+            lease.release(status, ok=complete and status < 500)
+
+
+def openai_error_event(message: str) -> bytes:
+    """An SSE record carrying an OpenAI-shaped error (what the openai SDK raises on)."""
+    payload = {"error": {"message": message, "type": "server_error", "code": "upstream_error"}}
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def first_backend(candidates: Sequence[Backend], ctx: Any) -> Backend:
+    """A selector that takes the first candidate (used for admin probes and tests)."""
+    if not candidates:
+        raise NoHealthyBackendError("no healthy backend")
+    return candidates[0]

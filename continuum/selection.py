@@ -1,0 +1,68 @@
+"""The selection pipeline: registered scorers first, then the configured strategy.
+
+A scorer's verdict wins only when the best composite score is strictly greater than
+:data:`SCORER_THRESHOLD` (the seed's ``DEFAULT_SCORER_THRESHOLD``); otherwise the
+configured :class:`~continuum.interfaces.SelectionStrategy` decides. The tier of the
+chosen backend is kept in ``ctx.state["kv_tier"]`` for metric labels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from continuum.errors import NoHealthyBackendError
+
+if TYPE_CHECKING:
+    from continuum.backends import Backend
+    from continuum.interfaces import BackendScorer, SelectionStrategy
+    from continuum.request import RequestContext
+
+SCORER_THRESHOLD = 0.3
+
+
+class SelectionPipeline:
+    """Runs scorers, then the strategy; pure apart from what scorers fetch in ``prepare``."""
+
+    def __init__(
+        self,
+        strategy: SelectionStrategy,
+        scorers: Sequence[BackendScorer] = (),
+        threshold: float = SCORER_THRESHOLD,
+    ) -> None:
+        self.strategy = strategy
+        self.scorers = tuple(scorers)
+        self.threshold = threshold
+
+    def select(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend:
+        """Pick the backend for ``ctx`` from ``candidates``.
+
+        Raises:
+            NoHealthyBackendError: ``candidates`` is empty.
+        """
+        if not candidates:
+            raise NoHealthyBackendError(f"no healthy backend for model '{ctx.model}'")
+        if self.scorers and ctx.prefix_key is not None:
+            chosen = self._score(candidates, ctx)
+            if chosen is not None:
+                return chosen
+        ctx.state["decision"] = "strategy"
+        return self.strategy.select(candidates, ctx)
+
+    def _score(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend | None:
+        best: Backend | None = None
+        best_score = self.threshold
+        best_tier = None
+        for scorer in self.scorers:
+            scorer.prepare(ctx, candidates)
+            for backend in candidates:
+                score, tier = scorer.score_with_tier(backend, ctx)
+                if score > best_score:
+                    best, best_score, best_tier = backend, score, tier
+        if best is None:
+            ctx.state["decision"] = "scorer_fallback"
+            return None
+        ctx.state["decision"] = "scorer"
+        ctx.state["score"] = best_score
+        ctx.state["kv_tier"] = best_tier
+        return best

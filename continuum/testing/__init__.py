@@ -1,0 +1,17 @@
+"""Contract test suites for the plugin interfaces, shipped for plugin authors.
+
+Each suite is a pytest base class holding the test methods every implementation must
+pass; a test module subclasses it and says which plugin to test (dogpile.cache style)::
+
+    from continuum.testing import StrategyContract
+
+    class TestMyStrategy(StrategyContract):
+        strategy_name = "MyStrategy"
+
+pytest is needed to use this package; it is in the ``test`` extra
+(``pip install 'continuum-router[test]'``). Nothing in the router imports it.
+"""
+
+from continuum.testing.strategies import StrategyContract, make_backends, make_context
+
+__all__ = ["StrategyContract", "make_backends", "make_context"]

@@ -1,0 +1,254 @@
+"""Decode ``trtllm-serve`` ``POST /kv_cache_events`` replies (``kv-events.md`` §8).
+
+Import it through :mod:`listener.decode`, the one decoder module; it lives apart only to keep
+modules small. Each envelope becomes a :class:`TrtllmEvent` carrying its ``event_id``,
+``window_size`` and the neutral events it means:
+
+* ``created`` → ``(AllBlocksCleared(),)``: the event manager (re)started with an empty cache;
+  TensorRT-LLM has no other "all cleared" event, and a restart shows up exactly like this.
+* ``stored`` → one :class:`BlockStored` per run of consecutive blocks that share token count,
+  cache level, priority, cache salt and LoRA id. A run's ``block_size`` is its blocks' token
+  count (``len(tokens)``, §8.4), so a trailing partial block becomes its own event whose
+  parent is the previous block. ``cache_level`` 0/1 becomes ``medium`` ``"GPU"``/``"CPU"``
+  (other levels ``"CACHE_LEVEL_<n>"``); ``mm_keys`` become ``extra_keys`` entries of
+  ``(hash, start_offset)`` pairs (``None`` for blocks without any).
+* ``removed`` → ``(BlockRemoved(hashes),)`` (no medium: TensorRT-LLM does not say).
+* ``updated`` → no neutral event; the change is in :attr:`TrtllmEvent.update`.
+* any other ``type`` → no neutral event, ``kind`` is that type, and the list's ``skipped``
+  count goes up. The entry is kept so that event ids stay contiguous: a consumer that sees an
+  id jump knows events were really lost (buffer overflow), not merely unknown.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from continuum.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from listener.errors import DecodeError
+from listener.wire_fields import (
+    canonical_block_hash,
+    expect_int,
+    expect_list,
+    expect_map,
+    expect_str,
+    hash_list,
+    optional_hash,
+    optional_int,
+    optional_str,
+)
+
+#: TensorRT-LLM cache levels (``kPrimaryLevel``, ``kSecondaryLevel``) as neutral media.
+CACHE_LEVEL_MEDIA = ("GPU", "CPU")
+
+
+def cache_level_medium(level: int) -> str:
+    """Name a TensorRT-LLM cache level as a neutral ``medium``."""
+    return CACHE_LEVEL_MEDIA[level] if level < len(CACHE_LEVEL_MEDIA) else f"CACHE_LEVEL_{level}"
+
+
+@dataclass(frozen=True, slots=True)
+class TrtllmBlockUpdated:
+    """An ``updated`` event: a block's cache level and/or priority changed.
+
+    Each change is ``(old_value, new_value)``, or ``None`` when that attribute did not change.
+    """
+
+    block_hash: int
+    cache_level: tuple[int, int] | None = None
+    priority: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TrtllmEvent:
+    """One element of a ``/kv_cache_events`` reply, decoded.
+
+    Attributes:
+        event_id: Monotonic per event manager, from 0 (``created``); a jump means lost events.
+        kind: The ``data.type``: ``created``, ``stored``, ``removed``, ``updated`` or unknown.
+        events: The neutral events this envelope means (see the module docstring).
+        window_size: Attention window of the block pool; ``None`` in older builds.
+        attention_dp_rank: Set only under attention data parallelism.
+        num_blocks_per_cache_level: ``created`` only: pool size per cache level.
+        update: ``updated`` only: what changed.
+        hash_algo: KV-cache-manager V2 metadata, when sent.
+        layer_group_id: KV-cache-manager V2 metadata, when sent.
+    """
+
+    event_id: int
+    kind: str
+    events: tuple[KvEvent, ...] = ()
+    window_size: int | None = None
+    attention_dp_rank: int | None = None
+    num_blocks_per_cache_level: tuple[int, ...] | None = None
+    update: TrtllmBlockUpdated | None = None
+    hash_algo: str | None = None
+    layer_group_id: int | None = None
+
+
+class TrtllmEventList(list[TrtllmEvent]):
+    """The decoded reply: a list of :class:`TrtllmEvent` plus ``skipped``, the unknown kinds."""
+
+    skipped: int = 0
+
+
+class _Block(NamedTuple):
+    block_hash: int
+    tokens: tuple[int, ...]
+    medium: str
+    priority: int | None
+    cache_salt: str | None
+    lora_id: int | None
+    mm_keys: tuple[tuple[str, int], ...] | None
+
+    def run_key(self) -> tuple[object, ...]:
+        return (len(self.tokens), self.medium, self.priority, self.cache_salt, self.lora_id)
+
+
+def _token(value: object, path: str) -> int:
+    # A token is {"type": "unique_token", "token_id": n, "token_extra_id": m}; a bare int is
+    # accepted too. token_extra_id only distinguishes multimodal placeholders, and the block
+    # hash already covers it, so it is not kept.
+    if isinstance(value, dict):
+        return expect_int(value.get("token_id"), f"{path}.token_id", minimum=0)
+    return expect_int(value, path, minimum=0)
+
+
+def _mm_keys(value: object, path: str) -> tuple[tuple[str, int], ...] | None:
+    if value is None:
+        return None
+    keys = []
+    for i, raw in enumerate(expect_list(value, path)):
+        kpath = f"{path}[{i}]"
+        key = expect_map(raw, kpath)
+        keys.append((expect_str(key.get("hash"), f"{kpath}.hash"),
+                     expect_int(key.get("start_offset"), f"{kpath}.start_offset", minimum=0)))
+    return tuple(keys) or None
+
+
+def _block(value: object, path: str) -> _Block:
+    block = expect_map(value, path)
+    tokens = tuple(_token(t, f"{path}.tokens[{i}]")
+                   for i, t in enumerate(expect_list(block.get("tokens"), f"{path}.tokens")))
+    if not tokens:
+        raise DecodeError(f"{path}.tokens", "stored block has no tokens")
+    return _Block(
+        block_hash=canonical_block_hash(block.get("block_hash"), f"{path}.block_hash"),
+        tokens=tokens,
+        medium=cache_level_medium(
+            expect_int(block.get("cache_level", 0), f"{path}.cache_level", minimum=0)
+        ),
+        priority=optional_int(block.get("priority"), f"{path}.priority"),
+        cache_salt=optional_str(block.get("cache_salt"), f"{path}.cache_salt"),
+        lora_id=optional_int(block.get("lora_id"), f"{path}.lora_id"),
+        mm_keys=_mm_keys(block.get("mm_keys"), f"{path}.mm_keys"),
+    )
+
+
+def _stored(data: dict[Any, Any], path: str) -> tuple[KvEvent, ...]:
+    parent = optional_hash(data.get("parent_hash"), f"{path}.parent_hash")
+    blocks = [_block(b, f"{path}.blocks[{i}]")
+              for i, b in enumerate(expect_list(data.get("blocks"), f"{path}.blocks"))]
+    events: list[KvEvent] = []
+    start = 0
+    while start < len(blocks):
+        end = start + 1
+        while end < len(blocks) and blocks[end].run_key() == blocks[start].run_key():
+            end += 1
+        run = blocks[start:end]
+        first = run[0]
+        mm = tuple(b.mm_keys for b in run)
+        events.append(BlockStored(
+            block_hashes=tuple(b.block_hash for b in run),
+            parent_block_hash=parent,
+            token_ids=tuple(t for b in run for t in b.tokens),
+            block_size=len(first.tokens),
+            lora_id=first.lora_id,
+            medium=first.medium,
+            cache_salt=first.cache_salt,
+            extra_keys=mm if any(k is not None for k in mm) else None,
+            priority=first.priority,
+        ))
+        # Block i's parent is block i-1 (§8.3), so the next run hangs off this run's tail.
+        parent = run[-1].block_hash
+        start = end
+    return tuple(events)
+
+
+def _diff(value: object, path: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    diff = expect_map(value, path)
+    return (expect_int(diff.get("old_value"), f"{path}.old_value"),
+            expect_int(diff.get("new_value"), f"{path}.new_value"))
+
+
+def _event(value: object, path: str) -> TrtllmEvent:
+    envelope = expect_map(value, path)
+    event_id = expect_int(envelope.get("event_id"), f"{path}.event_id", minimum=0)
+    data = expect_map(envelope.get("data"), f"{path}.data")
+    dpath = f"{path}.data"
+    kind = expect_str(data.get("type"), f"{dpath}.type")
+    common: dict[str, Any] = {
+        "event_id": event_id,
+        "kind": kind,
+        "window_size": optional_int(envelope.get("window_size"), f"{path}.window_size"),
+        "attention_dp_rank": optional_int(
+            envelope.get("attention_dp_rank"), f"{path}.attention_dp_rank", minimum=0
+        ),
+        "hash_algo": optional_str(envelope.get("hash_algo"), f"{path}.hash_algo"),
+        "layer_group_id": optional_int(envelope.get("layer_group_id"), f"{path}.layer_group_id"),
+    }
+    if kind == "created":
+        levels = data.get("num_blocks_per_cache_level")
+        lpath = f"{dpath}.num_blocks_per_cache_level"
+        counts = None if levels is None else tuple(
+            expect_int(n, f"{lpath}[{i}]", minimum=0)
+            for i, n in enumerate(expect_list(levels, lpath))
+        )
+        return TrtllmEvent(**common, events=(AllBlocksCleared(),),
+                           num_blocks_per_cache_level=counts)
+    if kind == "stored":
+        return TrtllmEvent(**common, events=_stored(data, dpath))
+    if kind == "removed":
+        hashes = hash_list(data.get("block_hashes"), f"{dpath}.block_hashes")
+        return TrtllmEvent(**common, events=(BlockRemoved(block_hashes=hashes),) if hashes else ())
+    if kind == "updated":
+        update = TrtllmBlockUpdated(
+            block_hash=canonical_block_hash(data.get("block_hash"), f"{dpath}.block_hash"),
+            cache_level=_diff(data.get("cache_level"), f"{dpath}.cache_level"),
+            priority=_diff(data.get("priority"), f"{dpath}.priority"),
+        )
+        return TrtllmEvent(**common, update=update)
+    return TrtllmEvent(**common)
+
+
+def decode_trtllm_events(body: bytes | str | list[Any]) -> TrtllmEventList:
+    """Decode one ``POST /kv_cache_events`` reply.
+
+    Args:
+        body: The raw JSON body, or the already parsed JSON array.
+
+    Returns:
+        One :class:`TrtllmEvent` per envelope, in order; ``skipped`` counts unknown kinds.
+
+    Raises:
+        DecodeError: Not JSON, not an array of event envelopes, or a malformed event.
+    """
+    if isinstance(body, (bytes, bytearray, memoryview, str)):
+        try:
+            parsed = json.loads(body if isinstance(body, str) else bytes(body))
+        except Exception as exc:
+            # json reports bad input as JSONDecodeError, UnicodeDecodeError, ValueError (huge
+            # ints) or RecursionError (deep nesting); all mean the same to us.
+            raise DecodeError("$", f"not valid JSON ({type(exc).__name__}: {exc})") from None
+    else:
+        parsed = body
+    result = TrtllmEventList()
+    for i, envelope in enumerate(expect_list(parsed, "$")):
+        event = _event(envelope, f"$[{i}]")
+        if event.kind not in ("created", "stored", "removed", "updated"):
+            result.skipped += 1
+        result.append(event)
+    return result

@@ -1,0 +1,78 @@
+"""ConsistentHash: a hash ring keyed by the model name."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from continuum.errors import NoHealthyBackendError
+from continuum.hashring import DEFAULT_VIRTUAL_NODES, HashRing, stable_hash
+from continuum.interfaces import SelectionStrategy
+
+if TYPE_CHECKING:
+    from continuum.backends import Backend
+    from continuum.config import RouterConfig
+    from continuum.request import RequestContext
+
+#: Distinct candidate sets remembered; more than this (a flapping fleet) starts over.
+_MAX_RINGS = 64
+#: Model-name hashes remembered; model names are few, but they come from clients.
+_MAX_KEYS = 4096
+
+
+class ConsistentHash(SelectionStrategy):
+    """Sends every request for a model to the same backend, via a consistent-hash ring.
+
+    The ring (see :class:`continuum.hashring.HashRing`, 150 virtual nodes per backend)
+    uses stable hashes, so every worker and every router instance agrees on the owner of
+    a model, and removing one of N backends moves only about 1/N of the models. Rings are
+    built once per distinct tuple of candidate names and cached, as are the model names'
+    hashes, so ``select`` is two dict lookups and a bisect. Weights are ignored.
+    """
+
+    name: ClassVar[str] = "ConsistentHash"
+    deterministic: ClassVar[bool] = True
+    sticky: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        config: RouterConfig | None = None,
+        *,
+        virtual_nodes: int = DEFAULT_VIRTUAL_NODES,
+        **collaborators: Any,
+    ) -> None:
+        super().__init__(config, **collaborators)
+        self._virtual_nodes = virtual_nodes
+        self._rings: dict[tuple[str, ...], HashRing] = {}
+        self._key_hashes: dict[str, int] = {}
+
+    def select(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend:
+        """Return the candidate that owns ``ctx.model`` on the ring of ``candidates``.
+
+        Raises:
+            NoHealthyBackendError: ``candidates`` is empty.
+        """
+        if not candidates:
+            raise NoHealthyBackendError("no healthy backend to select from")
+        ring = self.ring(candidates)
+        model = ctx.model
+        position = self._key_hashes.get(model)
+        if position is None:
+            if len(self._key_hashes) >= _MAX_KEYS:
+                self._key_hashes.clear()
+            position = self._key_hashes[model] = stable_hash(model.encode())
+        return candidates[ring.owners[ring.lookup_position(position)]]
+
+    def ring(self, candidates: Sequence[Backend]) -> HashRing:
+        """The (cached) ring whose ``names`` are the candidates' names, in their order."""
+        names = tuple([backend.name for backend in candidates])
+        ring = self._rings.get(names)
+        if ring is None:
+            if len(self._rings) >= _MAX_RINGS:
+                self._rings.clear()
+            ring = self._rings[names] = HashRing(names, self._virtual_nodes)
+        return ring
+
+    def stats(self) -> dict[str, Any]:
+        """Ring parameters and how many candidate sets have a cached ring."""
+        return {"virtual_nodes": self._virtual_nodes, "cached_rings": len(self._rings)}
