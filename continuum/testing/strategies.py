@@ -14,7 +14,8 @@ to pass collaborators (a seed, say), or :meth:`StrategyContract.strategy_factory
 the registry altogether.
 
 Behaviour flags (``deterministic``, ``weighted``, ``sticky``) are read from the test class
-when set there, else from the strategy class, else taken as False:
+when set there, else from the strategy class, else taken as False; cases that a flag makes
+inapplicable are removed from the subclass rather than skipped:
 
 * ``deterministic``: two fresh instances give the same sequence for the same inputs.
 * ``weighted``: each backend's share of selections follows its ``weight``.
@@ -104,11 +105,26 @@ class StrategyContract:
             raise NotImplementedError("set strategy_name or override strategy_factory()")
         return self.make_strategy(PluginRegistry().load(STRATEGY_GROUP, self.strategy_name))
 
-    def flag(self, name: str, strategy: SelectionStrategy) -> bool:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Cases that do not apply to this strategy are removed, not skipped: a contract
+        # run shows only cases that were really checked.
+        super().__init_subclass__(**kwargs)
+        if cls._flag("sticky"):
+            cls.test_every_candidate_is_selected_eventually = None  # type: ignore[assignment]
+        else:
+            cls.test_same_request_gets_same_backend = None  # type: ignore[assignment]
+        if not cls._flag("deterministic"):
+            cls.test_fresh_instances_give_the_same_sequence = None  # type: ignore[assignment]
+        if not cls._flag("weighted"):
+            cls.test_weights_are_respected = None  # type: ignore[assignment]
+
+    @classmethod
+    def _flag(cls, name: str) -> bool:
         """The behaviour flag ``name``, from this class or else the strategy's class."""
-        value = getattr(type(self), name, None)
-        if value is None:
-            value = getattr(type(strategy), name, False)
+        value = getattr(cls, name, None)
+        if value is None and cls.strategy_name:
+            strategy_cls = PluginRegistry().load(STRATEGY_GROUP, cls.strategy_name)
+            value = getattr(strategy_cls, name, False)
         return bool(value)
 
     # -- the cases --------------------------------------------------------------------
@@ -159,16 +175,12 @@ class StrategyContract:
 
     def test_every_candidate_is_selected_eventually(self) -> None:
         strategy = self.strategy_factory()
-        if self.flag("sticky", strategy):
-            pytest.skip("sticky strategy: covered by the same-request case")
         backends = make_backends(4)
         chosen = {strategy.select(backends, make_context()).name for _ in range(400)}
         assert chosen == {b.name for b in backends}
 
     def test_same_request_gets_same_backend(self) -> None:
         strategy = self.strategy_factory()
-        if not self.flag("sticky", strategy):
-            pytest.skip("not a sticky strategy")
         backends = make_backends(5)
         for model in ("llama", "qwen", "mistral"):
             first = strategy.select(backends, make_context(model))
@@ -176,9 +188,6 @@ class StrategyContract:
                 assert strategy.select(backends, make_context(model)) is first
 
     def test_fresh_instances_give_the_same_sequence(self) -> None:
-        if not self.flag("deterministic", self.strategy_factory()):
-            pytest.skip("not a deterministic strategy")
-
         def run() -> list[str]:
             strategy = self.strategy_factory()
             backends = make_backends(4, weights=[3, 1, 2, 1])
@@ -190,8 +199,6 @@ class StrategyContract:
 
     def test_weights_are_respected(self) -> None:
         strategy = self.strategy_factory()
-        if not self.flag("weighted", strategy):
-            pytest.skip("not a weight-aware strategy")
         weights = [1, 2, 3, 4]
         backends = make_backends(4, weights=weights)
         counts: dict[str, int] = dict.fromkeys((b.name for b in backends), 0)
