@@ -147,14 +147,18 @@ def _coerce_scalar(tp: Any, value: Any, meta: dict[str, Any]) -> Any:
     raise ValueError(f"expected {_TYPE_NAMES[tp]}")
 
 
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
 def _check_constraints(value: Any, meta: dict[str, Any]) -> str | None:
     lo, hi = meta.get("min"), meta.get("max")
     if lo is not None and hi is not None and not lo <= value <= hi:
-        return f"must be between {lo:g} and {hi:g}"
+        return f"must be between {_num(lo)} and {_num(hi)}"
     if lo is not None and value < lo:
-        return f"must be at least {lo:g}"
+        return f"must be at least {_num(lo)}"
     if hi is not None and value > hi:
-        return f"must be at most {hi:g}"
+        return f"must be at most {_num(hi)}"
     choices = meta.get("choices")
     if choices is not None and value not in choices:
         return "must be one of " + ", ".join(repr(c) for c in choices)
@@ -167,8 +171,8 @@ def _check_constraints(value: Any, meta: dict[str, Any]) -> str | None:
 def build_section(cls: type, data: Any, path: str, issues: Issues) -> Any:
     """Read ``data`` (a mapping from YAML) into an instance of section ``cls``.
 
-    Every problem is recorded in ``issues``; the result uses defaults where a value was
-    invalid so that reading can go on and report everything at once.
+    Every problem is recorded in ``issues`` and reading goes on, so that one pass reports
+    everything; the returned section is only meaningful when no error was recorded.
     """
     if data is None:
         data = {}

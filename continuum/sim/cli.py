@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
 #: Default KV-event wire profile per engine (``--kv-format`` overrides).
 DEFAULT_PROFILES = {"vllm": "vllm-0.33", "sglang": "sglang-0.5.22", "trtllm": "trtllm"}
-PROFILES = ("vllm-0.22", "vllm-0.33", "sglang-0.5.9", "sglang-0.5.22")
 
 
 @dataclass
@@ -81,27 +80,30 @@ def build_engine(
     # Imported here: these modules open sockets and must come after monkey patching.
     from continuum.sim.engine import SimEngine
     from continuum.sim.hashing import hasher_for
+    from continuum.sim.kv_publish import TrtllmEventQueue, ZmqKvPublisher
 
     profile = kv_format or DEFAULT_PROFILES[config.engine]
-    hasher = hasher_for(profile)
+    if config.engine == "trtllm" and kv_format is not None:
+        raise ValueError("--kv-format applies to vllm and sglang; trtllm serves JSON events")
+    if not profile.startswith(config.engine):
+        raise ValueError(f"KV-event profile {profile!r} does not belong to {config.engine}")
     sink: Any = None
     drain = None
     if config.engine == "trtllm":
-        from continuum.sim.kv_publish import TrtllmEventQueue
-
-        sink = TrtllmEventQueue(max_events=max_events)
+        levels = (config.num_blocks, config.cpu_blocks)
+        sink = TrtllmEventQueue(max_events=max_events, num_blocks_per_cache_level=levels)
         drain = sink.drain
     elif zmq_endpoint:
-        from continuum.sim.kv_publish import ZmqKvPublisher
-
         sink = ZmqKvPublisher(
             profile,
             zmq_endpoint,
             bind=zmq_bind,
-            topic=zmq_topic.encode(),
+            topic=zmq_topic,
             replay_endpoint=replay_endpoint,
         )
-    engine = SimEngine(config, hasher=hasher, sink=sink)
+        if replay_endpoint:
+            sink.start_replay_server()
+    engine = SimEngine(config, hasher=hasher_for(profile), sink=sink)
     return engine, drain, [sink] if sink is not None else []
 
 
@@ -131,7 +133,8 @@ def start_fleet(
             engine, drain, closeables = build_engine(config, zmq_endpoint=endpoint, **options)
             app = create_engine_app(engine, kv_events=drain)
             server = make_server(app, host, port + i if port else 0, access_log=access_log)
-            running = RunningEngine(i, engine, server, "", endpoint, closeables)
+            bound = getattr(closeables[0], "endpoint", endpoint) if closeables else endpoint
+            running = RunningEngine(i, engine, server, "", bound, closeables)
             fleet.append(running)
             server.start()
             running.url = f"http://{host}:{server.server_port}"
@@ -180,7 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--zmq-connect", dest="zmq_bind", action="store_false")
     kv.add_argument("--zmq-topic", default="")
     kv.add_argument("--zmq-replay-endpoint")
-    kv.add_argument("--kv-format", choices=PROFILES, help="wire profile (default per engine)")
+    kv.add_argument(
+        "--kv-format",
+        help="ZMQ wire profile: vllm-0.22 (array), vllm-0.33 (map), sglang-0.5.9, "
+        "sglang-0.5.18, sglang-0.5.22 (default: newest of the engine)",
+    )
     kv.add_argument("--max-events", type=int, default=10000, help="trtllm event buffer size")
     p.add_argument("--access-log", action="store_true")
     return p
@@ -234,19 +241,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    fleet = start_fleet(
-        config,
-        count=args.fleet,
-        host=args.host,
-        port=args.port,
-        zmq_endpoint=args.zmq_endpoint,
-        access_log=args.access_log,
-        zmq_bind=args.zmq_bind,
-        zmq_topic=args.zmq_topic,
-        replay_endpoint=args.zmq_replay_endpoint,
-        kv_format=args.kv_format,
-        max_events=args.max_events,
-    )
+    try:
+        fleet = start_fleet(
+            config,
+            count=args.fleet,
+            host=args.host,
+            port=args.port,
+            zmq_endpoint=args.zmq_endpoint,
+            access_log=args.access_log,
+            zmq_bind=args.zmq_bind,
+            zmq_topic=args.zmq_topic,
+            replay_endpoint=args.zmq_replay_endpoint,
+            kv_format=args.kv_format,
+            max_events=args.max_events,
+        )
+    except Exception as exc:  # bad profile, port in use, ZMQ endpoint error …
+        parser.error(f"cannot start: {exc}")
     for running in fleet:
         events = running.zmq_endpoint or ("/kv_cache_events" if args.engine == "trtllm" else "-")
         print(

@@ -166,8 +166,9 @@ def _encode_event(event: KvEvent, profile: WireProfile) -> bytes:
     values = [(name, _field_value(event, name, profile.signed_hashes)) for name in fields]
     if not profile.maps:
         items: list[object] = [tag, *(value for _, value in values)]
-        if profile.salt_metadata and isinstance(event, BlockStored) and event.cache_salt:
-            items.append({"cache_salt": event.cache_salt})
+        salted = isinstance(event, BlockStored) and event.cache_salt is not None
+        if profile.salt_metadata and salted:
+            items.append({"cache_salt": event.cache_salt})  # type: ignore[union-attr]
         return _pack(items)
     pairs = [_pack("type") + _pack(tag)]
     pairs.extend(_pack(name) + _pack(value)

@@ -70,7 +70,9 @@ def test_salt_enters_only_the_first_block_hash() -> None:
     calls.clear()
     salted = cache.block_hashes(seq(0, 12), "tenant-a")
     assert [c[2] for c in calls] == ["tenant-a", None, None]
-    assert all(s != p for s, p in zip(salted, plain))  # the salt changes the whole chain
+    assert all(
+        s != p for s, p in zip(salted, plain, strict=True)
+    )  # the salt changes the whole chain
     assert cache.block_hashes(seq(0, 12), "tenant-b")[0] != salted[0]
 
 
@@ -152,7 +154,7 @@ def test_lru_eviction_takes_the_least_recently_used_chain_tail_first() -> None:
     ha, hb = cache.block_hashes(a), cache.block_hashes(b)
     run(cache, a)
     run(cache, b)
-    run(cache, a + [1])  # touch a: b is now the least recently used
+    run(cache, [*a, 1])  # touch a: b is now the least recently used
     sink.take()
     run(cache, c)
     events = sink.take()

@@ -1,0 +1,68 @@
+"""The Falcon app in-process: error shapes, limits, admin auth (no upstream needed)."""
+
+from __future__ import annotations
+
+import json
+
+import falcon.testing
+import pytest
+
+from continuum.app import create_app
+from continuum.config import parse_config
+from continuum.registry import PluginRegistry
+
+CFG = {"backends": [{"name": "a", "url": "http://127.0.0.1:9", "models": ["m"]}],
+       "server": {"max_body_bytes": 1024}, "admin": {"token": "s3cret"},
+       "health_check": {"enabled": False}}
+
+
+@pytest.fixture
+def client() -> falcon.testing.TestClient:
+    return falcon.testing.TestClient(create_app(parse_config(CFG), registry=PluginRegistry()))
+
+
+def _error(resp: falcon.testing.Result) -> dict:
+    body = json.loads(resp.content)
+    assert set(body) == {"error"}
+    assert {"message", "type", "code"} <= set(body["error"])
+    return body["error"]  # type: ignore[no-any-return]
+
+
+def test_413_before_reading_a_large_body(client: falcon.testing.TestClient) -> None:
+    resp = client.simulate_post("/v1/chat/completions", body=b"x" * 2048)
+    assert resp.status_code == 413
+    assert _error(resp)["code"] == "request_too_large"
+
+
+def test_400_and_404_shapes(client: falcon.testing.TestClient) -> None:
+    resp = client.simulate_post("/v1/chat/completions", body=b"{")
+    assert resp.status_code == 400 and _error(resp)["type"] == "invalid_request_error"
+    resp = client.simulate_post("/v1/chat/completions", json={
+        "model": "other", "messages": [{"role": "user", "content": "x"}]})
+    assert resp.status_code == 404 and _error(resp)["code"] == "model_not_found"
+    resp = client.simulate_get("/no/such/route")
+    assert resp.status_code == 404 and _error(resp)["code"] == "404"
+
+
+def test_models_union_and_health(client: falcon.testing.TestClient) -> None:
+    assert client.simulate_get("/v1/models").json["data"][0]["id"] == "m"
+    assert client.simulate_get("/health").json == {
+        "status": "ok", "backends": {"healthy": 1, "total": 1}}
+
+
+def test_admin_requires_bearer_token(client: falcon.testing.TestClient) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+        resp = client.simulate_get("/admin/strategies", headers=headers)
+        assert resp.status_code == 401
+        assert _error(resp)["type"] == "authentication_error"
+    ok = client.simulate_get("/admin/strategies", headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200
+    assert "RoundRobin" in ok.json["available"]
+    loaded = {p["name"]: p["distribution"] for p in ok.json["loaded"]}
+    assert loaded == {"RoundRobin": "continuum-router"}
+
+
+def test_metrics_exposition(client: falcon.testing.TestClient) -> None:
+    resp = client.simulate_get("/metrics")
+    assert resp.status_code == 200
+    assert "continuum_backend_healthy" in resp.text

@@ -1,0 +1,150 @@
+"""Config loading: defaults, ranges, unknown keys, every error at once, the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from continuum.config import (
+    check_config,
+    check_config_file,
+    defaults_text,
+    load_config,
+    parse_config,
+    restart_required,
+)
+from continuum.errors import ConfigError
+from continuum.registry import PluginRegistry
+
+ROOT = Path(__file__).resolve().parents[2]
+BACKEND = {"name": "a", "url": "http://127.0.0.1:9000"}
+
+
+def test_defaults_apply() -> None:
+    cfg = parse_config({"backends": [BACKEND]})
+    assert cfg.server.max_body_bytes == 10 * 1024 * 1024
+    assert cfg.selection_strategy == "RoundRobin"
+    assert cfg.backends[0].weight == 1 and cfg.backends[0].type == "openai"
+    assert cfg.health_check.interval_seconds == 5.0
+
+
+def test_three_mistakes_are_all_reported_with_paths(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "backends:\n"
+        "  - name: a\n"
+        "    url: http://127.0.0.1:1\n"
+        "    weigth: 3\n"
+        "  - name: b\n"
+        "    url: ftp://nope\n"
+        "server:\n"
+        "  max_body_bytes: 12\n"
+    )
+    result = check_config_file(path)
+    rendered = [e.render(result.source) for e in result.errors]
+    assert sorted(rendered) == [
+        f"{path}: backends[0].weigth: unknown key; did you mean 'weight'?",
+        f"{path}: backends[1].url: must be an http:// or https:// URL (got 'ftp://nope')",
+        f"{path}: server.max_body_bytes: must be between 1024 and 1073741824 (got 12)",
+    ]
+    paths = sorted(e.path for e in result.errors)
+    assert paths == ["backends[0].weigth", "backends[1].url", "server.max_body_bytes"]
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).count(str(path)) == 3
+
+
+def test_types_ranges_choices_required() -> None:
+    result = check_config({
+        "backends": [{"name": "bad name!", "url": "http://h", "weight": True,
+                      "type": "grpc"}, {"url": "http://h"}],
+        "health_check": {"interval_seconds": "soon"},
+    })
+    messages = {e.path: e.message for e in result.errors}
+    assert messages["backends[0].name"].startswith("must match")
+    assert messages["backends[0].weight"] == "expected an integer"
+    assert messages["backends[0].type"] == "must be one of 'openai'"
+    assert messages["backends[1].name"] == "is required"
+    assert "duration" in messages["health_check.interval_seconds"]
+
+
+def test_durations_and_duplicates() -> None:
+    cfg = parse_config({"backends": [BACKEND], "health_check": {"interval_seconds": "2m"}})
+    assert cfg.health_check.interval_seconds == 120.0
+    result = check_config({"backends": [BACKEND, dict(BACKEND)]})
+    assert [e.path for e in result.errors] == ["backends[1].name"]
+    assert "duplicate" in result.errors[0].message
+
+
+def test_unknown_strategy_lists_available_and_suggests() -> None:
+    result = check_config({"backends": [BACKEND], "selection_strategy": "RoundRobn"},
+                          registry=PluginRegistry())
+    (error,) = result.errors
+    assert error.path == "selection_strategy"
+    assert "RoundRobin" in error.message and "did you mean 'RoundRobin'" in error.message
+
+
+def test_warnings_name_their_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NOPE_KEY", raising=False)
+    result = check_config({"backends": [{**BACKEND, "api_key_env": "NOPE_KEY",
+                                         "url": "http://h:1/v1"}]})
+    assert result.config is not None
+    paths = sorted(w.path for w in result.warnings)
+    assert paths == ["admin", "backends[0].api_key_env", "backends[0].url"]
+
+
+def test_secrets_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UP_KEY", "sk-1")
+    cfg = parse_config({"backends": [{**BACKEND, "api_key_env": "UP_KEY"}],
+                        "admin": {"token_env": "UP_KEY"}})
+    assert cfg.backends[0].resolved_api_key() == "sk-1"
+    assert cfg.admin.resolved_token() == "sk-1"
+    both = check_config({"backends": [{**BACKEND, "api_key": "x", "api_key_env": "UP_KEY"}]})
+    assert [e.path for e in both.errors] == ["backends[0].api_key_env"]
+
+
+def test_invalid_yaml_names_line(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("server:\n  bind: [\n")
+    result = check_config_file(path)
+    assert result.config is None
+    assert result.errors[0].path.startswith("line ")
+
+
+def test_restart_required_fields() -> None:
+    old = parse_config({"backends": [BACKEND]})
+    new = parse_config({"backends": [BACKEND], "server": {"workers": 4, "max_body_bytes": 4096}})
+    assert restart_required(old, new) == ["server.workers"]
+
+
+def test_defaults_text_covers_every_section() -> None:
+    text = defaults_text()
+    for key in ("server:", "max_body_bytes: 10485760", "backends:", "selection_strategy:",
+                "health_check:", "admin:", "unhealthy_threshold: 2"):
+        assert key in text
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "continuum.cli", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+
+
+def test_cli_validate_example_ok_and_bad_file_fails(tmp_path: Path) -> None:
+    ok = _cli("config", "validate", "conf/config.yaml.example")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "ok" in ok.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("selecton_strategy: RoundRobin\nbackends: [{name: a, url: 'x'}]\n")
+    res = _cli("config", "validate", str(bad))
+    assert res.returncode == 1
+    assert "selecton_strategy: unknown key; did you mean 'selection_strategy'?" in res.stdout
+    assert "backends[0].url" in res.stdout
+
+
+def test_cli_defaults_prints_table() -> None:
+    res = _cli("config", "defaults")
+    assert res.returncode == 0
+    assert res.stdout == defaults_text()

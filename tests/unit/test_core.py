@@ -1,0 +1,142 @@
+"""Request parsing, backend statistics, health transitions and the selection pipeline."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import pytest
+
+from continuum.backends import Backend, BackendPool
+from continuum.config import BackendConfig, HealthCheckConfig
+from continuum.errors import NoHealthyBackendError, RequestError
+from continuum.health import HealthMonitor, HealthTracker
+from continuum.interfaces import BackendScorer, SelectionStrategy
+from continuum.request import CHAT, EMBEDDINGS, RequestContext, parse_request
+from continuum.selection import SelectionPipeline
+from continuum.testing import make_backends, make_context
+
+
+def _raw(**body: object) -> bytes:
+    return json.dumps(body).encode()
+
+
+def test_parse_request_reads_fields_once() -> None:
+    ctx = parse_request(_raw(model="m", messages=[{"role": "user", "content": "x"}],
+                             stream=True, temperature=0, top_p=0.5, max_tokens=7), CHAT,
+                        tenant="t1")
+    assert (ctx.model, ctx.stream, ctx.temperature, ctx.top_p, ctx.max_tokens, ctx.tenant) == (
+        "m", True, 0.0, 0.5, 7, "t1")
+    assert len(ctx.request_id) == 32 and ctx.prefix_hash is None
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    (b"{nope", "not valid JSON"),
+    (b"[1]", "JSON object"),
+    (_raw(messages=[]), "'model' is required"),
+    (_raw(model=3), "'model' is required"),
+    (_raw(model="m", messages=[{"role": "user", "content": "x"}], stream="yes"), "'stream'"),
+    (_raw(model="m", messages=[{"role": "user", "content": "x"}], temperature="hot"),
+     "'temperature' must be a number"),
+    (_raw(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=1.5),
+     "'max_tokens'"),
+    (_raw(model="m"), "'messages' is required"),
+    (b"\xff\xfe", "not valid JSON"),
+])
+def test_parse_request_rejects(raw: bytes, message: str) -> None:
+    with pytest.raises(RequestError, match=message) as err:
+        parse_request(raw, CHAT)
+    assert err.value.status == 400
+
+
+def test_embeddings_need_no_messages() -> None:
+    assert parse_request(_raw(model="e", input="x"), EMBEDDINGS).model == "e"
+
+
+def test_success_rate_window_and_latency_ewma() -> None:
+    (b,) = make_backends(1)
+    b2 = Backend(b.config, ewma_alpha=0.5, success_window=4)
+    assert b2.success_rate == 1.0 and b2.latency_ewma is None
+    for ok in (True, False, False, True, True, True):
+        b2.record(ok, 1.0 if ok else None)
+    assert b2.success_rate == 3 / 4  # window holds F, T, T, T
+    b2.record(True, 3.0)
+    assert b2.latency_ewma == 2.0
+
+
+def test_pool_candidates_models_and_wildcard() -> None:
+    cfgs = [BackendConfig(name="a", url="http://h:1", models=("m",)),
+            BackendConfig(name="b", url="http://h:2"),
+            BackendConfig(name="c", url="http://h:3", models=("m",), enabled=False),
+            BackendConfig(name="d", url="http://h:4", models=("m", "x"), internal=True)]
+    pool = BackendPool(Backend(c) for c in cfgs)
+    assert [b.name for b in pool.candidates("m")] == ["a", "b"]  # b: not yet discovered
+    pool.get("b").discovered_models = frozenset({"z"})  # type: ignore[union-attr]
+    assert [b.name for b in pool.candidates("m")] == ["a"]
+    assert pool.model_ids() == ["m", "z"]
+    pool.get("a").healthy = False  # type: ignore[union-attr]
+    assert pool.candidates("m") == [] and [b.name for b in pool.serving("m")] == ["a"]
+
+
+def test_health_tracker_transition_table() -> None:
+    (b,) = make_backends(1)
+    t = HealthTracker(b, unhealthy_threshold=2, healthy_threshold=3)
+    assert [t.observe(x) for x in (False, True, False, False)] == [None, None, None, False]
+    assert b.healthy is False
+    assert [t.observe(x) for x in (True, True, False, True, True, True)] == [
+        None, None, None, None, None, True]
+    assert b.healthy is True
+
+
+def test_passive_failures_feed_the_monitor() -> None:
+    backends = make_backends(2)
+    monitor = HealthMonitor(BackendPool(backends), HealthCheckConfig(unhealthy_threshold=2))
+    monitor.observe(backends[0], False)
+    monitor.observe(backends[0], False)
+    assert backends[0].healthy is False and backends[1].healthy is True
+    monitor.stop()
+
+
+class _Fixed(SelectionStrategy):
+    name = "Fixed"
+
+    def select(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend:
+        return candidates[-1]
+
+
+class _Scores(BackendScorer):
+    name = "Scores"
+
+    def __init__(self, scores: dict[str, float]) -> None:
+        self.scores = scores
+        self.prepared = 0
+
+    def prepare(self, ctx: RequestContext, candidates: Sequence[Backend]) -> None:
+        self.prepared += 1
+
+    def score(self, backend: Backend, ctx: RequestContext) -> float:
+        return self.scores.get(backend.name, 0.0)
+
+    def score_with_tier(self, backend: Backend, ctx: RequestContext) -> tuple[float, str]:
+        return self.score(backend, ctx), "gpu_hot"
+
+
+def test_pipeline_threshold_is_strict() -> None:
+    backends = make_backends(3)
+    ctx = make_context(prefix=b"k")
+    at = SelectionPipeline(_Fixed(), [_Scores({"b0": 0.3})])
+    assert at.select(backends, ctx).name == "b2"  # 0.3 is not > 0.3
+    assert ctx.state["decision"] == "strategy"
+    above = SelectionPipeline(_Fixed(), [_Scores({"b0": 0.31, "b1": 0.2})])
+    ctx2 = make_context(prefix=b"k")
+    assert above.select(backends, ctx2).name == "b0"
+    assert ctx2.state["kv_tier"] == "gpu_hot" and ctx2.state["decision"] == "scorer"
+
+
+def test_pipeline_skips_scorers_without_prefix_and_rejects_empty() -> None:
+    scorer = _Scores({"b0": 0.9})
+    pipeline = SelectionPipeline(_Fixed(), [scorer])
+    assert pipeline.select(make_backends(3), make_context()).name == "b2"
+    assert scorer.prepared == 0
+    with pytest.raises(NoHealthyBackendError):
+        pipeline.select([], make_context())
