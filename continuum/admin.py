@@ -51,7 +51,9 @@ class BackendsResource(_AdminResource):
                 "internal": b.config.internal,
                 "healthy": b.healthy,
                 "in_flight": b.in_flight,
-                "latency_ewma_ms": None if b.latency_ewma is None else round(b.latency_ewma * 1000, 3),
+                "latency_ewma_ms": (
+                    None if b.latency_ewma is None else round(b.latency_ewma * 1000, 3)
+                ),
                 "success_rate": round(b.success_rate, 4),
                 "models": sorted(b.models),
                 "weight": b.weight,
@@ -61,7 +63,7 @@ class BackendsResource(_AdminResource):
         self._send(resp, {"backends": backends})
 
 
-def add_routes(app: falcon.App, service: RouterService, auth: Any) -> None:
+def add_routes(app: falcon.App[Any, Any], service: RouterService, auth: Any) -> None:
     """Mount every admin resource on ``app``."""
     app.add_route("/admin/strategies", StrategiesResource(service, auth))
     app.add_route("/admin/backends", BackendsResource(service, auth))

@@ -152,7 +152,7 @@ class AdminAuth:
             raise AuthenticationError("admin endpoints require a valid bearer token")
 
 
-class RouterApp(falcon.App):
+class RouterApp(falcon.App):  # type: ignore[type-arg]
     """The Falcon app, with the worker's :class:`RouterService` at ``.service``."""
 
     service: RouterService

@@ -6,8 +6,12 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from continuum.config import CONFIG_ENV, check_config_file, defaults_text
+
+if TYPE_CHECKING:
+    from continuum.registry import PluginRegistry
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -34,7 +38,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _registry():  # type: ignore[no-untyped-def]
+def _registry() -> PluginRegistry:
     from continuum.registry import PluginRegistry
 
     return PluginRegistry()
@@ -61,7 +65,7 @@ def _cmd_defaults(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from continuum.demo import main as demo_main
 
-    return demo_main(args.demo_args)
+    return int(demo_main(args.demo_args))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ import tempfile
 from typing import Any
 
 from continuum.config import CONFIG_ENV, load_config
+
 # Not imported from continuum.metrics: importing prometheus_client here, before the
 # variable is set, would fix its value class to single-process mode for every worker.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -54,7 +55,7 @@ def child_exit(server: Any, worker: Any) -> None:
     """Let prometheus-client drop the live gauges of a dead worker."""
     from prometheus_client import multiprocess
 
-    multiprocess.mark_process_dead(worker.pid)
+    multiprocess.mark_process_dead(worker.pid)  # type: ignore[no-untyped-call]
 
 
 def on_exit(server: Any) -> None:

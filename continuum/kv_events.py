@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, Union
+from typing import Protocol
 
 #: A block hash as it travels on the wire: an int (most engines) or raw bytes (vLLM ≥0.10.2
 #: may send the full digest). The listener's decoders always hand out the *canonical* form,
 #: an unsigned 64-bit int (see ``listener.decode.canonical_block_hash``), and
 #: ``continuum.sim.hashing`` computes hashes in that same form, so the two compare equal.
-BlockHash = Union[int, bytes]
+BlockHash = int | bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,7 @@ class AllBlocksCleared:
     medium: str | None = None
 
 
-KvEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass(frozen=True, slots=True)

@@ -118,6 +118,6 @@ class RouterMetrics:
             from prometheus_client import multiprocess
 
             registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)
+            multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
             return bytes(generate_latest(registry))
         return bytes(generate_latest(self.registry))

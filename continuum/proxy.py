@@ -136,9 +136,13 @@ class Forwarder:
             timeout = urllib3.Timeout(
                 connect=cfg.connect_timeout_ms / 1000, read=cfg.request_timeout_ms / 1000
             )
-            cls = urllib3.HTTPSConnectionPool if parts.scheme == "https" else urllib3.HTTPConnectionPool
+            cls = (
+                urllib3.HTTPSConnectionPool
+                if parts.scheme == "https"
+                else urllib3.HTTPConnectionPool
+            )
             cp = cls(
-                parts.hostname,
+                parts.hostname or "127.0.0.1",
                 parts.port,
                 maxsize=self._maxsize,
                 block=False,

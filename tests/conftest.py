@@ -36,8 +36,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_http(url: str, timeout: float = 20.0, ok: Callable[[requests.Response], bool] | None = None,
-              proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_http(
+    url: str,
+    timeout: float = 20.0,
+    ok: Callable[[requests.Response], bool] | None = None,
+    proc: subprocess.Popen[bytes] | None = None,
+) -> None:
     """Poll ``url`` until it answers (and ``ok`` holds) or fail loudly after ``timeout``."""
     deadline = time.monotonic() + timeout
     last: Any = None

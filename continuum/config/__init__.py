@@ -180,7 +180,11 @@ def defaults_text() -> str:
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 lines.append(f"{indent}{f.name}:  # required")
             else:
-                default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+                default = (
+                    f.default_factory()  # type: ignore[misc,operator]
+                    if f.default is dataclasses.MISSING
+                    else f.default
+                )
                 lines.append(f"{indent}{f.name}: {_render(default, meta)}")
 
     section(RouterConfig, "")
@@ -193,9 +197,9 @@ def _section_type(cls: type, name: str) -> type | None:
     from continuum.config.fields import hints
 
     tp = hints(cls)[name]
-    if dataclasses.is_dataclass(tp):
-        return tp  # type: ignore[return-value]
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return tp
     args = typing.get_args(tp)
-    if args and dataclasses.is_dataclass(args[0]):
-        return args[0]  # type: ignore[no-any-return]
+    if args and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]):
+        return args[0]
     return None

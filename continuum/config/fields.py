@@ -46,8 +46,8 @@ def setting(
     default: Any = dataclasses.MISSING,
     *,
     doc: str,
-    min: float | None = None,  # noqa: A002 - reads best in the table
-    max: float | None = None,  # noqa: A002
+    min: float | None = None,
+    max: float | None = None,
     choices: tuple[Any, ...] | None = None,
     pattern: str | None = None,
     duration: bool = False,
@@ -222,10 +222,10 @@ def read_value(tp: Any, value: Any, path: str, meta: dict[str, Any], issues: Iss
         if not isinstance(value, list):
             issues.error(path, "expected a list", value)
             return ()
-        items = [
-            read_value(item_type, item, f"{path}[{i}]", meta, issues) for i, item in enumerate(value)
-        ]
-        return tuple(items)
+        return tuple(
+            read_value(item_type, item, f"{path}[{i}]", meta, issues)
+            for i, item in enumerate(value)
+        )
     try:
         coerced = _coerce_scalar(tp, value, meta)
     except ValueError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import time
@@ -77,7 +78,7 @@ def test_stream_chunks_arrive_as_upstream_sends_them(upstreams, router_factory) 
         if chunk.choices and chunk.choices[0].delta.content:
             arrivals.append(time.monotonic())
     assert len(arrivals) == 4
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     # Buffering would deliver everything at once at the end (gaps near 0).
     assert all(gap > 0.25 for gap in gaps), gaps
 
@@ -154,7 +155,9 @@ def test_no_healthy_backend_is_503(upstreams, router_factory) -> None:
     assert unavailable.value.body["code"] == "no_healthy_backend"
 
 
-def test_client_disconnect_closes_upstream_and_releases_in_flight(upstreams, router_factory) -> None:
+def test_client_disconnect_closes_upstream_and_releases_in_flight(
+    upstreams, router_factory
+) -> None:
     a = upstreams("a")
     router = router_factory(_config(a))
     body = json.dumps({"model": "m", "messages": MSG, "stream": True,

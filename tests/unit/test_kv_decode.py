@@ -177,7 +177,7 @@ def test_vllm_chain_rejects_a_parent_it_did_not_compute() -> None:
 
 def test_cbor_encoding_is_canonical() -> None:
     assert cbor_encode((b"\x01", (1, 23, 24, 255, 256, 65536, 2**32), None, "a", -1, -25)) == (
-        bytes.fromhex("87410187011718181818ff190100" "1a00010000" "1b0000000100000000")
+        bytes.fromhex("86410187011718181818ff190100" "1a00010000" "1b0000000100000000")
         + b"\xf6\x61a\x20\x38\x18")
     with pytest.raises(TypeError):
         cbor_encode(1.5)
@@ -271,7 +271,8 @@ def test_every_hash_representation_normalises_to_the_same_key() -> None:
     digest = hashlib.sha256(b"x").digest()
     low64 = int.from_bytes(digest[-8:], "big")
     v2_hex = digest.hex()
-    batch = decode_zmq_payload(_payload([["BlockRemoved", [digest, digest * 2, low64, -1, v2_hex]]]))
+    raw = [digest, digest * 2, low64, -1, v2_hex]
+    batch = decode_zmq_payload(_payload([["BlockRemoved", raw]]))
     assert batch.events[0].block_hashes == (  # type: ignore[union-attr]
         low64, low64, low64, U64 - 1, int.from_bytes(digest[:8], "big"))
 
@@ -433,7 +434,7 @@ def neutral_events(draw: st.DrawFn, profile: str) -> Any:
     for name in fields:
         if name in optional:
             values[name] = draw(optional[name])
-    if wire.salt_metadata:
+    if wire.salt_metadata and kind == "stored":
         values["cache_salt"] = draw(opt_text)
     if kind == "removed":
         return BlockRemoved(**values)
