@@ -147,7 +147,8 @@ class ZmqKvPublisher:
         self._pub.send_multipart((self.topic, seq, payload))
         if self._router is not None:
             self._buffer.append((seq, payload))
-            self.serve_replay(0.0)
+            if self._server is None:  # else the server greenlet owns the ROUTER socket
+                self.serve_replay(0.0)
 
     def serve_replay(self, timeout: float = 0.0) -> int:
         """Answer the replay requests that arrive within ``timeout`` seconds.
@@ -215,7 +216,9 @@ class TrtllmEventQueue:
     (blocks of ``block_size`` tokens, the last possibly partial; ``medium`` → ``cache_level``);
     consecutive ``BlockRemoved`` in one ``publish()`` → one ``removed`` (TensorRT-LLM merges
     removals within a step); ``AllBlocksCleared`` → one ``removed`` listing every block still
-    stored, since TensorRT-LLM has no "all cleared" event.
+    stored, since TensorRT-LLM has no "all cleared" event. Media are not reconciled: a
+    ``BlockRemoved`` becomes a ``removed`` whatever its medium (real TensorRT-LLM reports an
+    offload as ``updated``, which neutral events cannot express).
 
     Args:
         max_events: Buffer size (``KvCacheConfig.event_buffer_max_size``); must be positive.

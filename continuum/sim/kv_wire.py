@@ -166,9 +166,10 @@ def _encode_event(event: KvEvent, profile: WireProfile) -> bytes:
     values = [(name, _field_value(event, name, profile.signed_hashes)) for name in fields]
     if not profile.maps:
         items: list[object] = [tag, *(value for _, value in values)]
-        salted = isinstance(event, BlockStored) and event.cache_salt is not None
-        if profile.salt_metadata and salted:
-            items.append({"cache_salt": event.cache_salt})  # type: ignore[union-attr]
+        if (profile.salt_metadata and isinstance(event, BlockStored)
+                and event.cache_salt is not None):
+            # SGLang 0.5.18-0.5.19 BlockStoredWithMetadata: the salt rides in an 8th element.
+            items.append({"cache_salt": event.cache_salt})
         return _pack(items)
     pairs = [_pack("type") + _pack(tag)]
     pairs.extend(_pack(name) + _pack(value)

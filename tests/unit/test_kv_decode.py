@@ -151,10 +151,12 @@ def test_hashers_match_hashes_decoded_from_the_fixtures() -> None:
     for name, engine in (("vllm-0.33.0__stored_chain3.msgpack", "vllm"),
                          ("sglang-0.5.22__stored_chain3.msgpack", "sglang")):
         (stored,) = decode_zmq_payload(fixture(name)).events
+        assert isinstance(stored, BlockStored)
         assert tuple(block_hash_chain(hasher_for(engine), TOKENS, 4)) == stored.block_hashes
     (event,) = decode_trtllm_events(fixture("trtllm-current__stored_chain3.json"))
-    assert tuple(block_hash_chain(hasher_for("trtllm"), TOKENS, 4)) == (
-        event.events[0].block_hashes)
+    (stored,) = event.events
+    assert isinstance(stored, BlockStored)
+    assert tuple(block_hash_chain(hasher_for("trtllm"), TOKENS, 4)) == stored.block_hashes
 
 
 def test_salt_changes_every_hash_of_the_chain() -> None:
@@ -177,7 +179,7 @@ def test_vllm_chain_rejects_a_parent_it_did_not_compute() -> None:
 
 def test_cbor_encoding_is_canonical() -> None:
     assert cbor_encode((b"\x01", (1, 23, 24, 255, 256, 65536, 2**32), None, "a", -1, -25)) == (
-        bytes.fromhex("86410187011718181818ff190100" "1a00010000" "1b0000000100000000")
+        bytes.fromhex("864101870117181818ff190100" "1a00010000" "1b0000000100000000")
         + b"\xf6\x61a\x20\x38\x18")
     with pytest.raises(TypeError):
         cbor_encode(1.5)
