@@ -1,12 +1,20 @@
-"""``/admin`` endpoints: read-only views of the router's state, behind a bearer token."""
+"""``/admin`` endpoints: views of the router's state and a few controls, behind a token.
+
+State is per gunicorn worker (see the README): each answer carries ``worker_pid``.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import falcon
 
+from continuum import request as rq
+from continuum.app import read_body
+from continuum.errors import ConfigError, ContinuumError, RequestError
+from continuum.reload import ConfigReloader
 from continuum.service import RouterService
 
 
@@ -15,9 +23,10 @@ class _AdminResource:
         self.service = service
         self.auth = auth
 
-    def _send(self, resp: falcon.Response, doc: Any) -> None:
+    def _send(self, resp: falcon.Response, doc: dict[str, Any], status: int = 200) -> None:
+        resp.status = status
         resp.content_type = "application/json"
-        resp.data = json.dumps(doc, indent=2).encode()
+        resp.data = json.dumps({**doc, "worker_pid": os.getpid()}, indent=2).encode()
 
 
 class StrategiesResource(_AdminResource):
@@ -47,6 +56,7 @@ class BackendsResource(_AdminResource):
             {
                 "name": b.name,
                 "url": b.url,
+                "type": b.config.type,
                 "enabled": b.config.enabled,
                 "internal": b.config.internal,
                 "healthy": b.healthy,
@@ -63,7 +73,86 @@ class BackendsResource(_AdminResource):
         self._send(resp, {"backends": backends})
 
 
-def add_routes(app: falcon.App[Any, Any], service: RouterService, auth: Any) -> None:
+class PrefixRoutingStatsResource(_AdminResource):
+    """``GET /admin/prefix-routing/stats``: the seed's response shape."""
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self.auth.check(req)
+        service = self.service
+        settings = service.config.prefix_routing
+        stats = service.strategy.stats() if service.config.selection_strategy == \
+            "PrefixAwareHash" else {}
+        decisions = stats.get("routing_decisions") or {
+            "total": 0, "prefix_hash": 0, "overflow": 0, "fallback": 0, "overflow_rate": "0.0000"}
+        self._send(resp, {
+            "enabled": settings.enabled,
+            "selection_strategy": service.config.selection_strategy,
+            "config": stats.get("config") or {
+                "max_prefix_length": settings.max_prefix_length,
+                "load_factor_epsilon": settings.load_factor_epsilon,
+                "virtual_nodes": settings.virtual_nodes,
+                "anthropic_cache_control_injection": settings.anthropic_cache_control_injection,
+            },
+            "routing_decisions": decisions,
+            "backend_distribution": [
+                {"backend": b.name, "in_flight_requests": b.in_flight}
+                for b in service.pool.routable()
+            ],
+            "unique_prefixes": stats.get("unique_prefixes", 0),
+        })
+
+
+class ExplainResource(_AdminResource):
+    """``POST /admin/routing/explain``: how a request body would be routed, sending nothing.
+
+    The body is the request as a client would send it; ``?endpoint=anthropic`` reads it as
+    an Anthropic Messages request.
+    """
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self.auth.check(req)
+        endpoint = rq.ANTHROPIC_MESSAGES if req.get_param("endpoint") == "anthropic" else rq.CHAT
+        raw = read_body(req, self.service.config.server.max_body_bytes)
+        ctx = rq.parse_request(raw, endpoint)
+        self._send(resp, self.service.explain(ctx))
+
+
+class ConfigReloadResource(_AdminResource):
+    """``POST /admin/config/reload``: re-read the config file in every worker."""
+
+    def __init__(self, service: RouterService, auth: Any, reloader: ConfigReloader | None):
+        super().__init__(service, auth)
+        self.reloader = reloader
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self.auth.check(req)
+        if self.reloader is None:
+            raise _NoConfigFile("this router was not started from a config file")
+        try:
+            report = self.reloader.reload(broadcast=True)
+        except ConfigError as exc:
+            self._send(resp, {"success": False, "errors": [
+                issue.render(exc.source) for issue in exc.issues]}, status=400)
+            return
+        self._send(resp, {"success": True, **report.as_dict()})
+
+
+class _NoConfigFile(ContinuumError):
+    status = 409
+    error_type = "invalid_request_error"
+    code = "no_config_file"
+
+
+def add_routes(
+    app: falcon.App[Any, Any], service: RouterService, auth: Any,
+    reloader: ConfigReloader | None = None,
+) -> None:
     """Mount every admin resource on ``app``."""
     app.add_route("/admin/strategies", StrategiesResource(service, auth))
     app.add_route("/admin/backends", BackendsResource(service, auth))
+    app.add_route("/admin/prefix-routing/stats", PrefixRoutingStatsResource(service, auth))
+    app.add_route("/admin/routing/explain", ExplainResource(service, auth))
+    app.add_route("/admin/config/reload", ConfigReloadResource(service, auth, reloader))
+
+
+__all__ = ["RequestError", "add_routes"]

@@ -9,20 +9,24 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import os
 from typing import Any
 
 import falcon
 
 from continuum import request as rq
-from continuum.config import RouterConfig, load_config
+from continuum.config import CONFIG_ENV, RouterConfig, check_config_file
 from continuum.errors import (
     AuthenticationError,
+    ConfigError,
+    ConfigIssue,
     ContinuumError,
     PayloadTooLargeError,
     RequestError,
 )
 from continuum.metrics import CONTENT_TYPE, RouterMetrics
 from continuum.registry import PluginRegistry
+from continuum.reload import ConfigReloader
 from continuum.service import RouterService
 
 log = logging.getLogger(__name__)
@@ -138,17 +142,21 @@ class MetricsResource:
 
 
 class AdminAuth:
-    """Bearer-token check for ``/admin`` (constant-time compare); open when no token is set."""
+    """Bearer-token check for ``/admin`` (constant-time compare); open when no token is set.
 
-    def __init__(self, token: str | None) -> None:
-        self.token = token.encode() if token else None
+    The token is read from the live config on every check, so a reload can rotate it.
+    """
+
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
 
     def check(self, req: falcon.Request) -> None:
-        if self.token is None:
+        token = self.service.config.admin.resolved_token()
+        if not token:
             return
         header = req.get_header("Authorization") or ""
         scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.token):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
             raise AuthenticationError("admin endpoints require a valid bearer token")
 
 
@@ -164,6 +172,7 @@ def create_app(
     registry: PluginRegistry | None = None,
     metrics: RouterMetrics | None = None,
     service: RouterService | None = None,
+    reloader: ConfigReloader | None = None,
 ) -> RouterApp:
     """Build the Falcon app for ``config``; collaborators may be injected (tests)."""
     from continuum import admin
@@ -181,7 +190,7 @@ def create_app(
     app.add_route("/v1/models", ModelsResource(service))
     app.add_route("/health", HealthResource(service))
     app.add_route("/metrics", MetricsResource(metrics))
-    admin.add_routes(app, service, AdminAuth(config.admin.resolved_token()))
+    admin.add_routes(app, service, AdminAuth(service), reloader)
     app.service = service
     return app
 
@@ -189,13 +198,27 @@ def create_app(
 def get_app() -> RouterApp:
     """Entry point for gunicorn: load ``$CONTINUUM_CONFIG``, build the app, start greenlets."""
     registry = PluginRegistry()
-    config = load_config(registry=registry)
+    path = os.environ.get(CONFIG_ENV)
+    if not path:
+        raise ConfigError([ConfigIssue("<file>", f"set ${CONFIG_ENV} to the config file")])
+    result = check_config_file(path, registry)
+    if result.config is None:
+        raise ConfigError(result.errors, path)
+    config = result.config
     logging.basicConfig(
         level=config.server.log_level.upper(),
         format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
     )
-    app = create_app(config, registry=registry)
-    app.service.start()
+    for warning in result.warnings:
+        log.warning("config: %s", warning.render(result.source))
+    metrics = RouterMetrics()
+    service = RouterService(config, registry=registry, metrics=metrics)
+    reloader = ConfigReloader(service, path)
+    app = create_app(config, registry=registry, metrics=metrics, service=service,
+                     reloader=reloader)
+    service.start()
+    if config.server.watch_config:
+        reloader.start(config.server.watch_interval_seconds)
     return app
 
 

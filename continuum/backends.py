@@ -82,6 +82,10 @@ class Backend:
         total = len(self._outcomes)
         return 1.0 if total == 0 else self._successes / total
 
+    def set_ewma_alpha(self, alpha: float) -> None:
+        """Change the weight of new latency samples (hot reload)."""
+        self._alpha = alpha
+
     def record(self, ok: bool, latency: float | None) -> None:
         """Record the outcome of one request (``latency`` in seconds, None if unknown)."""
         outcomes = self._outcomes

@@ -36,10 +36,15 @@ if os.environ.get(CONFIG_ENV):
 
 # Must be decided before any worker imports prometheus_client: this file runs in the master
 # before the app is loaded. The directory is ours to wipe only when we created it.
-_OWN_MULTIPROC_DIR = None
+_OWN_DIRS: list[str] = []
 if not os.environ.get(MULTIPROC_ENV):
-    _OWN_MULTIPROC_DIR = tempfile.mkdtemp(prefix="continuum-metrics-")
-    os.environ[MULTIPROC_ENV] = _OWN_MULTIPROC_DIR
+    _OWN_DIRS.append(tempfile.mkdtemp(prefix="continuum-metrics-"))
+    os.environ[MULTIPROC_ENV] = _OWN_DIRS[-1]
+# Where workers tell each other to reload (see continuum.reload).
+RUNTIME_DIR_ENV = "CONTINUUM_RUNTIME_DIR"
+if not os.environ.get(RUNTIME_DIR_ENV):
+    _OWN_DIRS.append(tempfile.mkdtemp(prefix="continuum-runtime-"))
+    os.environ[RUNTIME_DIR_ENV] = _OWN_DIRS[-1]
 
 
 def when_ready(server: Any) -> None:
@@ -59,6 +64,6 @@ def child_exit(server: Any, worker: Any) -> None:
 
 
 def on_exit(server: Any) -> None:
-    """Remove the metrics directory this config created."""
-    if _OWN_MULTIPROC_DIR:
-        shutil.rmtree(_OWN_MULTIPROC_DIR, ignore_errors=True)
+    """Remove the directories this config created."""
+    for path in _OWN_DIRS:
+        shutil.rmtree(path, ignore_errors=True)

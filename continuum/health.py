@@ -85,8 +85,21 @@ class HealthMonitor:
         }
         self._session = session_factory()
         self._greenlet: Any = None
+        self._started = False
         for backend in pool:
             self._publish(backend)
+
+    def reconfigure(self, config: HealthCheckConfig) -> None:
+        """Apply new probe settings; the running loop picks them up on its next round."""
+        self.config = config
+        for tracker in self.trackers.values():
+            tracker.unhealthy_threshold = config.unhealthy_threshold
+            tracker.healthy_threshold = config.healthy_threshold
+        if config.enabled and self._started:
+            self.start()
+        elif self._greenlet is not None:
+            self._greenlet.kill(block=False)
+            self._greenlet = None
 
     def observe(self, backend: Backend, ok: bool) -> None:
         """Feed one probe or passive result for ``backend``."""
@@ -139,12 +152,13 @@ class HealthMonitor:
 
     def start(self) -> None:
         """Start the probing greenlet (call in the worker, after the fork)."""
+        self._started = True
         if not self.config.enabled or self._greenlet is not None:
             return
         import gevent
 
         def loop() -> None:
-            while True:
+            while self.config.enabled:
                 try:
                     self.probe_all()
                 except Exception:  # a bug here must not stop health checking

@@ -95,6 +95,19 @@ class RouterMetrics:
             ["backend", "state"],
             registry=r,
         )
+        self.prefix_requests = Counter(
+            "continuum_prefix_routing_requests_total",
+            "PrefixAwareHash selections by decision (prefix_hash, overflow, fallback)",
+            ["strategy"],
+            registry=r,
+        )
+        self.prefix_distribution = Gauge(
+            "continuum_prefix_routing_backend_distribution",
+            "Requests PrefixAwareHash sent to each backend (rate() gives the load split)",
+            ["backend"],
+            multiprocess_mode="sum",
+            registry=r,
+        )
         self.worker_requests = Gauge(
             "continuum_worker_requests",
             "Requests proxied by each live worker (pid label), to see how workers share load",

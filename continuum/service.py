@@ -5,21 +5,26 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from continuum.backends import Backend, BackendPool
+from continuum.config import restart_required
+from continuum.config.fields import walk
 from continuum.health import HealthMonitor
 from continuum.metrics import RouterMetrics
+from continuum.prefix import request_prefix_key
 from continuum.proxy import Forwarder, openai_error_event
 from continuum.registry import PluginRegistry
 from continuum.selection import SelectionPipeline
 
 if TYPE_CHECKING:
     from continuum.config import RouterConfig
-    from continuum.interfaces import BackendScorer
+    from continuum.interfaces import BackendScorer, SelectionStrategy
     from continuum.request import RequestContext
 
 log = logging.getLogger(__name__)
+
+STRATEGIES = "continuum.strategies"
 
 
 @dataclass
@@ -32,11 +37,21 @@ class ProxyResult:
     stream: Iterator[bytes] | None = None
 
 
+@dataclass
+class ReloadReport:
+    """What a config reload changed, and what it could not change without a restart."""
+
+    applied: list[str] = field(default_factory=list)
+    restart_required: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"applied": self.applied, "restart_required": self.restart_required}
+
+
 class RouterService:
     """Holds one worker's run-time state and proxies requests through it.
 
-    Built from a :class:`RouterConfig` by :func:`build_service`; the web layer calls
-    :meth:`proxy` and reads the attributes for admin views.
+    The web layer calls :meth:`proxy` and reads the attributes for admin views.
     """
 
     def __init__(
@@ -56,14 +71,24 @@ class RouterService:
             for b in config.backends
         )
         self.health = HealthMonitor(self.pool, config.health_check, metrics)
-        strategy = registry.create("continuum.strategies", config.selection_strategy, config)
-        self.pipeline = SelectionPipeline(strategy, scorers)
+        self.pipeline = SelectionPipeline(self._make_strategy(config), scorers)
         self.forwarder = Forwarder(
             self.pool,
             metrics,
             retry_connect_errors=config.pool.retry_connect_errors,
             on_result=self.health.observe,
         )
+
+    def _make_strategy(self, config: RouterConfig) -> SelectionStrategy:
+        strategy: SelectionStrategy = self.registry.create(
+            STRATEGIES, config.selection_strategy, config, metrics=self.metrics, pool=self.pool
+        )
+        return strategy
+
+    @property
+    def strategy(self) -> SelectionStrategy:
+        """The configured selection strategy."""
+        return self.pipeline.strategy
 
     def start(self) -> None:
         """Start background greenlets (health checks). Call in the worker process."""
@@ -73,8 +98,17 @@ class RouterService:
         """Stop background greenlets."""
         self.health.stop()
 
+    def prepare(self, ctx: RequestContext) -> None:
+        """Derive what routing needs from the parsed request (the prefix key)."""
+        settings = self.config.prefix_routing
+        if settings.enabled:
+            ctx.prefix_key = request_prefix_key(
+                ctx.body, ctx.model, max_prefix_length=settings.max_prefix_length
+            )
+
     def proxy(self, ctx: RequestContext, path: str) -> ProxyResult:
         """Send ``ctx`` to the backend the pipeline picks and return what to answer."""
+        self.prepare(ctx)
         upstream = self.forwarder.open(ctx, self.pipeline.select, path, ctx.raw)
         headers = upstream.headers()
         headers["X-Continuum-Backend"] = upstream.backend.name
@@ -83,3 +117,55 @@ class RouterService:
             return ProxyResult(200, headers, stream=stream)
         body = self.forwarder.read_all(upstream)
         return ProxyResult(upstream.status, headers, body=body)
+
+    def explain(self, ctx: RequestContext) -> dict[str, Any]:
+        """What routing would do with ``ctx`` and why; sends nothing upstream."""
+        self.prepare(ctx)
+        serving = self.pool.serving(ctx.model)
+        candidates = [b for b in serving if b.healthy]
+        doc: dict[str, Any] = {
+            "model": ctx.model,
+            "prefix_hash": ctx.prefix_hash,
+            "prefix_routing_enabled": self.config.prefix_routing.enabled,
+            "strategy": self.config.selection_strategy,
+            "candidates": [
+                {"backend": b.name, "healthy": b.healthy, "in_flight": b.in_flight,
+                 "success_rate": round(b.success_rate, 4)}
+                for b in serving
+            ],
+        }
+        if not candidates:
+            doc["decision"] = None
+            doc["reason"] = "no healthy backend serves this model" if serving else \
+                "no enabled backend serves this model"
+            return doc
+        explain = getattr(self.strategy, "explain", None)
+        if explain is not None:
+            doc["decision"] = explain(candidates, ctx)
+        else:
+            doc["decision"] = {"reason": f"{self.config.selection_strategy} does not explain "
+                               "its decisions; it picks among the healthy candidates"}
+        return doc
+
+    def reload(self, new: RouterConfig) -> ReloadReport:
+        """Apply ``new`` to the running worker; report what needs a restart instead."""
+        old = self.config
+        report = ReloadReport(restart_required=restart_required(old, new))
+        if old.backends != new.backends:
+            report.restart_required.append("backends")
+        old_leaves = {path: value for path, _f, value in walk(old)}
+        for path, _f, value in walk(new):
+            if path.startswith("backends") or path in report.restart_required:
+                continue
+            if old_leaves.get(path, value) != value:
+                report.applied.append(path)
+        self.config = new
+        if new.selection_strategy != old.selection_strategy:
+            self.pipeline.strategy = self._make_strategy(new)
+        else:
+            report.restart_required += self.strategy.reconfigure(new)
+        self.health.reconfigure(new.health_check)
+        for backend in self.pool:
+            backend.set_ewma_alpha(new.pool.latency_ewma_alpha)
+        self.forwarder.retry_connect_errors = new.pool.retry_connect_errors
+        return report

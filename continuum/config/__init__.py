@@ -22,6 +22,7 @@ from continuum.config.schema import (
     BackendConfig,
     HealthCheckConfig,
     PoolConfig,
+    PrefixRoutingConfig,
     RouterConfig,
     ServerConfig,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "ConfigError",
     "HealthCheckConfig",
     "PoolConfig",
+    "PrefixRoutingConfig",
     "RouterConfig",
     "ServerConfig",
     "check_config",

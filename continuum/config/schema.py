@@ -135,6 +135,27 @@ class PoolConfig:
 
 
 @dataclass(frozen=True)
+class PrefixRoutingConfig:
+    """``prefix_routing``: Tier 1 prefix keys and the CHWBL ring of ``PrefixAwareHash``."""
+
+    enabled: bool = setting(False, doc="compute prefix keys (needed by PrefixAwareHash and Tier 4)")
+    max_prefix_length: int = setting(
+        1024, doc="bytes of the system prompt / first message hashed into the key",
+        min=1, max=1048576,
+    )
+    load_factor_epsilon: float = setting(
+        0.25, doc="CHWBL bound: a backend may hold (1 + epsilon) x the average in-flight",
+        min=0.01, max=10.0,
+    )
+    virtual_nodes: int = setting(
+        150, doc="ring positions per backend (hot reload rebuilds the ring)", min=1, max=10000
+    )
+    anthropic_cache_control_injection: bool = setting(
+        False, doc="force cache_control on the last system block of every Anthropic request"
+    )
+
+
+@dataclass(frozen=True)
 class AdminConfig:
     """``admin``: the /admin endpoints."""
 
@@ -176,6 +197,9 @@ class RouterConfig:
         default_factory=HealthCheckConfig, doc="active health checks"
     )
     pool: PoolConfig = setting(default_factory=PoolConfig, doc="backend statistics")
+    prefix_routing: PrefixRoutingConfig = setting(
+        default_factory=PrefixRoutingConfig, doc="Tier 1: prefix-aware sticky routing"
+    )
     admin: AdminConfig = setting(default_factory=AdminConfig, doc="admin API")
 
     def check(self, path: str, issues: Issues) -> None:
@@ -192,3 +216,10 @@ class RouterConfig:
             seen.setdefault(backend.name, i)
         if not self.backends:
             issues.warn("backends", "no backends configured; every request will get 503")
+        if self.selection_strategy == "PrefixAwareHash" and not self.prefix_routing.enabled:
+            issues.warn(
+                "selection_strategy",
+                "PrefixAwareHash without prefix_routing.enabled: true hashes only the model "
+                "name, pinning each model to one backend",
+                self.selection_strategy,
+            )

@@ -1,0 +1,108 @@
+"""The Tier 1 prefix key: one 32-byte SHA-256 digest that names a request's stable prefix.
+
+    SHA256(model ++ 0x00 ++ "S" ++ system[:max_prefix_length])   with a system prompt
+    SHA256(model ++ 0x00 ++ "M" ++ first_msg[:max_prefix_length]) without one
+
+``max_prefix_length`` counts UTF-8 bytes and the cut never splits a character. The 0x00
+separator keeps ``("ab", "c…")`` and ``("a", "bc…")`` apart; the tag byte keeps the same
+text as a system prompt and as a first message apart.
+
+This is the only implementation: the KV listener imports :func:`prefix_key_from_text` to
+turn a recovered prompt into the key the router computes from the request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+SYSTEM_TAG = b"S"
+MESSAGE_TAG = b"M"
+DEFAULT_MAX_PREFIX_LENGTH = 1024
+_SYSTEM_ROLES = ("system", "developer")
+
+
+def truncate_utf8(text: str, max_bytes: int) -> bytes:
+    """``text`` encoded as UTF-8 and cut to at most ``max_bytes`` on a character boundary."""
+    # A character is at least one byte, so slicing characters first bounds the encoding work
+    # for very long prompts without changing the result.
+    data = text[:max_bytes].encode("utf-8", "surrogatepass")
+    if len(data) <= max_bytes:
+        return data
+    cut = max_bytes
+    # Back off over continuation bytes (0b10xxxxxx) to the start of the split character.
+    while cut > 0 and (data[cut] & 0xC0) == 0x80:
+        cut -= 1
+    return data[:cut]
+
+
+def content_text(content: Any) -> str | None:
+    """Text of an OpenAI or Anthropic ``content`` value: a string, or the text parts of a
+    list joined with ``\\n``. None when there is no text."""
+    if isinstance(content, str):
+        return content or None
+    if isinstance(content, list):
+        parts = [
+            part["text"]
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+            and part.get("type", "text") in ("text", "input_text")
+        ]
+        return "\n".join(parts) or None
+    return None
+
+
+def prefix_key_from_text(
+    model: str, tag: bytes, text: str, max_prefix_length: int = DEFAULT_MAX_PREFIX_LENGTH
+) -> bytes:
+    """The prefix key of ``text`` in role ``tag`` (:data:`SYSTEM_TAG` or :data:`MESSAGE_TAG`)."""
+    digest = hashlib.sha256(model.encode("utf-8", "surrogatepass"))
+    digest.update(b"\x00")
+    digest.update(tag)
+    digest.update(truncate_utf8(text, max_prefix_length))
+    return digest.digest()
+
+
+def anchor_text(body: dict[str, Any]) -> tuple[bytes, str] | None:
+    """The (tag, text) a request's key is computed from, or None when it has no text.
+
+    OpenAI shape: the first ``system``/``developer`` message, else the first other message.
+    Anthropic shape: the top-level ``system`` (string or blocks), else the first message.
+    """
+    system = content_text(body.get("system"))
+    if system is not None:
+        return SYSTEM_TAG, system
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    first_other = None
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        if message.get("role") in _SYSTEM_ROLES:
+            text = content_text(message.get("content"))
+            if text is not None:
+                return SYSTEM_TAG, text
+        elif first_other is None:
+            first_other = message
+    if first_other is None:
+        return None
+    text = content_text(first_other.get("content"))
+    return None if text is None else (MESSAGE_TAG, text)
+
+
+def request_prefix_key(
+    body: dict[str, Any],
+    model: str,
+    *,
+    enabled: bool = True,
+    max_prefix_length: int = DEFAULT_MAX_PREFIX_LENGTH,
+) -> bytes | None:
+    """The prefix key of a parsed request body; None when disabled or there is no text."""
+    if not enabled:
+        return None
+    anchor = anchor_text(body)
+    if anchor is None:
+        return None
+    tag, text = anchor
+    return prefix_key_from_text(model, tag, text, max_prefix_length)

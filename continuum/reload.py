@@ -1,0 +1,110 @@
+"""Hot reload: re-read the config file on request or when it changes, in every worker.
+
+Each gunicorn worker has its own state, so each reloads itself. ``POST
+/admin/config/reload`` reloads the worker that receives it at once and bumps a generation
+file in ``$CONTINUUM_RUNTIME_DIR`` (set by ``continuum.gunicorn_conf``); every worker's
+watcher notices the new generation, or a changed file, within
+``server.watch_interval_seconds`` and reloads too. A config with errors is refused and the
+running one stays.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from continuum.config import check_config_file
+from continuum.errors import ConfigError
+
+if TYPE_CHECKING:
+    from continuum.service import ReloadReport, RouterService
+
+log = logging.getLogger(__name__)
+
+RUNTIME_DIR_ENV = "CONTINUUM_RUNTIME_DIR"
+_GENERATION_FILE = "reload-generation"
+
+
+def _signature(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+class ConfigReloader:
+    """Reloads ``path`` into ``service``; optionally watches it from a greenlet."""
+
+    def __init__(self, service: RouterService, path: str | os.PathLike[str]) -> None:
+        self.service = service
+        self.path = Path(path)
+        runtime = os.environ.get(RUNTIME_DIR_ENV)
+        self.generation_file = Path(runtime) / _GENERATION_FILE if runtime else None
+        self._seen = (_signature(self.path), self._generation())
+        self._greenlet: Any = None
+        self.reloads = 0
+
+    def _generation(self) -> str | None:
+        if self.generation_file is None:
+            return None
+        try:
+            return self.generation_file.read_text()
+        except OSError:
+            return None
+
+    def reload(self, *, broadcast: bool = False) -> ReloadReport:
+        """Read the file and apply it.
+
+        Raises:
+            ConfigError: the file has errors; nothing was changed.
+        """
+        result = check_config_file(self.path, self.service.registry)
+        if result.config is None:
+            raise ConfigError(result.errors, str(self.path))
+        for warning in result.warnings:
+            log.warning("config: %s", warning.render(result.source))
+        report = self.service.reload(result.config)
+        self.reloads += 1
+        if broadcast and self.generation_file is not None:
+            tmp = self.generation_file.with_suffix(f".{os.getpid()}")
+            tmp.write_text(f"{os.getpid()}:{self.reloads}:{_signature(self.path)}")
+            tmp.replace(self.generation_file)
+        self._seen = (_signature(self.path), self._generation())
+        log.info("config reloaded: applied %s; restart required for %s",
+                 report.applied or "nothing", report.restart_required or "nothing")
+        return report
+
+    def check(self) -> ReloadReport | None:
+        """Reload if the file or the shared generation changed since the last look."""
+        current = (_signature(self.path), self._generation())
+        if current == self._seen:
+            return None
+        self._seen = current
+        try:
+            return self.reload()
+        except ConfigError as exc:
+            log.error("config change ignored, the running config stays:\n%s", exc)
+            return None
+
+    def start(self, interval: float) -> None:
+        """Watch from a greenlet (call in the worker process)."""
+        import gevent
+
+        def loop() -> None:
+            while True:
+                gevent.sleep(interval)
+                try:
+                    self.check()
+                except Exception:  # the watcher must outlive any one bad reload
+                    log.exception("config watcher failed")
+
+        if self._greenlet is None:
+            self._greenlet = gevent.spawn(loop)
+
+    def stop(self) -> None:
+        if self._greenlet is not None:
+            self._greenlet.kill(block=False)
+            self._greenlet = None

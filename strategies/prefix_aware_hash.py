@@ -1,0 +1,149 @@
+"""PrefixAwareHash: consistent hashing with bounded loads (CHWBL) over prefix keys.
+
+Requests with a prefix key go to the key's owner on the ring (multi-probe lookup, see
+:meth:`continuum.hashring.HashRing.lookup_probes`) while the owner carries
+fewer than ``bound = ceil((1 + epsilon) * (in_flight_total + 1) / N)`` requests; a full
+owner passes the request clockwise to the first backend under the bound. Requests
+without a key hash the model name and take the first node with no bound (the
+:class:`~strategies.consistent_hash.ConsistentHash` path).
+
+Decision labels (``continuum_prefix_routing_requests_total{strategy=...}``), recorded
+once per ``select``:
+  * ``prefix_hash``: the owner took it (including the all-full case, which keeps locality);
+  * ``overflow``: the owner was full and a later backend on the ring took it;
+  * ``fallback``: no prefix key; model-name hash, no bound.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from continuum.cardinality import DistinctCounter
+from continuum.config import PrefixRoutingConfig
+from continuum.errors import NoHealthyBackendError
+from strategies.consistent_hash import ConsistentHash
+
+if TYPE_CHECKING:
+    from continuum.backends import Backend
+    from continuum.config import RouterConfig
+    from continuum.metrics import RouterMetrics
+    from continuum.request import RequestContext
+
+PREFIX_HASH = "prefix_hash"
+OVERFLOW = "overflow"
+FALLBACK = "fallback"
+
+
+def load_bound(candidates: Sequence[Backend], epsilon: float) -> int:
+    """Most in-flight requests one backend may hold, counting the one being placed."""
+    total = 0
+    for backend in candidates:
+        total += backend.in_flight
+    return math.ceil((1.0 + epsilon) * (total + 1) / len(candidates))
+
+
+class PrefixAwareHash(ConsistentHash):
+    """Sticky prefix routing with bounded loads (the seed's Tier 1)."""
+
+    name: ClassVar[str] = "PrefixAwareHash"
+    deterministic: ClassVar[bool] = True
+    sticky: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        config: RouterConfig | None = None,
+        *,
+        metrics: RouterMetrics | None = None,
+        **collaborators: Any,
+    ) -> None:
+        settings = config.prefix_routing if config is not None else PrefixRoutingConfig()
+        super().__init__(config, virtual_nodes=settings.virtual_nodes, **collaborators)
+        self.settings = settings
+        self.metrics = metrics
+        self.decisions = {PREFIX_HASH: 0, OVERFLOW: 0, FALLBACK: 0}
+        self.prefixes = DistinctCounter()
+
+    def reconfigure(self, config: RouterConfig) -> list[str]:
+        """Apply ``prefix_routing`` live: a new ``virtual_nodes`` rebuilds the rings
+        (in-flight counts live on the backends and are kept)."""
+        settings = config.prefix_routing
+        if settings.virtual_nodes != self._virtual_nodes:
+            self._virtual_nodes = settings.virtual_nodes
+            self._rings.clear()
+        self.settings = settings
+        self.config = config
+        return []
+
+    def decide(
+        self, candidates: Sequence[Backend], ctx: RequestContext
+    ) -> tuple[Backend, str, int | None]:
+        """The choice, its label and the load bound, without recording anything."""
+        if not candidates:
+            raise NoHealthyBackendError("no healthy backend to select from")
+        key = ctx.prefix_key
+        if key is None:
+            return super().select(candidates, ctx), FALLBACK, None
+        ring = self.ring(candidates)
+        bound = load_bound(candidates, self.settings.load_factor_epsilon)
+        owner: Backend | None = None
+        for index in ring.walk_indices_at(ring.lookup_probes(key)):
+            backend = candidates[index]
+            if owner is None:
+                owner = backend
+            if backend.in_flight < bound:
+                return backend, (PREFIX_HASH if backend is owner else OVERFLOW), bound
+        assert owner is not None
+        return owner, PREFIX_HASH, bound
+
+    def select(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend:
+        """Pick by prefix key with bounded loads (see the module docstring)."""
+        backend, label, _bound = self.decide(candidates, ctx)
+        self.decisions[label] += 1
+        if ctx.prefix_key is not None:
+            self.prefixes.add(ctx.prefix_key)
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.child(metrics.prefix_requests, label).inc()
+            metrics.child(metrics.prefix_distribution, backend.name).inc()
+        return backend
+
+    def explain(self, candidates: Sequence[Backend], ctx: RequestContext) -> dict[str, Any]:
+        """What :meth:`select` would do for ``ctx`` and why, changing nothing."""
+        backend, label, bound = self.decide(candidates, ctx)
+        if ctx.prefix_key is None:
+            ring = self.ring(candidates)
+            order = [candidates[i].name for i in ring.walk_indices(ctx.model.encode())]
+            reason = "no prefix key: model-name hash, first backend clockwise, no load bound"
+        else:
+            ring = self.ring(candidates)
+            start = ring.lookup_probes(ctx.prefix_key)
+            order = [candidates[i].name for i in ring.walk_indices_at(start)]
+            reason = {
+                PREFIX_HASH: "the key's owner is under the load bound"
+                if backend.in_flight < (bound or 0)
+                else "every backend is at the bound; the owner keeps the request",
+                OVERFLOW: f"the owner {order[0]} is at the load bound; next under it clockwise",
+            }[label]
+        return {"decision": label, "backend": backend.name, "reason": reason,
+                "load_bound": bound, "ring_order": order}
+
+    def stats(self) -> dict[str, Any]:
+        """Decisions, overflow rate, unique prefixes and the live config."""
+        total = sum(self.decisions.values())
+        settings = self.settings
+        return {
+            "config": {
+                "max_prefix_length": settings.max_prefix_length,
+                "load_factor_epsilon": settings.load_factor_epsilon,
+                "virtual_nodes": self._virtual_nodes,
+                "anthropic_cache_control_injection": settings.anthropic_cache_control_injection,
+            },
+            "routing_decisions": {
+                "total": total,
+                **self.decisions,
+                "overflow_rate": f"{(self.decisions[OVERFLOW] / total if total else 0.0):.4f}",
+            },
+            "unique_prefixes": self.prefixes.count(),
+        }

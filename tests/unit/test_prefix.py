@@ -1,0 +1,98 @@
+"""Prefix keys: the exact byte layout, UTF-8-safe truncation, OpenAI and Anthropic shapes."""
+
+from __future__ import annotations
+
+import hashlib
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from continuum.prefix import (
+    content_text,
+    prefix_key_from_text,
+    request_prefix_key,
+    truncate_utf8,
+)
+
+
+def _expected(model: str, tag: bytes, data: bytes) -> bytes:
+    return hashlib.sha256(model.encode() + b"\x00" + tag + data).digest()
+
+
+def test_ascii_system_prompt_vector() -> None:
+    body = {"messages": [{"role": "system", "content": "You are helpful."},
+                         {"role": "user", "content": "hi"}]}
+    key = request_prefix_key(body, "llama-3")
+    assert key == _expected("llama-3", b"S", b"You are helpful.")
+    assert key is not None and key.hex() == hashlib.sha256(
+        b"llama-3\x00SYou are helpful.").hexdigest()
+
+
+def test_truncation_never_splits_a_character() -> None:
+    text = "가나다"  # three 3-byte characters
+    assert truncate_utf8(text, 4) == "가".encode()
+    assert truncate_utf8(text, 6) == "가나".encode()
+    assert truncate_utf8(text, 2) == b""
+    assert truncate_utf8("a\u00e9b", 2) == b"a"  # é is 2 bytes, cut at byte 2 drops it
+    body = {"messages": [{"role": "system", "content": text}]}
+    assert request_prefix_key(body, "m", max_prefix_length=4) == _expected("m", b"S", "가".encode())
+
+
+@given(st.text(), st.integers(min_value=0, max_value=64))
+def test_truncation_is_a_valid_utf8_prefix(text: str, limit: int) -> None:
+    cut = truncate_utf8(text, limit)
+    full = text.encode("utf-8", "surrogatepass")
+    assert full.startswith(cut) and len(cut) <= limit
+    cut.decode("utf-8", "surrogatepass")  # would raise on a split character
+    assert len(cut) > limit - 4 or len(cut) == len(full)
+
+
+def test_truncation_only_matters_up_to_the_limit() -> None:
+    a = {"messages": [{"role": "system", "content": "x" * 1024 + "tail one"}]}
+    b = {"messages": [{"role": "system", "content": "x" * 1024 + "tail two"}]}
+    assert request_prefix_key(a, "m") == request_prefix_key(b, "m")
+    assert request_prefix_key(a, "m", max_prefix_length=1030) != request_prefix_key(
+        b, "m", max_prefix_length=1030)
+
+
+def test_system_and_first_message_differ_for_same_text() -> None:
+    system = {"messages": [{"role": "system", "content": "same"}]}
+    first = {"messages": [{"role": "user", "content": "same"}]}
+    assert request_prefix_key(first, "m") == _expected("m", b"M", b"same")
+    assert request_prefix_key(system, "m") != request_prefix_key(first, "m")
+
+
+def test_model_separator_prevents_ambiguity() -> None:
+    assert prefix_key_from_text("ab", b"S", "c") != prefix_key_from_text("a", b"S", "bc")
+
+
+def test_list_of_parts_and_developer_role() -> None:
+    parts = {"messages": [{"role": "developer", "content": [
+        {"type": "text", "text": "one"}, {"type": "image_url", "image_url": {"url": "x"}},
+        {"type": "text", "text": "two"}]}]}
+    assert request_prefix_key(parts, "m") == _expected("m", b"S", b"one\ntwo")
+    assert content_text([{"type": "image_url"}]) is None
+
+
+def test_anthropic_system_string_and_blocks() -> None:
+    as_string = {"system": "Be brief.", "messages": [{"role": "user", "content": "q"}]}
+    as_blocks = {"system": [{"type": "text", "text": "Be brief."}],
+                 "messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}]}
+    assert request_prefix_key(as_string, "claude") == _expected("claude", b"S", b"Be brief.")
+    assert request_prefix_key(as_blocks, "claude") == request_prefix_key(as_string, "claude")
+    no_system = {"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}]}
+    assert request_prefix_key(no_system, "claude") == _expected("claude", b"M", b"q")
+
+
+def test_no_text_or_disabled_gives_no_key() -> None:
+    assert request_prefix_key({}, "m") is None
+    assert request_prefix_key({"messages": []}, "m") is None
+    assert request_prefix_key({"system": "", "messages": [{"role": "user", "content": ""}]},
+                              "m") is None
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    assert request_prefix_key(body, "m", enabled=False) is None
+
+
+def test_empty_system_falls_back_to_first_message() -> None:
+    body = {"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "u"}]}
+    assert request_prefix_key(body, "m") == _expected("m", b"M", b"u")
