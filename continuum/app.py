@@ -14,6 +14,7 @@ from typing import Any
 
 import falcon
 
+from continuum import anthropic
 from continuum import request as rq
 from continuum.config import CONFIG_ENV, RouterConfig, check_config_file
 from continuum.errors import (
@@ -32,6 +33,7 @@ from continuum.service import RouterService
 log = logging.getLogger(__name__)
 
 JSON = "application/json"
+ANTHROPIC_PREFIX = "/anthropic/"
 
 
 def error_body(message: str, error_type: str, code: str | None, param: Any = None) -> bytes:
@@ -41,12 +43,19 @@ def error_body(message: str, error_type: str, code: str | None, param: Any = Non
     ).encode()
 
 
+def _is_anthropic(req: falcon.Request) -> bool:
+    return req.path.startswith(ANTHROPIC_PREFIX)
+
+
 def _handle_continuum_error(
     req: falcon.Request, resp: falcon.Response, exc: ContinuumError, params: Any
 ) -> None:
     resp.status = exc.status
     resp.content_type = JSON
-    resp.data = error_body(exc.message, exc.error_type, exc.code, exc.fields.get("param"))
+    if _is_anthropic(req):
+        resp.data = anthropic.error_document(exc.status, exc.message)
+    else:
+        resp.data = error_body(exc.message, exc.error_type, exc.code, exc.fields.get("param"))
     if exc.status == 401:
         resp.set_header("WWW-Authenticate", "Bearer")
 
@@ -58,7 +67,10 @@ def _serialize_http_error(
     error_type = "invalid_request_error" if code.startswith("4") else "server_error"
     message = exc.description or exc.title or "error"
     resp.content_type = JSON
-    resp.data = error_body(message, error_type, code)
+    if _is_anthropic(req):
+        resp.data = anthropic.error_document(int(code), message)
+    else:
+        resp.data = error_body(message, error_type, code)
 
 
 def read_body(req: falcon.Request, limit: int) -> bytes:
@@ -106,7 +118,7 @@ class ModelsResource:
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         data = [
             {"id": mid, "object": "model", "created": 0, "owned_by": "continuum-router"}
-            for mid in self.service.pool.model_ids()
+            for mid in self.service.pool.model_ids("openai")
         ]
         resp.content_type = JSON
         resp.data = json.dumps({"object": "list", "data": data}).encode()
@@ -188,6 +200,10 @@ def create_app(
     app.add_route("/v1/completions", ProxyResource(service, rq.COMPLETIONS, "/v1/completions"))
     app.add_route("/v1/embeddings", ProxyResource(service, rq.EMBEDDINGS, "/v1/embeddings"))
     app.add_route("/v1/models", ModelsResource(service))
+    app.add_route(
+        "/anthropic/v1/messages",
+        ProxyResource(service, rq.ANTHROPIC_MESSAGES, "/v1/messages"),
+    )
     app.add_route("/health", HealthResource(service))
     app.add_route("/metrics", MetricsResource(metrics))
     admin.add_routes(app, service, AdminAuth(service), reloader)

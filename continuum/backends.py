@@ -123,18 +123,25 @@ class BackendPool:
         """Enabled, client-facing backends (``internal`` ones only serve the router itself)."""
         return [b for b in self._order if b.config.enabled and not b.config.internal]
 
-    def serving(self, model: str) -> list[Backend]:
-        """Routable backends that serve ``model``, healthy or not."""
-        return [b for b in self.routable() if b.serves(model)]
+    def serving(self, model: str, protocol: str = "openai") -> list[Backend]:
+        """Routable backends speaking ``protocol`` that serve ``model``, healthy or not."""
+        return [
+            b for b in self.routable() if b.config.protocol == protocol and b.serves(model)
+        ]
 
-    def candidates(self, model: str) -> list[Backend]:
-        """Routable, healthy backends that serve ``model``, in config order."""
-        return [b for b in self.routable() if b.healthy and b.serves(model)]
+    def candidates(self, model: str, protocol: str = "openai") -> list[Backend]:
+        """Routable, healthy backends speaking ``protocol`` that serve ``model``."""
+        return [
+            b for b in self.routable()
+            if b.healthy and b.config.protocol == protocol and b.serves(model)
+        ]
 
-    def model_ids(self) -> list[str]:
-        """Union of the models of every routable backend, sorted."""
+    def model_ids(self, protocol: str | None = None) -> list[str]:
+        """Union of the models of every routable backend (of ``protocol``), sorted."""
         ids: set[str] = set()
         for backend in self.routable():
+            if protocol is not None and backend.config.protocol != protocol:
+                continue
             ids.update(backend.models)
         return sorted(ids)
 

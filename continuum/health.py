@@ -124,12 +124,19 @@ class HealthMonitor:
         timeout = config.timeout_ms / 1000
         headers = {}
         key = backend.config.resolved_api_key()
-        if key:
+        path = config.path
+        if backend.config.protocol == "anthropic":
+            # The Anthropic API has no health path; listing models is its cheapest call.
+            path = "/v1/models"
+            headers["anthropic-version"] = backend.config.anthropic_version
+            if key:
+                headers["x-api-key"] = key
+        elif key:
             headers["Authorization"] = f"Bearer {key}"
         try:
-            resp = self._session.get(backend.url + config.path, timeout=timeout, headers=headers)
+            resp = self._session.get(backend.url + path, timeout=timeout, headers=headers)
             ok = resp.status_code < 400
-            if ok and config.path == "/v1/models":
+            if ok and path == "/v1/models":
                 backend.discovered_models = _model_ids(resp)
             elif ok and not backend.config.models:
                 models = self._session.get(

@@ -54,7 +54,10 @@ _SOCKET_OPTIONS = [
     (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
 ]
 #: Headers of the upstream answer that are passed back to the client.
-PASS_HEADERS = ("content-type", "retry-after", "x-request-id", "openai-processing-ms")
+PASS_HEADERS = (
+    "content-type", "retry-after", "x-request-id", "openai-processing-ms", "request-id",
+    "anthropic-ratelimit-requests-remaining", "anthropic-ratelimit-tokens-remaining",
+)
 
 
 class Lease:
@@ -160,10 +163,10 @@ class Forwarder:
             ModelNotFoundError: no enabled backend serves the model at all.
             NoHealthyBackendError: some do, but none is healthy.
         """
-        found = self.pool.candidates(ctx.model)
+        found = self.pool.candidates(ctx.model, ctx.protocol)
         if found:
             return found
-        if not self.pool.serving(ctx.model):
+        if not self.pool.serving(ctx.model, ctx.protocol):
             raise ModelNotFoundError(
                 f"The model '{ctx.model}' does not exist or is not served by this router",
                 param="model",
@@ -175,10 +178,13 @@ class Forwarder:
         ctx: RequestContext,
         select: Selector,
         path: str,
-        body: bytes,
+        body: bytes | Callable[[Backend], bytes],
         extra_headers: dict[str, str] | None = None,
     ) -> Upstream:
         """Select a backend and send the request; retry once on another after a connect error.
+
+        ``body`` is the bytes to send, or a function of the chosen backend that returns
+        them (for per-backend rewriting such as Anthropic cache_control injection).
 
         Raises:
             UpstreamConnectError: the chosen backend (and the retry, if any) was unreachable.
@@ -189,7 +195,8 @@ class Forwarder:
         attempts = 2 if self.retry_connect_errors and len(candidates) > 1 else 1
         for attempt in range(attempts):
             try:
-                return self._send(backend, ctx, path, body, extra_headers)
+                data = body if isinstance(body, bytes) else body(backend)
+                return self._send(backend, ctx, path, data, extra_headers)
             except UpstreamConnectError:
                 if attempt + 1 >= attempts:
                     raise
@@ -208,8 +215,13 @@ class Forwarder:
         extra_headers: dict[str, str] | None,
     ) -> Upstream:
         headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id}
-        key = backend.config.resolved_api_key()
-        if key:
+        cfg = backend.config
+        key = cfg.resolved_api_key()
+        if cfg.protocol == "anthropic":
+            headers["anthropic-version"] = cfg.anthropic_version
+            if key:
+                headers["x-api-key"] = key
+        elif key:
             headers["Authorization"] = f"Bearer {key}"
         if extra_headers:
             headers.update(extra_headers)
@@ -319,6 +331,12 @@ def openai_error_event(message: str) -> bytes:
     """An SSE record carrying an OpenAI-shaped error (what the openai SDK raises on)."""
     payload = {"error": {"message": message, "type": "server_error", "code": "upstream_error"}}
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def anthropic_error_event(message: str) -> bytes:
+    """An Anthropic-style SSE ``error`` event (what the anthropic SDK raises on)."""
+    payload = {"type": "error", "error": {"type": "api_error", "message": message}}
+    return b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
 
 
 def first_backend(candidates: Sequence[Backend], ctx: Any) -> Backend:

@@ -40,6 +40,11 @@ class RequestContext:
     state: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def protocol(self) -> str:
+        """The API family of the request: ``anthropic`` or ``openai``."""
+        return "anthropic" if self.endpoint == ANTHROPIC_MESSAGES else "openai"
+
+    @property
     def prefix_hash(self) -> str | None:
         """The prefix key as lowercase hex, or ``None`` when the request has none."""
         return None if self.prefix_key is None else self.prefix_key.hex()
@@ -77,7 +82,7 @@ def parse_request(
     messages = body.get("messages")
     if messages is not None and not isinstance(messages, list):
         raise RequestError("'messages' must be an array", param="messages")
-    if endpoint == CHAT and not messages:
+    if endpoint in (CHAT, ANTHROPIC_MESSAGES) and not messages:
         raise RequestError("'messages' is required and must be a non-empty array", param="messages")
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):

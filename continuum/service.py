@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +13,8 @@ from continuum.config.fields import walk
 from continuum.health import HealthMonitor
 from continuum.metrics import RouterMetrics
 from continuum.prefix import request_prefix_key
-from continuum.proxy import Forwarder, openai_error_event
+from continuum.anthropic import injected_body, should_inject
+from continuum.proxy import Forwarder, anthropic_error_event, openai_error_event
 from continuum.registry import PluginRegistry
 from continuum.selection import SelectionPipeline
 
@@ -109,19 +110,39 @@ class RouterService:
     def proxy(self, ctx: RequestContext, path: str) -> ProxyResult:
         """Send ``ctx`` to the backend the pipeline picks and return what to answer."""
         self.prepare(ctx)
-        upstream = self.forwarder.open(ctx, self.pipeline.select, path, ctx.raw)
+        body: bytes | Callable[[Backend], bytes] = ctx.raw
+        error_event = openai_error_event
+        if ctx.protocol == "anthropic":
+            body = self._anthropic_body(ctx)
+            error_event = anthropic_error_event
+        upstream = self.forwarder.open(ctx, self.pipeline.select, path, body)
         headers = upstream.headers()
         headers["X-Continuum-Backend"] = upstream.backend.name
         if ctx.stream and upstream.status == 200:
-            stream = self.forwarder.relay(upstream, openai_error_event)
+            stream = self.forwarder.relay(upstream, error_event)
             return ProxyResult(200, headers, stream=stream)
         body = self.forwarder.read_all(upstream)
         return ProxyResult(upstream.status, headers, body=body)
 
+    def _anthropic_body(self, ctx: RequestContext) -> Callable[[Backend], bytes]:
+        """Per-backend body: with cache_control injected where the precedence says so."""
+        global_injection = self.config.prefix_routing.anthropic_cache_control_injection
+        injected: list[bytes | None] = []
+
+        def body_for(backend: Backend) -> bytes:
+            if not should_inject(global_injection, backend.config.anthropic_auto_cache_control):
+                return ctx.raw
+            if not injected:  # serialise at most once, whatever the retries
+                injected.append(injected_body(ctx.body))
+            ctx.state["cache_control_injected"] = injected[0] is not None
+            return injected[0] or ctx.raw
+
+        return body_for
+
     def explain(self, ctx: RequestContext) -> dict[str, Any]:
         """What routing would do with ``ctx`` and why; sends nothing upstream."""
         self.prepare(ctx)
-        serving = self.pool.serving(ctx.model)
+        serving = self.pool.serving(ctx.model, ctx.protocol)
         candidates = [b for b in serving if b.healthy]
         doc: dict[str, Any] = {
             "model": ctx.model,

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 from continuum.config.fields import Issues, join, setting
 
 NAME_PATTERN = r"[A-Za-z0-9_-]{1,64}"
-BACKEND_TYPES = ("openai",)
+BACKEND_TYPES = ("openai", "anthropic")
 
 
 @dataclass(frozen=True)
@@ -62,10 +62,21 @@ class BackendConfig:
     request_timeout_ms: int = setting(
         600000, doc="longest wait for the next upstream byte", min=100, max=3600000
     )
+    anthropic_version: str = setting(
+        "2023-06-01", doc="anthropic-version header sent to type: anthropic backends"
+    )
+    anthropic_auto_cache_control: bool = setting(
+        True, doc="mark the last system block cache_control: ephemeral (type: anthropic)"
+    )
     enabled: bool = setting(True, doc="false removes the backend from every path")
     internal: bool = setting(
         False, doc="only the router itself calls it (e.g. embeddings); hidden from clients"
     )
+
+    @property
+    def protocol(self) -> str:
+        """The API family the backend speaks: ``openai`` or ``anthropic``."""
+        return "anthropic" if self.type == "anthropic" else "openai"
 
     @property
     def model_set(self) -> frozenset[str]:

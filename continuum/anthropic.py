@@ -1,0 +1,84 @@
+"""Native Anthropic Messages support: cache_control injection and error shapes.
+
+Precedence of injection (the seed's rules):
+  * ``prefix_routing.anthropic_cache_control_injection: true`` injects for every Anthropic
+    backend, even one with ``anthropic_auto_cache_control: false``;
+  * otherwise the backend's ``anthropic_auto_cache_control`` (default true) decides;
+  * the marker ``{"type": "ephemeral"}`` goes on the last system block only (a string
+    system prompt becomes one text block), and nothing is injected when the request
+    already carries ``cache_control`` anywhere (system, messages, tools): the caller's
+    own breakpoints win.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+EPHEMERAL = {"type": "ephemeral"}
+
+#: HTTP status → Anthropic error ``type``.
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def _blocks_have_cache_control(blocks: Any) -> bool:
+    return isinstance(blocks, list) and any(
+        isinstance(block, dict) and "cache_control" in block for block in blocks
+    )
+
+
+def has_cache_control(body: dict[str, Any]) -> bool:
+    """Whether the request already sets ``cache_control`` on any block or tool."""
+    if _blocks_have_cache_control(body.get("system")):
+        return True
+    if _blocks_have_cache_control(body.get("tools")):
+        return True
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            if isinstance(message, dict) and _blocks_have_cache_control(message.get("content")):
+                return True
+    return False
+
+
+def should_inject(global_injection: bool, backend_auto: bool) -> bool:
+    """The seed's precedence: the fleet-wide switch forces it on, else the backend decides."""
+    return global_injection or backend_auto
+
+
+def inject_cache_control(body: dict[str, Any]) -> dict[str, Any] | None:
+    """A copy of ``body`` with the last system block marked ephemeral, or None when the
+    request has no system prompt or already carries ``cache_control`` somewhere."""
+    system = body.get("system")
+    if not system or has_cache_control(body):
+        return None
+    if isinstance(system, str):
+        blocks: list[Any] = [{"type": "text", "text": system}]
+    elif isinstance(system, list) and isinstance(system[-1], dict):
+        blocks = list(system)
+    else:
+        return None
+    blocks[-1] = {**blocks[-1], "cache_control": dict(EPHEMERAL)}
+    return {**body, "system": blocks}
+
+
+def injected_body(body: dict[str, Any]) -> bytes | None:
+    """:func:`inject_cache_control` serialised, or None when nothing changes."""
+    injected = inject_cache_control(body)
+    return None if injected is None else json.dumps(injected).encode()
+
+
+def error_document(status: int, message: str) -> bytes:
+    """An Anthropic-shaped error body for ``status``."""
+    error_type = _ERROR_TYPES.get(status, "api_error")
+    return json.dumps(
+        {"type": "error", "error": {"type": error_type, "message": message}}
+    ).encode()
