@@ -7,13 +7,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from continuum.anthropic import injected_body, should_inject
 from continuum.backends import Backend, BackendPool
 from continuum.config import restart_required
 from continuum.config.fields import walk
 from continuum.health import HealthMonitor
 from continuum.metrics import RouterMetrics
 from continuum.prefix import request_prefix_key
-from continuum.anthropic import injected_body, should_inject
 from continuum.proxy import Forwarder, anthropic_error_event, openai_error_event
 from continuum.registry import PluginRegistry
 from continuum.selection import SelectionPipeline
