@@ -97,6 +97,8 @@ class PrefixCache:
         hasher: ``hasher(parent, block_token_ids, cache_salt)``; the salt is passed for
             block 0 only.
         sink: receives one batch of neutral KV events per step (optional).
+        cpu_medium: the ``medium`` the engine names its CPU tier in events (vLLM ``"CPU"``,
+            SGLang ``"CPU_PINNED"``).
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class PrefixCache:
         cpu_blocks: int = 0,
         hasher: BlockHasher | None = None,
         sink: KvEventSink | None = None,
+        cpu_medium: str = CPU,
     ) -> None:
         if num_blocks < 1 or block_size < 1 or cpu_blocks < 0:
             raise ValueError("num_blocks and block_size must be >= 1, cpu_blocks >= 0")
@@ -115,6 +118,7 @@ class PrefixCache:
         self.cpu_blocks = cpu_blocks
         self.hasher: BlockHasher = hasher or sha256_chain_hasher
         self.sink = sink
+        self.cpu_medium = cpu_medium
         self.stats = CacheStats()
         self._gpu: dict[BlockHash, _Block] = {}
         self._free: OrderedDict[BlockHash, None] = OrderedDict()  # LRU first
@@ -295,9 +299,9 @@ class PrefixCache:
                 if len(self._cpu) >= self.cpu_blocks:
                     old, _ = self._cpu.popitem(last=False)
                     self.stats.cpu_evictions += 1
-                    events.append(BlockRemoved((old,), medium=CPU))
+                    events.append(BlockRemoved((old,), medium=self.cpu_medium))
                 self._cpu[block_hash] = block
-                events.append(self._stored([block], CPU))
+                events.append(self._stored([block], self.cpu_medium))
         events.append(BlockRemoved((block_hash,), medium=GPU))
 
     def _stored(self, blocks: list[_Block], medium: str) -> BlockStored:

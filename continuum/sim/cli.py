@@ -53,12 +53,14 @@ class RunningEngine:
 
 
 def offset_endpoint(endpoint: str, offset: int) -> str:
-    """``tcp://host:P`` → ``tcp://host:P+offset``; other schemes get an ``_{offset}`` suffix."""
+    """``tcp://host:P`` → ``tcp://host:P+offset`` (port 0 stays 0: each binds a free port);
+    other schemes get an ``_{offset}`` suffix."""
     if offset == 0:
         return endpoint
     match = re.fullmatch(r"(tcp://.*:)(\d+)", endpoint)
     if match:
-        return f"{match.group(1)}{int(match.group(2)) + offset}"
+        port = int(match.group(2))
+        return endpoint if port == 0 else f"{match.group(1)}{port + offset}"
     return f"{endpoint}_{offset}"
 
 
@@ -81,8 +83,11 @@ def build_engine(
     from continuum.sim.engine import SimEngine
     from continuum.sim.hashing import hasher_for
     from continuum.sim.kv_publish import TrtllmEventQueue, ZmqKvPublisher
+    from continuum.sim.kv_wire import get_profile
 
     profile = kv_format or DEFAULT_PROFILES[config.engine]
+    if kv_format is not None:
+        get_profile(kv_format)  # unknown profile: ValueError listing the known ones
     if config.engine == "trtllm" and kv_format is not None:
         raise ValueError("--kv-format applies to vllm and sglang; trtllm serves JSON events")
     if not profile.startswith(config.engine):

@@ -180,6 +180,7 @@ class SimEngine:
             cpu_blocks=config.cpu_blocks,
             hasher=hasher,
             sink=sink,
+            cpu_medium="CPU_PINNED" if config.engine == "sglang" else "CPU",
         )
         self.sink = sink
         self.sleep = sleep
@@ -299,7 +300,7 @@ class SimEngine:
         if request.ignore_eos:
             ids = ids[:limit] if limit else ids
             steps = [Step(i, self.tokenizer.token_str(i)) for i in ids]
-            return _finish(steps, "length")
+            return _apply_stop(_finish(steps, "length"), request.stop)
         if limit is not None and limit < len(ids) + 1:
             steps = [Step(i, self.tokenizer.token_str(i)) for i in ids[:limit]]
             return _apply_stop(_finish(steps, "length"), request.stop)

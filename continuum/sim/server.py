@@ -25,6 +25,7 @@ from gevent.pywsgi import WSGIHandler, WSGIServer
 from continuum.errors import ContinuumError, RequestError
 from continuum.sim.engine import Generation, GenerationRequest, SimEngine, render_metrics
 
+_OWNERS = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError"}
 
 
@@ -67,7 +68,7 @@ def _error_handler(req: falcon.Request, resp: falcon.Response, ex: Exception, pa
     send_json(resp, {"error": error}, ex.status)
 
 
-def create_app() -> falcon.App:
+def create_app() -> falcon.App[falcon.Request, falcon.Response]:
     """A bare simulator app: vLLM-style error bodies and ``GET /health``; add routes to it."""
     app = falcon.App()
     app.add_error_handler(ContinuumError, _error_handler)
@@ -83,7 +84,7 @@ class _Health:
 
 def create_engine_app(
     engine: SimEngine, *, kv_events: Callable[[], list[dict[str, Any]]] | None = None
-) -> falcon.App:
+) -> falcon.App[falcon.Request, falcon.Response]:
     """The app of one simulated engine.
 
     Args:
@@ -97,12 +98,15 @@ def create_engine_app(
     app.add_route("/v1/chat/completions", api, suffix="chat")
     app.add_route("/v1/completions", api, suffix="completions")
     app.add_route("/v1/embeddings", api, suffix="embeddings")
-    app.add_route("/tokenize", api, suffix="tokenize")
-    app.add_route("/detokenize", api, suffix="detokenize")
+    if engine.config.engine != "trtllm":  # trtllm-serve has no public (de)tokenize endpoints
+        app.add_route("/tokenize", api, suffix="tokenize")
+        app.add_route("/detokenize", api, suffix="detokenize")
     app.add_route("/version", api, suffix="version")
     app.add_route("/metrics", api, suffix="metrics")
     app.add_route("/sim/stats", api, suffix="stats")
+    # vLLM's (dev-mode) and SGLang's ways to drop the prefix cache
     app.add_route("/reset_prefix_cache", api, suffix="reset")
+    app.add_route("/flush_cache", api, suffix="reset")
     if kv_events is not None:
         app.add_route("/kv_cache_events", _KvEvents(kv_events))
     return app
@@ -136,7 +140,9 @@ def _int(body: dict[str, Any], name: str, minimum: int) -> int | None:
     return value
 
 
-def _sampling(engine: SimEngine, body: dict[str, Any], model: str, prompt: list[int]) -> Any:
+def _sampling(
+    engine: SimEngine, body: dict[str, Any], model: str, prompt: list[int]
+) -> GenerationRequest:
     if body.get("n") not in (None, 1):
         raise RequestError("the simulated engine supports only n=1", param="n")
     temperature = body.get("temperature")
@@ -200,7 +206,7 @@ class _EngineApi:
                 "id": name,
                 "object": "model",
                 "created": created,
-                "owned_by": "vllm",
+                "owned_by": _OWNERS[self.engine.config.engine],
                 "root": name,
                 "parent": None,
                 "max_model_len": self.engine.config.max_model_len,
@@ -218,6 +224,9 @@ class _EngineApi:
 
     def on_get_stats(self, req: falcon.Request, resp: falcon.Response) -> None:
         send_json(resp, self.engine.stats())
+
+    def on_get_reset(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self.on_post_reset(req, resp)
 
     def on_post_reset(self, req: falcon.Request, resp: falcon.Response) -> None:
         if not self.engine.reset_prefix_cache():
@@ -398,7 +407,7 @@ class _Shape:
             steps.close()  # type: ignore[attr-defined]
 
 
-class _NoDelayHandler(WSGIHandler):
+class _NoDelayHandler(WSGIHandler):  # type: ignore[misc]
     def handle(self) -> None:
         try:
             self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from continuum.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from continuum.sim.cache import PrefixCache, sha256_chain_hasher
@@ -253,3 +255,54 @@ def test_invalid_sizes_are_rejected() -> None:
         PrefixCache(0)
     with pytest.raises(ValueError):
         PrefixCache(4, 0)
+
+
+# -- invariants under arbitrary traffic ------------------------------------------------------
+
+_PROMPTS = st.lists(st.integers(0, 3), min_size=1, max_size=24)  # few ids: many shared prefixes
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["admit", "finish", "reset"]), _PROMPTS, st.sampled_from([None, "s"])
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_OPS, st.integers(1, 6), st.integers(0, 4))
+def test_events_mirror_the_cache_and_capacity_holds(
+    ops: list[tuple[str, list[int], str | None]], num_blocks: int, cpu_blocks: int
+) -> None:
+    sink = Sink()
+    cache = PrefixCache(num_blocks, 2, cpu_blocks=cpu_blocks, sink=sink)
+    running: list = []
+    mirror: dict[str, set[object]] = {"GPU": set(), "CPU": set()}
+    seen: set[object] = set()
+    for op, prompt, salt in ops:
+        if op == "admit":
+            alloc = cache.allocate(prompt, salt)
+            assert alloc.cached_tokens <= len(prompt) - 1
+            assert alloc.cached_tokens % 2 == 0 and alloc.cpu_cached_tokens <= alloc.cached_tokens
+            running.append((alloc, prompt))
+        elif op == "finish" and running:
+            alloc, grown = running.pop(0)
+            cache.extend(alloc, grown + prompt)
+            cache.release(alloc)
+        elif op == "reset":
+            assert cache.reset() is not any(alloc.hashes for alloc, _ in running)
+        for event in sink.take():
+            if isinstance(event, BlockStored):
+                mirror[event.medium or "GPU"].update(event.block_hashes)
+                seen.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                mirror[event.medium or "GPU"].difference_update(event.block_hashes)
+            else:
+                mirror = {"GPU": set(), "CPU": set()}
+        assert cache.gpu_blocks_used <= num_blocks and cache.cpu_blocks_used <= cpu_blocks
+        assert mirror["GPU"] == {h for h in seen if cache.on_gpu(h)}
+        assert mirror["CPU"] == {h for h in seen if cache.on_cpu(h)}
+        for alloc, _ in running:  # what running requests hold is never evicted
+            assert all(cache.on_gpu(h) and cache.refs(h) > 0 for h in alloc.hashes)
+    for alloc, _ in running:
+        cache.release(alloc)
+    assert cache.blocks_in_use == 0

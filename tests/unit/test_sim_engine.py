@@ -6,6 +6,7 @@ import gevent
 import pytest
 
 from continuum.errors import ModelNotFoundError, RequestError
+from continuum.kv_events import BlockStored
 from continuum.sim.engine import EngineConfig, GenerationRequest, SimEngine, render_metrics
 from continuum.sim.latency import LatencyModel
 
@@ -247,3 +248,21 @@ def test_metrics_expose_vllm_prefix_cache_counters() -> None:
         'vllm:request_success_total{engine="0",model_name="sim-model",finished_reason="length"} 2.0'
         in text
     )
+
+
+class EventList(list[object]):
+    """A KV-event sink that keeps every event."""
+
+    def publish(self, batch: object) -> None:
+        self.extend(batch)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("engine_name", "medium"), [("vllm", "CPU"), ("sglang", "CPU_PINNED")])
+def test_offload_events_name_the_cpu_tier_as_the_engine_does(engine_name: str, medium: str) -> None:
+    events = EventList()
+    config = EngineConfig(engine=engine_name, block_size=4, num_blocks=2, cpu_blocks=2)
+    engine = SimEngine(config, sink=events, sleep=Sleeps())
+    for start in (0, 100):  # the second prompt pushes the first one's blocks to the CPU
+        engine.start(request(list(range(start, start + 9)), max_tokens=1)).run()
+    offloaded = {e.medium for e in events if isinstance(e, BlockStored)} - {"GPU"}
+    assert offloaded == {medium}
