@@ -16,6 +16,9 @@ import json
 from typing import Any
 
 EPHEMERAL = {"type": "ephemeral"}
+#: Client headers forwarded to Anthropic backends: the API version the client's SDK
+#: speaks (it wins over the backend's configured default) and opted-in betas.
+FORWARDED_HEADERS = ("anthropic-version", "anthropic-beta")
 
 #: HTTP status → Anthropic error ``type``.
 _ERROR_TYPES = {
@@ -36,7 +39,10 @@ def _blocks_have_cache_control(blocks: Any) -> bool:
 
 
 def has_cache_control(body: dict[str, Any]) -> bool:
-    """Whether the request already sets ``cache_control`` on any block or tool."""
+    """Whether the request already sets ``cache_control``: at the top level (automatic
+    caching), or on any system block, message block or tool."""
+    if body.get("cache_control") is not None:
+        return True
     if _blocks_have_cache_control(body.get("system")):
         return True
     if _blocks_have_cache_control(body.get("tools")):
