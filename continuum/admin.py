@@ -13,7 +13,7 @@ import falcon
 
 from continuum import request as rq
 from continuum.app import read_body
-from continuum.errors import ConfigError, ContinuumError, RequestError
+from continuum.errors import ConfigError, ContinuumError, RequestError, StoreError
 from continuum.reload import ConfigReloader
 from continuum.service import RouterService
 
@@ -137,6 +137,35 @@ class ConfigReloadResource(_AdminResource):
         self._send(resp, {"success": True, **report.as_dict()})
 
 
+class ResponseCacheStatsResource(_AdminResource):
+    """``GET /admin/response-cache/stats``: the seed's response shape."""
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self.auth.check(req)
+        self._send(resp, self.service.response_cache.stats())
+
+
+class ResponseCacheInvalidateResource(_AdminResource):
+    """``POST /admin/response-cache/invalidate`` with ``{"clear_all": true}``."""
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self.auth.check(req)
+        raw = read_body(req, 65536)
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            raise RequestError("body must be JSON: {\"clear_all\": true}") from None
+        if not isinstance(body, dict) or body.get("clear_all") is not True:
+            raise RequestError("only {\"clear_all\": true} is supported")
+        try:
+            cleared = self.service.response_cache.clear()
+        except StoreError as exc:
+            self._send(resp, {"success": False, "action": "clear_all",
+                              "error": exc.message}, status=503)
+            return
+        self._send(resp, {"success": True, "action": "clear_all", "cleared_entries": cleared})
+
+
 class _NoConfigFile(ContinuumError):
     status = 409
     error_type = "invalid_request_error"
@@ -153,6 +182,9 @@ def add_routes(
     app.add_route("/admin/prefix-routing/stats", PrefixRoutingStatsResource(service, auth))
     app.add_route("/admin/routing/explain", ExplainResource(service, auth))
     app.add_route("/admin/config/reload", ConfigReloadResource(service, auth, reloader))
+    app.add_route("/admin/response-cache/stats", ResponseCacheStatsResource(service, auth))
+    app.add_route("/admin/response-cache/invalidate",
+                  ResponseCacheInvalidateResource(service, auth))
 
 
 __all__ = ["RequestError", "add_routes"]

@@ -96,9 +96,16 @@ class ProxyResource:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         service = self.service
+        tenant = service.auth.tenant(req.get_header("Authorization"),
+                                     req.get_header("x-api-key"))
         raw = read_body(req, service.config.server.max_body_bytes)
-        ctx = rq.parse_request(raw, self.endpoint, request_id=req.get_header("X-Request-Id"))
-        result = service.proxy(ctx, self.path)
+        ctx = rq.parse_request(raw, self.endpoint, tenant=tenant,
+                               request_id=req.get_header("X-Request-Id"))
+        forward = None
+        if self.endpoint == rq.ANTHROPIC_MESSAGES:
+            forward = {name: value for name in anthropic.FORWARDED_HEADERS
+                       if (value := req.get_header(name))}
+        result = service.proxy(ctx, self.path, req.get_header("Cache-Control"), forward)
         resp.status = result.status
         for name, value in result.headers.items():
             resp.set_header(name, value)

@@ -99,6 +99,22 @@ class CacheStore(abc.ABC):
 
     name: ClassVar[str] = ""
 
+    @classmethod
+    def from_config(cls, config: RouterConfig, **collaborators: Any) -> CacheStore:
+        """Build the store for ``config.response_cache``.
+
+        Collaborators the router passes: ``metrics`` (:class:`continuum.metrics.RouterMetrics`)
+        and ``redis`` (the app's shared :class:`continuum.redis_link.RedisLink`, or None
+        when no Redis is configured). Plugins take what they need and ignore the rest.
+        """
+        return cls()
+
+    def start(self) -> None:  # noqa: B027 - optional hook, deliberately a no-op
+        """Start background work (called in the worker after the fork); default: none."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, deliberately a no-op
+        """Release resources; default: nothing to release."""
+
     @abc.abstractmethod
     def get(self, key: str) -> bytes | None:
         """The value under ``key``, or None when absent or expired."""

@@ -108,6 +108,52 @@ class RouterMetrics:
             multiprocess_mode="sum",
             registry=r,
         )
+        self.response_cache = Counter(
+            "continuum_response_cache_requests_total",
+            "Response cache lookups by result (hit, miss, skip)",
+            ["result"],
+            registry=r,
+        )
+        self.response_cache_stores = Counter(
+            "continuum_response_cache_stores_total",
+            "Responses offered to the cache by outcome (stored, too_large, error, incomplete)",
+            ["outcome"],
+            registry=r,
+        )
+        self.cache_entries = Gauge(
+            "continuum_response_cache_entries",
+            "Entries in the in-memory response cache (per worker, summed)",
+            [],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.cache_evictions = Counter(
+            "continuum_response_cache_evictions_total",
+            "Entries evicted from the in-memory response cache (LRU)",
+            [],
+            registry=r,
+        )
+        self.redis_latency = Histogram(
+            "continuum_cache_redis_latency_seconds",
+            "Redis command latency by operation",
+            ["operation"],
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                     0.25, 0.5, 1.0),
+            registry=r,
+        )
+        self.redis_errors = Counter(
+            "continuum_cache_redis_errors_total",
+            "Redis failures by kind (connection, timeout, other)",
+            ["kind"],
+            registry=r,
+        )
+        self.fallback_active = Gauge(
+            "continuum_cache_fallback_active",
+            "1 while Redis is unreachable and the in-memory fallback serves (max over workers)",
+            [],
+            multiprocess_mode="livemax",
+            registry=r,
+        )
         self.worker_requests = Gauge(
             "continuum_worker_requests",
             "Requests proxied by each live worker (pid label), to see how workers share load",

@@ -96,6 +96,8 @@ class Upstream:
     backend: Backend
     response: urllib3.BaseHTTPResponse
     lease: Lease
+    #: Set by :meth:`Forwarder.relay` when the upstream body ended normally.
+    completed: bool = False
 
     @property
     def status(self) -> int:
@@ -310,7 +312,7 @@ class Forwarder:
             for chunk in chunks:
                 if chunk:
                     yield chunk
-            complete = True
+            complete = upstream.completed = True
         except (ReadTimeoutError, ProtocolError, HTTPError, OSError) as exc:
             kind = "timeout" if isinstance(exc, ReadTimeoutError) else "stream"
             self.metrics.child(self.metrics.upstream_errors, upstream.backend.name, kind).inc()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from continuum.anthropic import injected_body, should_inject
+from continuum.auth import ClientAuth
 from continuum.backends import Backend, BackendPool
 from continuum.config import restart_required
 from continuum.config.fields import walk
@@ -15,7 +16,9 @@ from continuum.health import HealthMonitor
 from continuum.metrics import RouterMetrics
 from continuum.prefix import request_prefix_key
 from continuum.proxy import Forwarder, anthropic_error_event, openai_error_event
+from continuum.redis_link import RedisLink
 from continuum.registry import PluginRegistry
+from continuum.response_cache import BYPASS, HIT, MISS, ResponseCache
 from continuum.selection import SelectionPipeline
 
 if TYPE_CHECKING:
@@ -26,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STRATEGIES = "continuum.strategies"
+CACHE_STORES = "continuum.cache_stores"
 
 
 @dataclass
@@ -79,6 +83,16 @@ class RouterService:
             retry_connect_errors=config.pool.retry_connect_errors,
             on_result=self.health.observe,
         )
+        self.auth = ClientAuth(config.auth)
+        self.redis = RedisLink(config.response_cache.redis, metrics) if self._needs_redis(
+            config) else None
+        store_cls = registry.load(CACHE_STORES, config.response_cache.backend)
+        store = store_cls.from_config(config, metrics=metrics, redis=self.redis)
+        self.response_cache = ResponseCache(config.response_cache, store, metrics)
+
+    @staticmethod
+    def _needs_redis(config: RouterConfig) -> bool:
+        return config.response_cache.backend == "redis"
 
     def _make_strategy(self, config: RouterConfig) -> SelectionStrategy:
         strategy: SelectionStrategy = self.registry.create(
@@ -92,12 +106,16 @@ class RouterService:
         return self.pipeline.strategy
 
     def start(self) -> None:
-        """Start background greenlets (health checks). Call in the worker process."""
+        """Start background greenlets (health checks, store upkeep). Call in the worker."""
         self.health.start()
+        self.response_cache.store.start()
 
     def stop(self) -> None:
-        """Stop background greenlets."""
+        """Stop background greenlets and close connections."""
         self.health.stop()
+        self.response_cache.store.close()
+        if self.redis is not None:
+            self.redis.close()
 
     def prepare(self, ctx: RequestContext) -> None:
         """Derive what routing needs from the parsed request (the prefix key)."""
@@ -107,22 +125,57 @@ class RouterService:
                 ctx.body, ctx.model, max_prefix_length=settings.max_prefix_length
             )
 
-    def proxy(self, ctx: RequestContext, path: str) -> ProxyResult:
-        """Send ``ctx`` to the backend the pipeline picks and return what to answer."""
+    def proxy(
+        self,
+        ctx: RequestContext,
+        path: str,
+        cache_control: str | None = None,
+        forward_headers: dict[str, str] | None = None,
+    ) -> ProxyResult:
+        """Answer ``ctx`` from the response cache, or send it to the backend the pipeline
+        picks (storing the answer when it is cacheable)."""
+        cache = self.response_cache
+        if forward_headers:
+            ctx.state["forward_headers"] = forward_headers
+        if not cache.eligible(ctx, cache_control):
+            result = self._forward(ctx, path)
+            result.headers["X-Cache"] = BYPASS
+            return result
+        entry = cache.lookup(ctx)
+        if entry is not None:
+            headers = {"Content-Type": entry.content_type, "X-Cache": HIT}
+            if entry.kind == "sse":
+                headers["Cache-Control"] = "no-cache"
+                return ProxyResult(200, headers, stream=entry.events())
+            return ProxyResult(200, headers, body=entry.payload)
+        result = self._forward(ctx, path, cache)
+        result.headers["X-Cache"] = MISS
+        return result
+
+    def _forward(
+        self, ctx: RequestContext, path: str, cache: ResponseCache | None = None
+    ) -> ProxyResult:
         self.prepare(ctx)
         body: bytes | Callable[[Backend], bytes] = ctx.raw
         error_event = openai_error_event
         if ctx.protocol == "anthropic":
             body = self._anthropic_body(ctx)
             error_event = anthropic_error_event
-        upstream = self.forwarder.open(ctx, self.pipeline.select, path, body)
+        upstream = self.forwarder.open(ctx, self.pipeline.select, path, body,
+                                       ctx.state.get("forward_headers"))
         headers = upstream.headers()
         headers["X-Continuum-Backend"] = upstream.backend.name
+        content_type = headers.get("content-type", "application/json")
         if ctx.stream and upstream.status == 200:
             stream = self.forwarder.relay(upstream, error_event)
+            if cache is not None:
+                stream = cache.tee_stream(ctx, stream, content_type,
+                                          lambda: upstream.completed)
             return ProxyResult(200, headers, stream=stream)
-        body = self.forwarder.read_all(upstream)
-        return ProxyResult(upstream.status, headers, body=body)
+        data = self.forwarder.read_all(upstream)
+        if cache is not None and not ctx.stream:
+            cache.store_body(ctx, upstream.status, content_type, data)
+        return ProxyResult(upstream.status, headers, body=data)
 
     def _anthropic_body(self, ctx: RequestContext) -> Callable[[Backend], bytes]:
         """Per-backend body: with cache_control injected where the precedence says so."""
@@ -189,4 +242,6 @@ class RouterService:
         for backend in self.pool:
             backend.set_ewma_alpha(new.pool.latency_ewma_alpha)
         self.forwarder.retry_connect_errors = new.pool.retry_connect_errors
+        self.response_cache.reconfigure(new.response_cache)
+        self.auth = ClientAuth(new.auth)
         return report

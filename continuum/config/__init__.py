@@ -19,10 +19,14 @@ import yaml
 from continuum.config.fields import Issues, build_section, format_duration, walk
 from continuum.config.schema import (
     AdminConfig,
+    AuthConfig,
     BackendConfig,
+    ClientKeyConfig,
     HealthCheckConfig,
     PoolConfig,
     PrefixRoutingConfig,
+    RedisConfig,
+    ResponseCacheConfig,
     RouterConfig,
     ServerConfig,
 )
@@ -33,12 +37,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdminConfig",
+    "AuthConfig",
     "BackendConfig",
     "CheckResult",
+    "ClientKeyConfig",
     "ConfigError",
     "HealthCheckConfig",
     "PoolConfig",
     "PrefixRoutingConfig",
+    "RedisConfig",
+    "ResponseCacheConfig",
     "RouterConfig",
     "ServerConfig",
     "check_config",
@@ -75,6 +83,10 @@ def check_config(
             registry.load("continuum.strategies", config.selection_strategy)
         except PluginError as exc:
             issues.error("selection_strategy", exc.message, config.selection_strategy)
+        try:
+            registry.load("continuum.cache_stores", config.response_cache.backend)
+        except PluginError as exc:
+            issues.error("response_cache.backend", exc.message, config.response_cache.backend)
     return CheckResult(None if issues.errors else config, issues.errors, issues.warnings, source)
 
 

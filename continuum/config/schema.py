@@ -166,6 +166,119 @@ class PrefixRoutingConfig:
     )
 
 
+_GLOB_CHARS = set("*?[]\\")
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    """``response_cache.redis``: the shared Redis/Valkey connection (Tier 3)."""
+
+    url: str = setting(
+        "redis://127.0.0.1:6379", doc="redis:// or rediss:// URL (db and password may be in it)",
+        restart=True,
+    )
+    tls: bool = setting(False, doc="use TLS with a redis:// URL", restart=True)
+    pool_size: int = setting(8, doc="connections in the pool", min=1, max=1024, restart=True)
+    key_prefix: str = setting(
+        "cr:resp:", doc="namespace for response keys (no glob characters)", restart=True
+    )
+    connect_timeout_ms: int = setting(3000, doc="connect timeout", min=10, max=60000,
+                                      restart=True)
+    command_timeout_ms: int = setting(1000, doc="per-command timeout", min=10, max=60000,
+                                      restart=True)
+    fallback_capacity: int = setting(
+        1000, doc="entries of the in-memory fallback while Redis is down", min=1,
+        max=10_000_000, restart=True,
+    )
+    fallback_ttl_seconds: int = setting(
+        300, doc="TTL of fallback entries", min=1, max=86400, restart=True
+    )
+    fallback_to_memory: bool = setting(
+        True, doc="serve from memory while Redis is unreachable", restart=True
+    )
+    probe_interval_seconds: float = setting(
+        30.0, doc="how often a Redis in fallback is probed", min=0.1, max=3600, duration=True,
+        restart=True,
+    )
+
+    def check(self, path: str, issues: Issues) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            issues.error(join(path, "url"), "must be a redis://, rediss:// or unix:// URL",
+                         self.url)
+        if set(self.key_prefix) & _GLOB_CHARS:
+            issues.error(join(path, "key_prefix"),
+                         "must not contain glob characters (* ? [ ] \\)", self.key_prefix)
+        if not self.key_prefix:
+            issues.error(join(path, "key_prefix"), "must not be empty (clear would match "
+                         "every key in the database)")
+
+
+@dataclass(frozen=True)
+class ResponseCacheConfig:
+    """``response_cache``: Tier 2 exact and streaming response cache."""
+
+    enabled: bool = setting(False, doc="answer repeated deterministic requests from cache")
+    backend: str = setting(
+        "memory", doc="store plugin (entry-point group continuum.cache_stores)", restart=True
+    )
+    capacity: int = setting(1000, doc="entries before LRU eviction (memory store)",
+                            min=1, max=100_000_000)
+    ttl: float = setting(300.0, doc="lifetime of an entry", min=1, max=30 * 86400,
+                         duration=True)
+    max_response_size: int = setting(
+        1048576, doc="largest non-streamed body stored", min=1, max=1024**3
+    )
+    max_stream_buffer_size: int = setting(
+        10485760, doc="largest streamed response buffered for the cache", min=1, max=1024**3
+    )
+    cache_streaming: bool = setting(
+        True, doc="buffer streamed responses (up to max_stream_buffer_size) and cache them"
+    )
+    redis: RedisConfig = setting(default_factory=RedisConfig, doc="Redis/Valkey store")
+
+
+@dataclass(frozen=True)
+class ClientKeyConfig:
+    """``auth.keys[]``: one client API key and the tenant it belongs to."""
+
+    key: str | None = setting(None, doc="the key clients send", secret=True)
+    key_env: str | None = setting(None, doc="environment variable holding the key")
+    tenant: str | None = setting(None, doc="tenant id (isolates cached responses)",
+                                 pattern=NAME_PATTERN)
+    tenant_env: str | None = setting(None, doc="environment variable holding the tenant id")
+
+    def check(self, path: str, issues: Issues) -> None:
+        if (self.key is None) == (self.key_env is None):
+            issues.error(join(path, "key"), "set exactly one of key or key_env")
+        elif self.key_env is not None and not os.environ.get(self.key_env):
+            issues.error(join(path, "key_env"), "environment variable is not set",
+                         self.key_env)
+        if (self.tenant is None) == (self.tenant_env is None):
+            issues.error(join(path, "tenant"), "set exactly one of tenant or tenant_env")
+        elif self.tenant_env is not None and not os.environ.get(self.tenant_env):
+            issues.error(join(path, "tenant_env"), "environment variable is not set",
+                         self.tenant_env)
+
+    def resolved(self) -> tuple[str, str]:
+        key = self.key if self.key is not None else os.environ.get(self.key_env or "", "")
+        tenant = self.tenant if self.tenant is not None else os.environ.get(
+            self.tenant_env or "", "")
+        return key, tenant
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """``auth``: client API keys; each maps to a tenant."""
+
+    required: bool = setting(False, doc="reject requests without a known key (401)")
+    keys: tuple[ClientKeyConfig, ...] = setting(default_factory=tuple, doc="client keys")
+
+    def check(self, path: str, issues: Issues) -> None:
+        if self.required and not self.keys:
+            issues.error(join(path, "keys"), "auth.required needs at least one key")
+
+
 @dataclass(frozen=True)
 class AdminConfig:
     """``admin``: the /admin endpoints."""
@@ -211,6 +324,10 @@ class RouterConfig:
     prefix_routing: PrefixRoutingConfig = setting(
         default_factory=PrefixRoutingConfig, doc="Tier 1: prefix-aware sticky routing"
     )
+    response_cache: ResponseCacheConfig = setting(
+        default_factory=ResponseCacheConfig, doc="Tiers 2 and 3: response cache"
+    )
+    auth: AuthConfig = setting(default_factory=AuthConfig, doc="client API keys and tenants")
     admin: AdminConfig = setting(default_factory=AdminConfig, doc="admin API")
 
     def check(self, path: str, issues: Issues) -> None:

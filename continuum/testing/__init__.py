@@ -12,6 +12,7 @@ pytest is needed to use this package; it is in the ``test`` extra
 (``pip install 'continuum-router[test]'``). Nothing in the router imports it.
 """
 
+from continuum.testing.stores import CacheStoreContract
 from continuum.testing.strategies import StrategyContract, make_backends, make_context
 
-__all__ = ["StrategyContract", "make_backends", "make_context"]
+__all__ = ["CacheStoreContract", "StrategyContract", "make_backends", "make_context"]

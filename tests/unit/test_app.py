@@ -59,7 +59,7 @@ def test_admin_requires_bearer_token(client: falcon.testing.TestClient) -> None:
     assert ok.status_code == 200
     assert "RoundRobin" in ok.json["available"]
     loaded = {p["name"]: p["distribution"] for p in ok.json["loaded"]}
-    assert loaded == {"RoundRobin": "continuum-router"}
+    assert loaded == {"RoundRobin": "continuum-router", "memory": "continuum-router"}
 
 
 def test_metrics_exposition(client: falcon.testing.TestClient) -> None:

@@ -1,0 +1,167 @@
+"""One Redis/Valkey connection pool per worker, with the fallback state machine.
+
+The response cache (Tier 3) and the KV index (Tier 4) share the same :class:`RedisLink`,
+so they reuse one pool and one credential set and agree on whether Redis is up.
+
+States and transitions:
+
+    ========  ======================================  ========
+    state     event                                   next
+    ========  ======================================  ========
+    online    command ok                              online
+    online    connection error or timeout             fallback
+    online    other Redis error (bad reply, …)        online
+    fallback  background probe (PING) ok              online
+    fallback  background probe fails                  fallback
+    ========  ======================================  ========
+
+Invariants: while in ``fallback`` no command is sent to Redis (callers get a
+:class:`~continuum.errors.StoreError` of kind ``fallback`` at once and use their in-memory
+fallback, or treat it as a miss); only the probe greenlet talks to Redis then, every
+``probe_interval_seconds``; listeners hear every transition.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import redis
+
+from continuum.errors import StoreError
+
+if TYPE_CHECKING:
+    from continuum.config import RedisConfig
+    from continuum.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Listener = Callable[[bool], None]
+
+
+class RedisLink:
+    """The shared Redis client of one worker, its error counters and fallback flag."""
+
+    def __init__(self, config: RedisConfig, metrics: RouterMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics
+        kwargs: dict[str, Any] = {
+            "max_connections": config.pool_size,
+            "socket_connect_timeout": config.connect_timeout_ms / 1000,
+            "socket_timeout": config.command_timeout_ms / 1000,
+            "timeout": config.command_timeout_ms / 1000,
+            "health_check_interval": 30,
+        }
+        url = config.url
+        if config.tls and url.startswith("redis://"):
+            url = "rediss://" + url[len("redis://"):]
+        self.pool = redis.BlockingConnectionPool.from_url(url, **kwargs)
+        self.client = redis.Redis(connection_pool=self.pool)
+        self.fallback_active = False
+        self.errors = {"connection": 0, "timeout": 0, "other": 0}
+        self._listeners: list[Listener] = []
+        self._greenlet: Any = None
+        self._publish_state()
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(fallback_active)`` on every transition."""
+        self._listeners.append(listener)
+
+    def execute(self, operation: str, command: Callable[[redis.Redis], T]) -> T:
+        """Run ``command(client)``, timing it and classifying failures.
+
+        Raises:
+            StoreError: Redis is in fallback (kind ``fallback``), unreachable
+                (``connection``), too slow (``timeout``) or answered an error (``other``).
+        """
+        if self.fallback_active:
+            raise StoreError("Redis is unavailable (fallback active)", store="redis",
+                             kind="fallback")
+        started = time.perf_counter()
+        try:
+            return command(self.client)
+        except redis.TimeoutError as exc:
+            self._failed("timeout", exc, operation)
+            raise StoreError(f"Redis {operation} timed out", store="redis",
+                             kind="timeout") from None
+        except redis.ConnectionError as exc:
+            self._failed("connection", exc, operation)
+            raise StoreError(f"Redis {operation} failed: {exc}", store="redis",
+                             kind="connection") from None
+        except redis.RedisError as exc:
+            self._count("other")
+            raise StoreError(f"Redis {operation} failed: {exc}", store="redis",
+                             kind="other") from None
+        finally:
+            if self.metrics is not None:
+                self.metrics.child(self.metrics.redis_latency, operation).observe(
+                    time.perf_counter() - started)
+
+    def _count(self, kind: str) -> None:
+        self.errors[kind] += 1
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.redis_errors, kind).inc()
+
+    def _failed(self, kind: str, exc: Exception, operation: str) -> None:
+        self._count(kind)
+        if not self.fallback_active:
+            log.warning("Redis %s failed (%s: %s); switching to fallback", operation, kind, exc)
+            self._set_fallback(True)
+
+    def _set_fallback(self, active: bool) -> None:
+        self.fallback_active = active
+        if not active:
+            # Connections from before the outage are dead; start clean.
+            self.pool.disconnect(inuse_connections=False)
+        self._publish_state()
+        for listener in self._listeners:
+            try:
+                listener(active)
+            except Exception:  # one listener must not stop the others
+                log.exception("Redis fallback listener failed")
+
+    def _publish_state(self) -> None:
+        if self.metrics is not None:
+            self.metrics.fallback_active.set(1 if self.fallback_active else 0)
+
+    def probe(self) -> bool:
+        """PING Redis directly (even in fallback); leave fallback when it answers."""
+        try:
+            ok = bool(self.client.ping())
+        except redis.RedisError as exc:
+            log.debug("Redis probe failed: %s", exc)
+            ok = False
+        if ok and self.fallback_active:
+            log.warning("Redis is reachable again; leaving fallback")
+            self._set_fallback(False)
+        return ok
+
+    def start(self) -> None:
+        """Start the probe greenlet (call in the worker, after the fork)."""
+        if self._greenlet is not None:
+            return
+        import gevent
+
+        def loop() -> None:
+            while True:
+                gevent.sleep(self.config.probe_interval_seconds)
+                if self.fallback_active:
+                    self.probe()
+
+        self._greenlet = gevent.spawn(loop)
+
+    def close(self) -> None:
+        """Stop probing and close every connection."""
+        if self._greenlet is not None:
+            self._greenlet.kill(block=False)
+            self._greenlet = None
+        self.pool.disconnect()
+
+    def connection_stats(self) -> dict[str, int]:
+        """Connections in use and idle in the pool."""
+        in_use = len(getattr(self.pool, "_in_use_connections", ()))
+        created = len(getattr(self.pool, "_connections", ()))
+        return {"active": in_use, "idle": max(created - in_use, 0)}

@@ -1,0 +1,276 @@
+"""``redis``: the shared response cache store on Redis/Valkey (Tier 3).
+
+Keys are ``<key_prefix><key>`` (``cr:resp:<hex>`` by default); values are stored as-is
+with ``SET … EX``. Every command goes through the worker's shared
+:class:`~continuum.redis_link.RedisLink`, which times it, counts failures, wraps them in
+:class:`~continuum.errors.StoreError` and owns the fallback flag.
+
+Fallback: while the link is in fallback (set by the first connection error or timeout,
+cleared by its probe), ``get``/``set``/``delete``/``clear`` use an in-memory
+:class:`~stores.memory.InMemoryCacheStore` of ``fallback_capacity`` entries whose TTLs are
+capped at ``fallback_ttl_seconds`` — or, with ``fallback_to_memory: false``, behave as a
+miss and no-ops. Both transitions empty that store: it only holds what this worker wrote
+during the outage, which Redis never saw, and dropping cache entries is always safe.
+Writes and deletes made during an outage are not replayed to Redis.
+
+Errors other than an unreachable Redis (an error reply, say) are raised as ``StoreError``;
+the response cache above turns them into misses.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from continuum.errors import StoreError
+from continuum.interfaces import CacheStore, CacheStoreStats
+from stores.memory import InMemoryCacheStore
+
+if TYPE_CHECKING:
+    import redis
+
+    from continuum.config import RedisConfig, RouterConfig
+    from continuum.metrics import RouterMetrics
+    from continuum.redis_link import RedisLink
+
+#: ``StoreError`` kinds meaning "Redis is unreachable": the link is (now) in fallback.
+UNREACHABLE = frozenset({"fallback", "connection", "timeout"})
+
+#: Keys requested per SCAN step of :meth:`RedisCacheStore.clear` (and so per UNLINK).
+SCAN_COUNT = 500
+
+_GLOB_SPECIAL = frozenset("*?[]\\")
+
+
+def glob_escape(text: str) -> str:
+    """``text`` as a Redis glob pattern matching only itself."""
+    return "".join("\\" + ch if ch in _GLOB_SPECIAL else ch for ch in text)
+
+
+def _as_bytes(key: bytes | str) -> bytes:
+    return key if isinstance(key, bytes) else key.encode()
+
+
+def _scan_step(cursor: int, pattern: str, client: redis.Redis) -> Any:
+    return client.scan(cursor, match=pattern, count=SCAN_COUNT)
+
+
+def _unlink_all(keys: list[bytes | str], client: redis.Redis) -> Any:
+    return client.unlink(*keys)
+
+
+class RedisCacheStore(CacheStore):
+    """Response cache entries in Redis, shared by every router instance.
+
+    Args:
+        link: the worker's shared Redis link (one pool, one fallback flag).
+        config: settings for this store — ``key_prefix`` and the ``fallback_*`` keys;
+            defaults to ``link.config``.
+
+    Raises:
+        ValueError: ``key_prefix`` is empty (``clear`` would match every key).
+    """
+
+    name = "redis"
+
+    def __init__(self, link: RedisLink, config: RedisConfig | None = None) -> None:
+        config = config if config is not None else link.config
+        if not config.key_prefix:
+            raise ValueError("RedisCacheStore needs a non-empty key_prefix")
+        self._link = link
+        self.key_prefix = config.key_prefix
+        self._prefix_bytes = config.key_prefix.encode()
+        self._pattern = glob_escape(config.key_prefix) + "*"
+        self._fallback: InMemoryCacheStore | None = None
+        if config.fallback_to_memory:
+            self._fallback = InMemoryCacheStore(
+                config.fallback_capacity, max_ttl=float(config.fallback_ttl_seconds)
+            )
+        self._hits = 0
+        self._misses = 0
+        self._closed = False
+        # The link outlives stores (it is the app's); a weak reference lets a dropped
+        # store be collected, and a closed one stops listening.
+        ref = weakref.ref(self)
+
+        def on_transition(active: bool) -> None:
+            store = ref()
+            if store is not None and not store._closed:
+                store._reset_fallback()
+
+        link.add_listener(on_transition)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: RouterConfig,
+        *,
+        redis: RedisLink | None = None,
+        metrics: RouterMetrics | None = None,
+        **_: Any,
+    ) -> RedisCacheStore:
+        """The store for ``response_cache.redis`` on the app's shared link.
+
+        Raises:
+            ValueError: no ``redis`` link was passed (the app builds one when
+                ``response_cache.backend`` is ``redis``).
+        """
+        if redis is None:
+            raise ValueError(
+                "response_cache.backend is 'redis' but no Redis link was given: pass "
+                "redis=RedisLink(config.response_cache.redis) to RedisCacheStore.from_config"
+            )
+        return cls(redis, config.response_cache.redis)
+
+    @property
+    def link(self) -> RedisLink:
+        """The shared link this store talks through."""
+        return self._link
+
+    def full_key(self, key: str) -> str:
+        """The Redis key holding ``key``."""
+        return self.key_prefix + key
+
+    def start(self) -> None:
+        """Start the link's background probe (idempotent; call in the worker)."""
+        self._link.start()
+
+    def close(self) -> None:
+        """Stop listening to the link and drop the fallback; the link itself stays open."""
+        self._closed = True
+        if self._fallback is not None:
+            self._fallback.clear()
+
+    def get(self, key: str) -> bytes | None:
+        """The value under ``key``, from Redis or, during an outage, from the fallback.
+
+        Raises:
+            StoreError: Redis answered with an error.
+        """
+        if self._link.fallback_active:
+            return self._count(self._fallback.get(key) if self._fallback else None)
+        full = self.full_key(key)
+        try:
+            value = self._run("get", lambda c: c.get(full))
+        except StoreError as exc:
+            if exc.kind not in UNREACHABLE:
+                raise
+            value = self._fallback.get(key) if self._fallback else None
+        return self._count(value)
+
+    def set(self, key: str, value: bytes, ttl: float) -> None:
+        """``SET key value EX ceil(ttl)`` (at least one second).
+
+        A non-positive ``ttl`` deletes ``key`` instead, so nothing stays stored.
+
+        Raises:
+            StoreError: Redis answered with an error.
+        """
+        if ttl <= 0:
+            self.delete(key)
+            return
+        if not self._link.fallback_active:
+            full, seconds = self.full_key(key), max(1, math.ceil(ttl))
+            try:
+                self._run("set", lambda c: c.set(full, value, ex=seconds))
+                return
+            except StoreError as exc:
+                if exc.kind not in UNREACHABLE:
+                    raise
+        if self._fallback is not None:
+            self._fallback.set(key, value, ttl)
+
+    def delete(self, key: str) -> None:
+        """``UNLINK`` the key (and drop it from the fallback during an outage).
+
+        Raises:
+            StoreError: Redis answered with an error.
+        """
+        if not self._link.fallback_active:
+            full = self.full_key(key)
+            try:
+                self._run("delete", lambda c: c.unlink(full))
+                return
+            except StoreError as exc:
+                if exc.kind not in UNREACHABLE:
+                    raise
+        if self._fallback is not None:
+            self._fallback.delete(key)
+
+    def clear(self) -> int:
+        """Remove every key under ``key_prefix``; return how many were removed.
+
+        Walks the keyspace with ``SCAN MATCH <prefix>* COUNT 500`` and ``UNLINK``\\ s each
+        batch, so Redis is never blocked for long and keys outside the prefix are never
+        touched (never ``FLUSHDB``). During an outage only the fallback is cleared.
+
+        Raises:
+            StoreError: Redis answered with an error.
+        """
+        removed = 0
+        if not self._link.fallback_active:
+            try:
+                removed = self._clear_redis()
+            except StoreError as exc:
+                if exc.kind not in UNREACHABLE:
+                    raise
+            else:
+                return removed
+        return removed + (self._fallback.clear() if self._fallback is not None else 0)
+
+    def stats(self) -> CacheStoreStats:
+        """Counters; never talks to Redis.
+
+        ``entries`` is -1 (unknown): counting the keys under a prefix needs a full SCAN of
+        the database. ``extra`` has the pool's ``connections``, ``fallback_active``, the
+        link's ``errors`` by kind and ``fallback_entries``.
+        """
+        fallback_entries = len(self._fallback) if self._fallback is not None else 0
+        return CacheStoreStats(
+            backend=self.name,
+            entries=-1,
+            capacity=None,
+            hits=self._hits,
+            misses=self._misses,
+            extra={
+                "key_prefix": self.key_prefix,
+                "connections": self._link.connection_stats(),
+                "fallback_active": self._link.fallback_active,
+                "fallback_to_memory": self._fallback is not None,
+                "errors": dict(self._link.errors),
+                "fallback_entries": fallback_entries,
+            },
+        )
+
+    # -- internals -------------------------------------------------------------------
+
+    def _run(self, operation: str, command: Callable[[redis.Redis], Any]) -> Any:
+        return self._link.execute(operation, command)
+
+    def _count(self, value: bytes | None) -> bytes | None:
+        if value is None:
+            self._misses += 1
+        else:
+            self._hits += 1
+        return value
+
+    def _clear_redis(self) -> int:
+        removed = 0
+        cursor = 0
+        prefix = self._prefix_bytes
+        while True:
+            cursor, keys = self._run("scan", partial(_scan_step, cursor, self._pattern))
+            # MATCH is exact for an escaped prefix; the check is a second line of defence
+            # against ever unlinking a key that is not ours.
+            mine = [k for k in keys if _as_bytes(k).startswith(prefix)]
+            if mine:
+                removed += int(self._run("clear", partial(_unlink_all, mine)))
+            if cursor == 0:
+                return removed
+
+    def _reset_fallback(self) -> None:
+        if self._fallback is not None:
+            self._fallback.clear()
