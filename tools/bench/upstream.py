@@ -95,13 +95,15 @@ def _read_chunked(sock: socket.socket, buf: bytes) -> tuple[bytes, bytes]:
         line, _, buf = buf.partition(b"\r\n")
         size = int(line.split(b";", 1)[0], 16)
         if size == 0:
-            while b"\r\n\r\n" not in b"\r\n" + buf:  # optional trailers end in an empty line
-                data = sock.recv(65536)
-                if not data:
-                    raise _Closed
-                buf += data
-            buf = (b"\r\n" + buf).split(b"\r\n\r\n", 1)[1]
-            return b"".join(body), buf
+            while True:  # optional trailer lines, then an empty line
+                while b"\r\n" not in buf:
+                    data = sock.recv(65536)
+                    if not data:
+                        raise _Closed
+                    buf += data
+                line, _, buf = buf.partition(b"\r\n")
+                if not line:
+                    return b"".join(body), buf
         while len(buf) < size + 2:
             data = sock.recv(65536)
             if not data:

@@ -1,0 +1,701 @@
+"""Router overhead benchmark: the router in front of a fast upstream vs the upstream direct.
+
+Run (well under a minute with the defaults on 2 CPUs)::
+
+    python -m tools.bench.overhead [--json] [--requests-c1 5000] [--requests-c32 10000]
+
+It starts ``tools.bench.upstream`` and the router (``gunicorn -c python:continuum.gunicorn_conf
+'continuum.app:get_app()'``, gevent worker, one worker by default) as child processes on free
+ports of 127.0.0.1, then, for non-streaming and streaming chat completions at concurrency 1
+and 32, runs the same load against the upstream directly and through the router, and prints
+both side by side:
+
+* latency p50/p99 and requests/s as the client sees them;
+* TTFC: time to the first ``data:`` bytes of a streamed answer, over a kept-alive connection;
+* router CPU ms/request: utime+stime of the gunicorn worker process(es) from
+  ``/proc/<pid>/stat`` before and after the phase, divided by the requests of the phase.
+  This is the number that carries across machines; latencies depend on the machine.
+
+The load generator is cheap on purpose: one gevent greenlet per connection, raw keep-alive
+sockets with hand-parsed HTTP/1.1 (Content-Length and chunked), no HTTP library. It runs in
+this process, so at concurrency 32 it competes with the router and the upstream for the
+CPUs (its own CPU ms/request is printed too).
+
+Every child process is stopped by PID on exit. ``--check`` exits 1 if the goals (router CPU
+<= 0.5 ms/request, added p50 <= 0.5 ms at concurrency 1, added TTFC p50 <= 0.5 ms at
+concurrency 1) are not met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket as std_socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gevent
+from gevent import socket as gsocket
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+MODEL = "bench-model"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+#: Goals from the issue, in milliseconds.
+GOAL_CPU_MS = 0.5
+GOAL_ADDED_P50_MS = 0.5
+GOAL_ADDED_TTFC_MS = 0.5
+
+#: Reference points measured on a comparable 2-core machine (from the issue).
+REFERENCES = [
+    ("vllm-router (Rust)", "+0.23 ms p50 at c=1, 0.11-0.17 ms CPU/request"),
+    ("naive Falcon+gevent+requests proxy", "+1.6 ms p50 at c=1, 1.3-1.6 ms CPU/request"),
+    ("LiteLLM", "+17.5 ms p50 at c=1"),
+]
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with std_socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stat_fields(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        data = f.read()
+    # The command name (field 2) may contain spaces and parentheses: split after the last ")".
+    return data[data.rindex(")") + 2:].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` in seconds (this thread group only, not its children)."""
+    fields = _stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15 of proc(5)
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds spent busy by the whole machine (all CPUs), from ``/proc/stat``."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:]
+    # user nice system idle iowait irq softirq steal ...: everything but idle and iowait.
+    ticks = [int(x) for x in fields[:8]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / CLK_TCK
+
+
+def children_of(ppid: int) -> list[int]:
+    """PIDs whose parent is ``ppid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if int(_stat_fields(int(entry))[1]) == ppid:
+                found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(found)
+
+
+class Child:
+    """A process we started; stopped by its PID only."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], cwd: str,
+                 log: Path) -> None:
+        self.name = name
+        self.log = log
+        with open(log, "wb") as out:  # the child keeps its own descriptor
+            self.popen = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out,
+                                          stderr=subprocess.STDOUT)
+        self.pid = self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+
+    def output(self, limit: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-limit:]
+        except OSError:
+            return ""
+
+
+def wait_ready(child: Child, port: int, path: str, timeout: float) -> None:
+    """Poll ``GET path`` until it answers 200, or raise with the child's output."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        if not child.alive():
+            raise RuntimeError(f"{child.name} exited with {child.popen.returncode}:\n"
+                               + child.output())
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        try:
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            resp.read()
+            if resp.status == 200:
+                return
+            last = resp.status
+        except OSError as exc:
+            last = exc
+        finally:
+            conn.close()
+        time.sleep(0.05)
+    raise RuntimeError(f"{child.name} not ready after {timeout}s (last: {last}):\n"
+                       + child.output())
+
+
+def _child_env(pythonpath: str) -> dict[str, str]:
+    env = dict(os.environ)
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
+                 "all_proxy"):
+        env.pop(name, None)
+    env["NO_PROXY"] = "127.0.0.1,localhost"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def start_upstream(tmp: Path, chunks: int, chunk_delay_ms: float) -> tuple[Child, int]:
+    port = free_port()
+    argv = [PYTHON, "-m", "tools.bench.upstream", "--port", str(port), "--model", MODEL,
+            "--chunks", str(chunks), "--chunk-delay-ms", str(chunk_delay_ms)]
+    child = Child("upstream", argv, _child_env(str(ROOT)), str(tmp), tmp / "upstream.log")
+    wait_ready(child, port, "/health", 20)
+    return child, port
+
+
+def start_router(tmp: Path, upstream_port: int, workers: int, src: str) -> tuple[Child, int]:
+    """gunicorn + gevent worker(s) with a one-backend config; cwd is ``tmp`` so that the
+    ``continuum`` imported is the one from ``src`` (default: this checkout)."""
+    port = free_port()
+    config = tmp / "router.yaml"
+    # JSON is YAML: no PyYAML needed here.
+    config.write_text(json.dumps({
+        "server": {"bind": f"127.0.0.1:{port}", "workers": workers, "log_level": "warning"},
+        "health_check": {"enabled": True, "interval_seconds": 3600},
+        "backends": [{"name": "bench", "url": f"http://127.0.0.1:{upstream_port}",
+                      "models": [MODEL]}],
+    }, indent=2))
+    metrics_dir = tmp / "metrics"
+    metrics_dir.mkdir(exist_ok=True)
+    env = _child_env(src)
+    env["CONTINUUM_CONFIG"] = str(config)
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    argv = [PYTHON, "-m", "gunicorn", "-c", "python:continuum.gunicorn_conf",
+            "continuum.app:get_app()"]
+    child = Child("router", argv, env, str(tmp), tmp / "router.log")
+    wait_ready(child, port, "/health", 30)
+    deadline = time.monotonic() + 20
+    while len(children_of(child.pid)) < workers:
+        if time.monotonic() > deadline:
+            raise RuntimeError("router workers did not start:\n" + child.output())
+        time.sleep(0.05)
+    return child, port
+
+
+def start_py_spy(out: str, pid: int, tmp: Path) -> Child:
+    """Record ``pid`` with py-spy until stopped (SIGINT makes it write ``out``)."""
+    exe = shutil.which("py-spy") or str(Path(PYTHON).parent / "py-spy")
+    if not os.path.exists(exe):
+        raise BenchError("--py-spy needs py-spy (pip install py-spy)")
+    fmt = {".svg": "flamegraph", ".json": "speedscope"}.get(Path(out).suffix, "raw")
+    argv = [exe, "record", "--pid", str(pid), "--rate", "500", "--nonblocking",
+            "--format", fmt, "--output", str(Path(out).resolve())]
+    child = Child("py-spy", argv, dict(os.environ), str(tmp), tmp / "py-spy.log")
+    time.sleep(1.0)  # attach before the load starts
+    if not child.alive():
+        raise BenchError("py-spy did not start:\n" + child.output())
+    return child
+
+
+def stop_py_spy(child: Child) -> None:
+    if child.alive():
+        child.popen.send_signal(signal.SIGINT)
+        try:
+            child.popen.wait(30)
+        except subprocess.TimeoutExpired:
+            child.stop()
+
+
+# --------------------------------------------------------------------------- load
+
+
+class BenchError(Exception):
+    pass
+
+
+def build_request(port: int, stream: bool) -> bytes:
+    """A small, typical chat completion request as raw HTTP/1.1 bytes."""
+    body = json.dumps({
+        "model": MODEL,
+        "messages": [{"role": "system", "content": "You are a helpful assistant."},
+                     {"role": "user", "content": "Say hello in five words."}],
+        "max_tokens": 16,
+        "temperature": 0.0,
+        "stream": stream,
+    }).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\n"
+        f"Host: 127.0.0.1:{port}\r\n"
+        f"User-Agent: continuum-bench/1\r\n"
+        f"Accept: {'text/event-stream' if stream else 'application/json'}\r\n"
+        f"Authorization: Bearer sk-bench\r\n"
+        f"Content-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    return head + body
+
+
+class Conn:
+    """One keep-alive client connection with a minimal HTTP/1.1 response parser."""
+
+    def __init__(self, port: int, timeout: float) -> None:
+        self.port = port
+        self.timeout = timeout
+        self.sock: Any = None
+        self.buf = b""
+        self.connect()
+
+    def connect(self) -> None:
+        self.close()
+        sock = gsocket.create_connection(("127.0.0.1", self.port), timeout=self.timeout)
+        sock.setsockopt(std_socket.IPPROTO_TCP, std_socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.buf = b""
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def _fill(self) -> None:
+        data = self.sock.recv(65536)
+        if not data:
+            raise BenchError("connection closed by the server")
+        self.buf += data
+
+    def request(self, payload: bytes) -> tuple[int, dict[bytes, bytes], float | None]:
+        """Send ``payload`` and read the whole answer.
+
+        Returns (status, headers, perf_counter time of the first ``data:`` bytes or None).
+        """
+        self.sock.sendall(payload)
+        end = self.buf.find(b"\r\n\r\n")
+        while end < 0:
+            self._fill()
+            end = self.buf.find(b"\r\n\r\n")
+        head, self.buf = self.buf[:end], self.buf[end + 4:]
+        lines = head.split(b"\r\n")
+        status = int(lines[0][9:12])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower()] = value.strip()
+        first_data = None
+        if b"content-length" in headers:
+            length = int(headers[b"content-length"])
+            while len(self.buf) < length:
+                self._fill()
+            body, self.buf = self.buf[:length], self.buf[length:]
+            if b"data:" in body:
+                first_data = time.perf_counter()
+        elif headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+            while True:
+                nl = self.buf.find(b"\r\n")
+                while nl < 0:
+                    self._fill()
+                    nl = self.buf.find(b"\r\n")
+                size = int(self.buf[:nl].split(b";", 1)[0], 16)
+                self.buf = self.buf[nl + 2:]
+                if size == 0:
+                    while True:  # trailers, then an empty line
+                        nl = self.buf.find(b"\r\n")
+                        while nl < 0:
+                            self._fill()
+                            nl = self.buf.find(b"\r\n")
+                        line, self.buf = self.buf[:nl], self.buf[nl + 2:]
+                        if not line:
+                            break
+                    break
+                while len(self.buf) < size + 2:
+                    self._fill()
+                if first_data is None and b"data:" in self.buf[:size]:
+                    first_data = time.perf_counter()
+                self.buf = self.buf[size + 2:]
+        else:
+            raise BenchError("response has neither Content-Length nor chunked encoding")
+        if headers.get(b"connection", b"").lower() == b"close":
+            self.connect()
+        return status, headers, first_data
+
+
+@dataclass
+class Phase:
+    """One measured run: a target, streaming or not, at one concurrency."""
+
+    mode: str
+    stream: bool
+    concurrency: int
+    requests: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    rps: float = 0.0
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+    mean_ms: float = 0.0
+    ttfc_p50_ms: float | None = None
+    ttfc_p99_ms: float | None = None
+    router_cpu_ms_per_req: float | None = None
+    upstream_cpu_ms_per_req: float | None = None
+    client_cpu_ms_per_req: float | None = None
+    #: CPU used by processes other than the router, the upstream and this client during the
+    #: phase, in % of one CPU: high values mean the machine was shared and latencies suffer.
+    others_cpu_pct: float | None = None
+    #: Clock ticks the router CPU figure rests on (its resolution is one tick).
+    router_cpu_ticks: int | None = None
+    statuses: dict[str, int] = field(default_factory=dict)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted list."""
+    if not values:
+        return float("nan")
+    rank = max(1, min(len(values), int(q / 100 * len(values) + 0.999999)))
+    return values[rank - 1]
+
+
+class Load:
+    """Runs ``count`` requests over ``conns`` in parallel, bounded in time."""
+
+    def __init__(self, conns: list[Conn], payload: bytes, stream: bool, check_router: bool):
+        self.conns = conns
+        self.payload = payload
+        self.stream = stream
+        self.check_router = check_router
+        self.latencies: list[float] = []
+        self.ttfcs: list[float] = []
+        self.errors = 0
+        self.statuses: dict[str, int] = {}
+        self.remaining = 0
+        self.deadline = 0.0
+
+    def _loop(self, conn: Conn) -> None:
+        perf = time.perf_counter
+        payload, stream = self.payload, self.stream
+        while self.remaining > 0 and perf() < self.deadline:
+            self.remaining -= 1  # greenlets switch only at I/O: no lock needed
+            t0 = perf()
+            try:
+                status, headers, first = conn.request(payload)
+            except (OSError, BenchError, ValueError) as exc:
+                self.errors += 1
+                self.statuses[type(exc).__name__] = self.statuses.get(type(exc).__name__, 0) + 1
+                try:
+                    conn.connect()
+                except OSError:
+                    return
+                continue
+            t1 = perf()
+            key = str(status)
+            self.statuses[key] = self.statuses.get(key, 0) + 1
+            if status != 200:
+                self.errors += 1
+                continue
+            if self.check_router and b"x-continuum-backend" not in headers:
+                raise BenchError("answer did not come through the router")
+            self.latencies.append(t1 - t0)
+            if stream:
+                if first is None:
+                    self.errors += 1
+                    continue
+                self.ttfcs.append(first - t0)
+
+    def run(self, count: int, max_seconds: float) -> float:
+        self.remaining = count
+        start = time.perf_counter()
+        self.deadline = start + max_seconds
+        greenlets = [gevent.spawn(self._loop, c) for c in self.conns]
+        try:
+            gevent.joinall(greenlets, raise_error=True)
+        finally:
+            gevent.killall(greenlets)
+        return time.perf_counter() - start
+
+
+def run_phase(mode: str, port: int, stream: bool, concurrency: int, count: int, warmup: int,
+              max_seconds: float, router: Child | None, upstream: Child) -> Phase:
+    conns = [Conn(port, timeout=30) for _ in range(concurrency)]
+    try:
+        payload = build_request(port, stream)
+        is_router = mode == "router"
+        Load(conns, payload, stream, is_router).run(max(warmup, 5 * concurrency), max_seconds)
+        workers = children_of(router.pid) if router is not None else []
+        if router is not None and not workers:
+            raise BenchError("router has no worker process")
+        ours = [upstream.pid, *([router.pid, *workers] if router is not None else [])]
+        m0 = machine_busy_seconds()
+        o0 = sum(cpu_seconds(p) for p in ours)
+        r0 = sum(cpu_seconds(p) for p in workers)
+        u0 = cpu_seconds(upstream.pid)
+        c0 = time.process_time()
+        load = Load(conns, payload, stream, is_router)
+        seconds = load.run(count, max_seconds)
+        c1 = time.process_time()
+        m1 = machine_busy_seconds()
+        o1 = sum(cpu_seconds(p) for p in ours)
+        u1 = cpu_seconds(upstream.pid)
+        if router is not None:
+            if children_of(router.pid) != workers:
+                raise BenchError("a router worker restarted during the phase")
+            r1 = sum(cpu_seconds(p) for p in workers)
+    finally:
+        for c in conns:
+            c.close()
+    lat = sorted(load.latencies)
+    ttfc = sorted(load.ttfcs)
+    n = len(lat)
+    if n == 0:
+        raise BenchError(f"{mode} stream={stream} c={concurrency}: no successful request "
+                         f"({load.statuses})")
+    done = n + load.errors
+    phase = Phase(
+        mode=mode, stream=stream, concurrency=concurrency, requests=n, errors=load.errors,
+        seconds=round(seconds, 3), rps=round(n / seconds, 1),
+        p50_ms=percentile(lat, 50) * 1e3, p99_ms=percentile(lat, 99) * 1e3,
+        mean_ms=sum(lat) / n * 1e3,
+        upstream_cpu_ms_per_req=(u1 - u0) / done * 1e3,
+        client_cpu_ms_per_req=(c1 - c0) / done * 1e3,
+        # Clock-tick resolution makes this meaningless for very short phases.
+        others_cpu_pct=(max(0.0, (m1 - m0) - (o1 - o0) - (c1 - c0)) / seconds * 100
+                        if seconds >= 1.0 else None),
+        statuses=load.statuses,
+    )
+    if stream:
+        phase.ttfc_p50_ms = percentile(ttfc, 50) * 1e3
+        phase.ttfc_p99_ms = percentile(ttfc, 99) * 1e3
+    if router is not None:
+        phase.router_cpu_ms_per_req = (r1 - r0) / done * 1e3
+        phase.router_cpu_ticks = round((r1 - r0) * CLK_TCK)
+    return phase
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _f(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def compare(phases: list[Phase]) -> list[dict[str, Any]]:
+    """Router minus direct for every (stream, concurrency)."""
+    by_key = {(p.mode, p.stream, p.concurrency): p for p in phases}
+    rows = []
+    for p in phases:
+        if p.mode != "router":
+            continue
+        d = by_key.get(("direct", p.stream, p.concurrency))
+        if d is None:
+            continue
+        rows.append({
+            "stream": p.stream,
+            "concurrency": p.concurrency,
+            "added_p50_ms": p.p50_ms - d.p50_ms,
+            "added_p99_ms": p.p99_ms - d.p99_ms,
+            "added_ttfc_p50_ms": (None if p.ttfc_p50_ms is None or d.ttfc_p50_ms is None
+                                  else p.ttfc_p50_ms - d.ttfc_p50_ms),
+            "added_ttfc_p99_ms": (None if p.ttfc_p99_ms is None or d.ttfc_p99_ms is None
+                                  else p.ttfc_p99_ms - d.ttfc_p99_ms),
+            "router_cpu_ms_per_req": p.router_cpu_ms_per_req,
+            "direct_rps": d.rps,
+            "router_rps": p.rps,
+        })
+    return rows
+
+
+def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's goals, each with the measured value and whether it is met."""
+    out = []
+    worst_cpu = max((r["router_cpu_ms_per_req"] for r in rows), default=None)
+    if worst_cpu is not None:
+        out.append({"goal": f"router CPU <= {GOAL_CPU_MS} ms/request (worst phase)",
+                    "value_ms": worst_cpu, "met": worst_cpu <= GOAL_CPU_MS})
+    for r in rows:
+        if r["concurrency"] != 1:
+            continue
+        if not r["stream"]:
+            out.append({"goal": f"added p50 <= {GOAL_ADDED_P50_MS} ms at c=1 (non-streaming)",
+                        "value_ms": r["added_p50_ms"],
+                        "met": r["added_p50_ms"] <= GOAL_ADDED_P50_MS})
+        elif r["added_ttfc_p50_ms"] is not None:
+            out.append({"goal": f"added TTFC p50 <= {GOAL_ADDED_TTFC_MS} ms at c=1 (streaming, "
+                                "reused connection)",
+                        "value_ms": r["added_ttfc_p50_ms"],
+                        "met": r["added_ttfc_p50_ms"] <= GOAL_ADDED_TTFC_MS})
+    return out
+
+
+def print_report(phases: list[Phase], rows: list[dict[str, Any]], checks: list[dict[str, Any]],
+                 info: dict[str, Any]) -> None:
+    print(f"# continuum router overhead  ({info['cpus']} CPUs, python {info['python']}, "
+          f"{info['workers']} gevent worker(s), {info['chunks']} SSE chunks/stream)")
+    print()
+    head = (f"{'mode':<7}{'stream':>7}{'conc':>6}{'reqs':>7}{'err':>5}{'req/s':>9}"
+            f"{'p50 ms':>9}{'p99 ms':>9}{'ttfc50':>9}{'ttfc99':>9}"
+            f"{'router':>10}{'upstr':>10}{'client':>10}{'others':>8}")
+    print(head)
+    print(f"{'':<7}{'':>7}{'':>6}{'':>7}{'':>5}{'':>9}{'':>9}{'':>9}{'ms':>9}{'ms':>9}"
+          f"{'cpu ms/rq':>10}{'cpu ms/rq':>10}{'cpu ms/rq':>10}{'cpu %':>8}")
+    print("-" * len(head))
+    for p in phases:
+        print(f"{p.mode:<7}{'yes' if p.stream else 'no':>7}{p.concurrency:>6}{p.requests:>7}"
+              f"{p.errors:>5}{p.rps:>9.0f}{p.p50_ms:>9.3f}{p.p99_ms:>9.3f}"
+              f"{_f(p.ttfc_p50_ms):>9}{_f(p.ttfc_p99_ms):>9}"
+              f"{_f(p.router_cpu_ms_per_req):>10}{_f(p.upstream_cpu_ms_per_req):>10}"
+              f"{_f(p.client_cpu_ms_per_req):>10}{_f(p.others_cpu_pct, 0):>8}")
+    print()
+    print("# added by the router (router - direct)")
+    head = (f"{'stream':<7}{'conc':>6}{'+p50 ms':>10}{'+p99 ms':>10}{'+ttfc50':>10}"
+            f"{'+ttfc99':>10}{'cpu ms/req':>12}{'req/s direct':>14}{'req/s router':>14}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{'yes' if r['stream'] else 'no':<7}{r['concurrency']:>6}"
+              f"{r['added_p50_ms']:>10.3f}{r['added_p99_ms']:>10.3f}"
+              f"{_f(r['added_ttfc_p50_ms']):>10}{_f(r['added_ttfc_p99_ms']):>10}"
+              f"{_f(r['router_cpu_ms_per_req']):>12}{r['direct_rps']:>14.0f}"
+              f"{r['router_rps']:>14.0f}")
+    coarse = [p for p in phases if p.router_cpu_ticks is not None and p.router_cpu_ticks < 100]
+    busy = [p for p in phases if (p.others_cpu_pct or 0) > 20]
+    if coarse:
+        print(f"  note: some router CPU figures rest on < 100 clock ticks ({1000 / CLK_TCK:.0f} ms "
+              "each): raise --requests-* for precision")
+    if busy:
+        print("  note: other processes used > 20% of a CPU during some phases: latencies and "
+              "req/s are disturbed (CPU ms/request much less so)")
+    print()
+    print("# goals")
+    for g in checks:
+        print(f"  [{'ok' if g['met'] else 'MISSED'}] {g['goal']}: {g['value_ms']:.3f} ms")
+    print("# reference points (same kind of machine)")
+    for name, text in REFERENCES:
+        print(f"  {name}: {text}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench.overhead",
+        description="router vs direct: added latency, TTFC and router CPU per request",
+    )
+    parser.add_argument("--requests-c1", type=int, default=5000,
+                        help="measured requests per phase at concurrency 1")
+    parser.add_argument("--requests-c32", type=int, default=10000,
+                        help="measured requests per phase at the high concurrency")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32],
+                        help="concurrency levels (the first is 'c=1' for the goals)")
+    parser.add_argument("--warmup", type=int, default=200,
+                        help="unmeasured requests before each phase (at least 5 per connection)")
+    parser.add_argument("--max-seconds", type=float, default=15.0,
+                        help="time limit of each measured phase")
+    parser.add_argument("--stream", choices=["both", "yes", "no"], default="both")
+    parser.add_argument("--chunks", type=int, default=8, help="SSE records per streamed answer")
+    parser.add_argument("--chunk-delay-ms", type=float, default=0.0)
+    parser.add_argument("--workers", type=int, default=1, help="router gunicorn workers")
+    parser.add_argument("--router-src", default=str(ROOT),
+                        help="directory put first on the router's PYTHONPATH (default: this "
+                             "checkout); point it at a modified copy to compare")
+    parser.add_argument("--py-spy", metavar="FILE",
+                        help="profile the router worker with py-spy for the whole run; "
+                             "FILE.svg = flame graph, FILE.json = speedscope, else raw stacks")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="keep the temp dir with the child processes' logs")
+    args = parser.parse_args(argv)
+    if args.requests_c1 < 1 or args.requests_c32 < 1 or min(args.concurrency) < 1:
+        parser.error("request counts and concurrency must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="continuum-bench-"))
+    children: list[Child] = []
+    streams = {"both": [False, True], "yes": [True], "no": [False]}[args.stream]
+    phases: list[Phase] = []
+    try:
+        upstream, up_port = start_upstream(tmp, args.chunks, args.chunk_delay_ms)
+        children.append(upstream)
+        router, router_port = start_router(tmp, up_port, args.workers, args.router_src)
+        children.append(router)
+        if args.py_spy:
+            spy = start_py_spy(args.py_spy, children_of(router.pid)[0], tmp)
+            children.append(spy)
+        for stream in streams:
+            for conc in args.concurrency:
+                count = args.requests_c1 if conc == 1 else args.requests_c32
+                for mode, port, rt in (("direct", up_port, None),
+                                       ("router", router_port, router)):
+                    phase = run_phase(mode, port, stream, conc, count, args.warmup,
+                                      args.max_seconds, rt, upstream)
+                    phases.append(phase)
+                    if not args.json:
+                        print(f"  done: {mode:<6} stream={'yes' if stream else 'no ':<3} "
+                              f"c={conc:<3} {phase.requests} requests in {phase.seconds:.1f}s",
+                              file=sys.stderr, flush=True)
+    except (BenchError, RuntimeError, OSError) as exc:
+        print(f"benchmark failed: {exc}", file=sys.stderr)
+        for child in children:
+            print(f"--- {child.name} log (tail)\n{child.output()}", file=sys.stderr)
+        return 2
+    finally:
+        for child in reversed(children):
+            if child.name == "py-spy":
+                stop_py_spy(child)
+            else:
+                child.stop()
+        if args.keep_logs:
+            print(f"logs kept in {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    rows = compare(phases)
+    checks = goals(rows)
+    info = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "workers": args.workers,
+            "chunks": args.chunks, "router_src": args.router_src}
+    if args.json:
+        print(json.dumps({"info": info, "phases": [asdict(p) for p in phases],
+                          "added": rows, "goals": checks}, indent=2))
+    else:
+        print_report(phases, rows, checks, info)
+    if args.check and not all(g["met"] for g in checks):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
