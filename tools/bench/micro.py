@@ -1,0 +1,184 @@
+"""Micro-benchmarks of the router's hot-path pieces, in microseconds per operation.
+
+    python -m tools.bench.micro            # every group
+    python -m tools.bench.micro --only tier1 tier2
+    python -m tools.bench.micro --json
+
+Groups and the seed's goals (figures from a native implementation):
+
+* ``tier1``: prefix-key extraction (1 KiB and 16 KiB system prompts; goal < 10 µs), ring
+  lookup with 8 backends x 150 virtual nodes (goal < 5 µs), the bounded walk when the
+  owner is full, and a whole ``PrefixAwareHash.select``.
+* ``tier2``: cache key of a 2 KiB request (goal < 5 µs), in-memory store hit and miss
+  (goal < 1 µs), envelope decode, and the Redis GET/SET round trip on loopback (a
+  ``redis-server`` is started on a free port when one is installed).
+* ``tier4``: KV index query and scorer (added when Tier 4 lands).
+
+Each figure is the median of ``--repeat`` runs of ``--number`` calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import timeit
+from collections.abc import Callable
+from typing import Any
+
+
+def measure(fn: Callable[[], Any], number: int, repeat: int) -> float:
+    """Median microseconds per call."""
+    runs = timeit.repeat(fn, number=number, repeat=repeat)
+    return statistics.median(runs) / number * 1e6
+
+
+def _chat(system: str, user: str = "Summarise the attached notes.") -> dict[str, Any]:
+    return {"model": "llama-3-8b", "temperature": 0, "max_tokens": 256,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": user}]}
+
+
+def tier1(number: int, repeat: int) -> dict[str, float]:
+    from continuum.config import parse_config
+    from continuum.hashring import HashRing
+    from continuum.prefix import request_prefix_key
+    from continuum.testing import make_backends, make_context
+    from strategies.prefix_aware_hash import PrefixAwareHash
+
+    results: dict[str, float] = {}
+    for size in (1024, 16384):
+        body = _chat("Você é um assistente útil. " * (size // 28))
+        results[f"prefix_key_{size // 1024}KiB"] = measure(
+            lambda body=body: request_prefix_key(body, "llama-3-8b"), number, repeat)
+    names = [f"vllm-{i}" for i in range(8)]
+    ring = HashRing(names, 150)
+    keys = [hashlib.sha256(str(i).encode()).digest() for i in range(1024)]
+    counter = iter(range(10**12))
+    results["ring_lookup_8x150"] = measure(
+        lambda: ring.lookup_probes(keys[next(counter) & 1023]), number, repeat)
+    strategy = PrefixAwareHash(parse_config({"prefix_routing": {"enabled": True}}))
+    backends = make_backends(8)
+    contexts = [make_context(prefix=k) for k in keys]
+    results["prefix_aware_select"] = measure(
+        lambda: strategy.select(backends, contexts[next(counter) & 1023]), number, repeat)
+    # Bounded walk: the owner of every key is over the bound, so each select walks on.
+    hot = make_context(prefix=keys[0])
+    owner = strategy.select(backends, hot)
+    owner.in_flight = 50
+    results["bounded_walk_owner_full"] = measure(
+        lambda: strategy.select(backends, hot), number, repeat)
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _redis_roundtrip(number: int, repeat: int) -> dict[str, float]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        print("tier2: redis-server not installed; Redis figures skipped", file=sys.stderr)
+        return {}
+    import redis
+
+    from continuum.config import parse_config
+    from continuum.redis_link import RedisLink
+    from stores.redis_store import RedisCacheStore
+
+    port = _free_port()
+    tmp = tempfile.mkdtemp(prefix="bench-redis-")
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", tmp],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        client = redis.Redis(port=port)
+        while time.monotonic() < deadline:
+            try:
+                if client.ping():
+                    break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        client.close()
+        config = parse_config({"response_cache": {"backend": "redis", "redis": {
+            "url": f"redis://127.0.0.1:{port}/0"}}})
+        link = RedisLink(config.response_cache.redis)
+        store = RedisCacheStore.from_config(config, redis=link)
+        value = os.urandom(4096)
+        store.set("bench", value, 60)
+        n = max(number // 50, 200)
+        out = {
+            "redis_get_4KiB": measure(lambda: store.get("bench"), n, repeat),
+            "redis_set_4KiB": measure(lambda: store.set("bench", value, 60), n, repeat),
+        }
+        store.close()
+        link.close()
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tier2(number: int, repeat: int) -> dict[str, float]:
+    from continuum.cache_key import cache_key
+    from continuum.request import CHAT, parse_request
+    from continuum.response_cache import decode_entry, encode_entry
+    from stores.memory import InMemoryCacheStore
+
+    body = _chat("You are a careful analyst. " * 60, "hello " * 50)
+    raw = json.dumps(body).encode()
+    ctx = parse_request(raw, CHAT)
+    results = {
+        f"parse_request_{len(raw) // 1024}KiB": measure(
+            lambda: parse_request(raw, CHAT), number, repeat),
+        f"cache_key_{len(raw) // 1024}KiB": measure(lambda: cache_key(ctx), number, repeat),
+    }
+    store = InMemoryCacheStore(capacity=10_000)
+    entry = encode_entry("body", "application/json", b"x" * 2048)
+    for i in range(5000):
+        store.set(f"k{i}", entry, 300)
+    results["memory_get_hit"] = measure(lambda: store.get("k42"), number, repeat)
+    results["memory_get_miss"] = measure(lambda: store.get("absent"), number, repeat)
+    results["decode_entry_2KiB"] = measure(lambda: decode_entry(entry), number, repeat)
+    results.update(_redis_roundtrip(number, repeat))
+    return results
+
+
+GROUPS: dict[str, Callable[[int, int], dict[str, float]]] = {"tier1": tier1, "tier2": tier2}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="*", choices=sorted(GROUPS), help="groups to run")
+    parser.add_argument("--number", type=int, default=20000, help="calls per run")
+    parser.add_argument("--repeat", type=int, default=5, help="runs per figure")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    results: dict[str, dict[str, float]] = {}
+    for name in args.only or sorted(GROUPS):
+        results[name] = GROUPS[name](args.number, args.repeat)
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    for group, figures in results.items():
+        print(f"[{group}]")
+        for name, micros in figures.items():
+            print(f"  {name:<28} {micros:10.3f} us/op")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
