@@ -146,27 +146,64 @@ class KvHolding:
     updated_at: float = 0.0
 
 
+#: Event types on a listener's per-backend stream.
+CACHE_CREATED = "cache_created"
+CACHE_EVICTED = "cache_evicted"
+CACHE_OFFLOADED = "cache_offloaded"
+CACHE_CLEARED = "cache_cleared"
+KV_EVENT_TYPES = (CACHE_CREATED, CACHE_EVICTED, CACHE_OFFLOADED, CACHE_CLEARED)
+
+
 class KvCacheIndex(abc.ABC):
-    """``prefix_hash -> {backend -> holding}``, fed by engine KV events (Tier 4)."""
+    """``prefix_hash -> {backend -> (token_count, tier, updated_at)}``, fed by engine KV
+    events (Tier 4).
+
+    Tier transitions (``storage_offloading.enabled``): ``cache_created`` → GpuHot;
+    ``cache_offloaded`` → StorageWarm; ``cache_evicted`` → StorageWarm when the entry was
+    GpuHot and ``treat_eviction_as_offload`` is on, else the entry is removed. With storage
+    offloading off, every holding is GpuHot and offload/evict remove it. ``cache_cleared``
+    removes every entry of the backend (``prefix_hash`` is ignored).
+
+    Implementations are safe to call from several greenlets and threads.
+    """
 
     name: ClassVar[str] = ""
 
+    @classmethod
+    def from_config(cls, config: RouterConfig, **collaborators: Any) -> KvCacheIndex:
+        """Build the index for ``config.kv_cache_index``.
+
+        Collaborators the router passes: ``metrics`` and ``redis`` (the shared
+        :class:`continuum.redis_link.RedisLink`, or None).
+        """
+        return cls()
+
+    def start(self) -> None:  # noqa: B027 - optional hook, deliberately a no-op
+        """Start background work (expiry sweeps…) in the worker; default: none."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, deliberately a no-op
+        """Release resources; default: nothing to release."""
+
     @abc.abstractmethod
     def apply(self, backend: str, event: str, prefix_hash: str, token_count: int = 0) -> None:
-        """Apply one event (``cache_created``/``cache_evicted``/``cache_offloaded``/
-        ``cache_cleared``) from ``backend``."""
+        """Apply one event (one of :data:`KV_EVENT_TYPES`) from ``backend``.
+
+        Raises:
+            ValueError: unknown event type.
+            StoreError: the index's storage failed (the caller counts and drops the event).
+        """
 
     @abc.abstractmethod
     def query_backends(self, prefix_hash: str) -> Sequence[KvHolding]:
-        """Holders of ``prefix_hash``, most tokens first."""
+        """Unexpired holders of ``prefix_hash``, most tokens first (ties by name)."""
 
     @abc.abstractmethod
     def clear(self) -> int:
-        """Drop every entry; return how many were dropped."""
+        """Drop every entry; return how many (prefix, backend) entries were dropped."""
 
     @abc.abstractmethod
     def stats(self) -> dict[str, Any]:
-        """Counters for the admin API."""
+        """``{"prefix_count", "entry_count", "total_hits", "total_evictions", …}``."""
 
 
 #: Entry-point group → the interface its plugins must implement.

@@ -22,6 +22,9 @@ from continuum.config.schema import (
     AuthConfig,
     BackendConfig,
     ClientKeyConfig,
+    KvCacheIndexConfig,
+    KvEventSourceConfig,
+    KvScoringConfig,
     HealthCheckConfig,
     PoolConfig,
     PrefixRoutingConfig,
@@ -41,6 +44,9 @@ __all__ = [
     "BackendConfig",
     "CheckResult",
     "ClientKeyConfig",
+    "KvCacheIndexConfig",
+    "KvEventSourceConfig",
+    "KvScoringConfig",
     "ConfigError",
     "HealthCheckConfig",
     "PoolConfig",
@@ -87,6 +93,12 @@ def check_config(
             registry.load("continuum.cache_stores", config.response_cache.backend)
         except PluginError as exc:
             issues.error("response_cache.backend", exc.message, config.response_cache.backend)
+        if config.kv_cache_index.enabled:
+            try:
+                registry.load("continuum.kv_indexes", config.kv_cache_index.backend)
+            except PluginError as exc:
+                issues.error("kv_cache_index.backend", exc.message,
+                             config.kv_cache_index.backend)
     return CheckResult(None if issues.errors else config, issues.errors, issues.warnings, source)
 
 

@@ -239,6 +239,131 @@ class ResponseCacheConfig:
 
 
 @dataclass(frozen=True)
+class LoadGuardConfig:
+    """``kv_cache_index.scoring.load_guard``: keep KV-aware routing from piling onto a
+    busy holder (beyond the seed, off by default)."""
+
+    enabled: bool = setting(False, doc="a holder qualifies only within the CHWBL bound",
+                            restart=True)
+    load_factor_epsilon: float = setting(
+        0.25, doc="bound = max(floor, ceil((1 + epsilon) * (in_flight_total + 1) / N))",
+        min=0.01, max=10.0, restart=True,
+    )
+    floor: int = setting(4, doc="the bound never drops below this many in-flight requests",
+                         min=1, max=100000, restart=True)
+
+
+@dataclass(frozen=True)
+class KvScoringConfig:
+    """``kv_cache_index.scoring``: the KvOverlapScorer weights (read once at start)."""
+
+    overlap_weight: float = setting(0.6, doc="weight of the tier-weighted overlap",
+                                    min=0.0, max=1.0, restart=True)
+    load_weight: float = setting(0.3, doc="weight of 1 - load_ratio", min=0.0, max=1.0,
+                                 restart=True)
+    health_weight: float = setting(0.1, doc="weight of the backend's success rate",
+                                   min=0.0, max=1.0, restart=True)
+    min_overlap_threshold: float = setting(
+        0.3, doc="tier-weighted normalised overlap a holder needs to be scored",
+        min=0.0, max=1.0, restart=True,
+    )
+    gpu_tier_weight: float = setting(1.0, doc="multiplier for GpuHot holdings",
+                                     min=0.0, max=10.0, restart=True)
+    storage_tier_weight: float = setting(0.6, doc="multiplier for StorageWarm holdings",
+                                         min=0.0, max=10.0, restart=True)
+    load_guard: LoadGuardConfig = setting(default_factory=LoadGuardConfig,
+                                          doc="bounded-load guard for KV-aware routing")
+
+    def check(self, path: str, issues: Issues) -> None:
+        total = self.overlap_weight + self.load_weight + self.health_weight
+        if abs(total - 1.0) > 1e-9:
+            # overlap_weight + load_weight + health_weight
+            issues.error(join(path, "overlap_weight"), "weights must sum to 1.0",
+                         round(total, 9))
+
+
+@dataclass(frozen=True)
+class StorageOffloadingConfig:
+    """``kv_cache_index.storage_offloading``: GpuHot vs StorageWarm tiers."""
+
+    enabled: bool = setting(False, doc="track the storage tier of each holding", restart=True)
+    treat_eviction_as_offload: bool = setting(
+        True, doc="a cache_evicted of a GpuHot entry demotes it to StorageWarm", restart=True
+    )
+
+
+@dataclass(frozen=True)
+class KvEventSourceConfig:
+    """``kv_cache_index.event_sources[]``: one listener stream per backend."""
+
+    backend_name: str = setting(doc="the backend whose cache the stream describes",
+                                pattern=NAME_PATTERN, restart=True)
+    endpoint: str | None = setting(
+        None, doc="http(s):// SSE or ws(s):// URL of the listener's /events/<backend>",
+        restart=True,
+    )
+    transport: str = setting("sse", doc="sse (pull from the listener)",
+                             choices=("sse", "event_bus"), restart=True)
+    reconnect_interval_ms: int = setting(
+        5000, doc="first reconnect delay; doubles up to max(this, 60 s)", min=10,
+        max=3_600_000, restart=True,
+    )
+
+    def check(self, path: str, issues: Issues) -> None:
+        if self.transport == "event_bus":
+            issues.error(join(path, "transport"),
+                         "push mode (event_bus) is not supported by this router yet; pull "
+                         "the listener's SSE stream with endpoint: instead")
+            return
+        if self.endpoint is None:
+            issues.error(join(path, "endpoint"), "is required with transport: sse")
+            return
+        parts = urlsplit(self.endpoint)
+        if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
+            issues.error(join(path, "endpoint"), "must be an http, https, ws or wss URL",
+                         self.endpoint)
+
+
+@dataclass(frozen=True)
+class KvCacheIndexConfig:
+    """``kv_cache_index``: Tier 4, the index of what each engine's GPU holds.
+
+    Every key here needs a restart: the scorer reads its weights once at start.
+    """
+
+    enabled: bool = setting(False, doc="keep the index and score backends with it",
+                            restart=True)
+    backend: str = setting("memory", doc="index plugin (entry-point group "
+                           "continuum.kv_indexes); redis shares response_cache.redis's pool",
+                           restart=True)
+    max_entries: int = setting(100000, doc="prefix entries kept (oldest 10% evicted when "
+                               "full)", min=100, max=10_000_000, restart=True)
+    entry_ttl_seconds: int = setting(600, doc="lifetime of an entry without a new event",
+                                     min=1, max=86400, restart=True)
+    redis_key_prefix: str = setting("cr:kvidx:", doc="namespace of the Redis index",
+                                    restart=True)
+    scoring: KvScoringConfig = setting(default_factory=KvScoringConfig, doc="scorer weights")
+    storage_offloading: StorageOffloadingConfig = setting(
+        default_factory=StorageOffloadingConfig, doc="storage-tier awareness"
+    )
+    event_sources: tuple[KvEventSourceConfig, ...] = setting(
+        default_factory=tuple, doc="listener streams to consume"
+    )
+
+    def check(self, path: str, issues: Issues) -> None:
+        if set(self.redis_key_prefix) & _GLOB_CHARS or not self.redis_key_prefix:
+            issues.error(join(path, "redis_key_prefix"),
+                         "must be non-empty and free of glob characters", self.redis_key_prefix)
+        seen: set[str] = set()
+        for i, source in enumerate(self.event_sources):
+            if source is not None and source.backend_name in seen:
+                issues.error(f"{join(path, 'event_sources')}[{i}].backend_name",
+                             "duplicate event source for this backend", source.backend_name)
+            if source is not None:
+                seen.add(source.backend_name)
+
+
+@dataclass(frozen=True)
 class ClientKeyConfig:
     """``auth.keys[]``: one client API key and the tenant it belongs to."""
 
@@ -328,6 +453,9 @@ class RouterConfig:
         default_factory=ResponseCacheConfig, doc="Tiers 2 and 3: response cache"
     )
     auth: AuthConfig = setting(default_factory=AuthConfig, doc="client API keys and tenants")
+    kv_cache_index: KvCacheIndexConfig = setting(
+        default_factory=KvCacheIndexConfig, doc="Tier 4: backend KV cache index"
+    )
     admin: AdminConfig = setting(default_factory=AdminConfig, doc="admin API")
 
     def check(self, path: str, issues: Issues) -> None:
@@ -344,6 +472,23 @@ class RouterConfig:
             seen.setdefault(backend.name, i)
         if not self.backends:
             issues.warn("backends", "no backends configured; every request will get 503")
+        kv = self.kv_cache_index
+        names = {b.name for b in self.backends if b is not None}
+        for i, source in enumerate(kv.event_sources):
+            if source is not None and source.backend_name not in names:
+                issues.warn(f"kv_cache_index.event_sources[{i}].backend_name",
+                            "no backend of this name; its events will never be used",
+                            source.backend_name)
+        if kv.enabled and self.prefix_routing.enabled:
+            scoring = kv.scoring
+            if scoring.gpu_tier_weight < scoring.min_overlap_threshold:
+                issues.warn("kv_cache_index.scoring.gpu_tier_weight",
+                            f"below min_overlap_threshold ({scoring.min_overlap_threshold:g}):"
+                            " no backend can pass, KV-aware routing always falls back",
+                            scoring.gpu_tier_weight)
+        if kv.enabled and not self.prefix_routing.enabled:
+            issues.warn("kv_cache_index.enabled",
+                        "the KV scorer only runs with prefix_routing.enabled: true")
         if self.selection_strategy == "PrefixAwareHash" and not self.prefix_routing.enabled:
             issues.warn(
                 "selection_strategy",
