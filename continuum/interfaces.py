@@ -76,6 +76,12 @@ class BackendScorer(abc.ABC):
         """Score and the tier it was computed from, read together."""
         return self.score(backend, ctx), TIER_NONE
 
+    def observe(  # noqa: B027 - optional hook, deliberately a no-op
+        self, ctx: RequestContext, chosen: Backend | None, score: float, tier: str
+    ) -> None:
+        """Called once per scoring pass with the outcome (``chosen`` None: the strategy
+        decided). Default: nothing."""
+
 
 @dataclass(frozen=True, slots=True)
 class CacheStoreStats:

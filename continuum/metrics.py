@@ -154,6 +154,24 @@ class RouterMetrics:
             multiprocess_mode="livemax",
             registry=r,
         )
+        self.kv_decisions = Counter(
+            "continuum_kv_index_routing_decisions_total",
+            "KV scorer passes by decision (kv_aware, fallback) and the chosen backend's tier",
+            ["decision", "tier"],
+            registry=r,
+        )
+        self.kv_overlap_score = Histogram(
+            "continuum_kv_index_overlap_score",
+            "Best composite score of kv_aware decisions",
+            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+            registry=r,
+        )
+        self.kv_query_latency = Histogram(
+            "continuum_kv_index_query_latency_seconds",
+            "KV index query latency (one per scorer prepare)",
+            buckets=(0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1),
+            registry=r,
+        )
         self.worker_requests = Gauge(
             "continuum_worker_requests",
             "Requests proxied by each live worker (pid label), to see how workers share load",

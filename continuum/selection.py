@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from continuum.errors import NoHealthyBackendError
+from continuum.interfaces import TIER_NONE
 
 if TYPE_CHECKING:
     from continuum.backends import Backend
@@ -46,19 +47,24 @@ class SelectionPipeline:
             chosen = self._score(candidates, ctx)
             if chosen is not None:
                 return chosen
-        ctx.state["decision"] = "strategy"
+        ctx.state.setdefault("decision", "strategy")  # "scorer_fallback" when scorers ran
         return self.strategy.select(candidates, ctx)
 
     def _score(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend | None:
         best: Backend | None = None
         best_score = self.threshold
-        best_tier = None
+        best_tier = TIER_NONE
+        best_scorer = None
         for scorer in self.scorers:
             scorer.prepare(ctx, candidates)
             for backend in candidates:
                 score, tier = scorer.score_with_tier(backend, ctx)
                 if score > best_score:
-                    best, best_score, best_tier = backend, score, tier
+                    best, best_score, best_tier, best_scorer = backend, score, tier, scorer
+        for scorer in self.scorers:
+            won = scorer is best_scorer
+            scorer.observe(ctx, best if won else None, best_score if won else 0.0,
+                           best_tier if won else TIER_NONE)
         if best is None:
             ctx.state["decision"] = "scorer_fallback"
             return None

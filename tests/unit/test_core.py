@@ -126,7 +126,7 @@ def test_pipeline_threshold_is_strict() -> None:
     ctx = make_context(prefix=b"k")
     at = SelectionPipeline(_Fixed(), [_Scores({"b0": 0.3})])
     assert at.select(backends, ctx).name == "b2"  # 0.3 is not > 0.3
-    assert ctx.state["decision"] == "strategy"
+    assert ctx.state["decision"] == "scorer_fallback"
     above = SelectionPipeline(_Fixed(), [_Scores({"b0": 0.31, "b1": 0.2})])
     ctx2 = make_context(prefix=b"k")
     assert above.select(backends, ctx2).name == "b0"
