@@ -62,7 +62,7 @@ def _cmd_defaults(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
+def _cmd_demo(args: argparse.Namespace) -> int:  # pragma: no cover - see main()
     from continuum.demo import main as demo_main
 
     return int(demo_main(args.demo_args))
@@ -89,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = config_sub.add_parser("defaults", help="print every key with its default")
     defaults.set_defaults(func=_cmd_defaults)
 
-    demo = sub.add_parser("demo", help="run simulated engines + router and compare strategies")
+    demo = sub.add_parser("demo", add_help=False,
+                          help="run simulated engines + router and compare strategies "
+                               "(continuum-router demo --help for its options)")
     demo.add_argument("demo_args", nargs=argparse.REMAINDER)
     demo.set_defaults(func=_cmd_demo)
     return parser
@@ -97,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console-script entry point."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:  # the demo parses its own options (argparse.REMAINDER cannot)
+        from continuum.demo import main as demo_main
+
+        return int(demo_main(argv[1:]))
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 
