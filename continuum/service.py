@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from continuum.anthropic import injected_body, should_inject
 from continuum.auth import ClientAuth
 from continuum.backends import Backend, BackendPool
+from continuum.cache_salt import make_salt
 from continuum.config import restart_required
 from continuum.config.fields import walk
 from continuum.health import HealthMonitor
@@ -23,7 +25,7 @@ from continuum.selection import SelectionPipeline
 
 if TYPE_CHECKING:
     from continuum.config import RouterConfig
-    from continuum.interfaces import BackendScorer, SelectionStrategy
+    from continuum.interfaces import BackendScorer, CacheStore, SelectionStrategy
     from continuum.request import RequestContext
 
 log = logging.getLogger(__name__)
@@ -84,9 +86,13 @@ class RouterService:
             on_result=self.health.observe,
         )
         self.auth = ClientAuth(config.auth)
+        kv = config.kv_cache_index
+        self._salt_secret = kv.cache_salt.resolved() if kv.cache_salt.enabled else None
+        self._salted_backends = frozenset(s.backend_name for s in kv.event_sources)
         self.redis = RedisLink(config.response_cache.redis, metrics) if self._needs_redis(
             config) else None
-        store_cls = registry.load(CACHE_STORES, config.response_cache.backend)
+        store_cls = cast("type[CacheStore]",
+                         registry.load(CACHE_STORES, config.response_cache.backend))
         store = store_cls.from_config(config, metrics=metrics, redis=self.redis)
         self.response_cache = ResponseCache(config.response_cache, store, metrics)
 
@@ -161,6 +167,9 @@ class RouterService:
         if ctx.protocol == "anthropic":
             body = self._anthropic_body(ctx)
             error_event = anthropic_error_event
+        elif self._salt_secret is not None and ctx.prefix_key is not None \
+                and "cache_salt" not in ctx.body:
+            body = self._salted_body(ctx, self._salt_secret)
         upstream = self.forwarder.open(ctx, self.pipeline.select, path, body,
                                        ctx.state.get("forward_headers"))
         headers = upstream.headers()
@@ -176,6 +185,19 @@ class RouterService:
         if cache is not None and not ctx.stream:
             cache.store_body(ctx, upstream.status, content_type, data)
         return ProxyResult(upstream.status, headers, body=data)
+
+    def _salted_body(self, ctx: RequestContext, secret: bytes) -> Callable[[Backend], bytes]:
+        """Per-backend body carrying the router-issued ``cache_salt`` for backends with a
+        KV event source (a client's own ``cache_salt`` is never replaced)."""
+        prefix_hash = ctx.prefix_hash or ""
+
+        def body_for(backend: Backend) -> bytes:
+            if backend.name not in self._salted_backends:
+                return ctx.raw
+            salt = make_salt(secret, backend.name, prefix_hash)
+            return json.dumps({**ctx.body, "cache_salt": salt}).encode()
+
+        return body_for
 
     def _anthropic_body(self, ctx: RequestContext) -> Callable[[Backend], bytes]:
         """Per-backend body: with cache_control injected where the precedence says so."""

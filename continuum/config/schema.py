@@ -325,6 +325,32 @@ class KvEventSourceConfig:
 
 
 @dataclass(frozen=True)
+class CacheSaltConfig:
+    """``kv_cache_index.cache_salt``: send router-issued ``cache_salt`` to engine backends
+    so the listener can attribute their KV blocks without detokenizing (required for
+    TensorRT-LLM). Format and security: :mod:`continuum.cache_salt`."""
+
+    enabled: bool = setting(False, doc="salt requests to backends that have an event source",
+                            restart=True)
+    secret: str | None = setting(None, doc="HMAC secret shared with the listener",
+                                 secret=True, restart=True)
+    secret_env: str | None = setting(None, doc="environment variable holding the secret",
+                                     restart=True)
+
+    def resolved(self) -> bytes | None:
+        value = self.secret if self.secret is not None else (
+            os.environ.get(self.secret_env) if self.secret_env else None)
+        return value.encode() if value else None
+
+    def check(self, path: str, issues: Issues) -> None:
+        if self.secret is not None and self.secret_env is not None:
+            issues.error(join(path, "secret_env"), "set either secret or secret_env, not both")
+        elif self.enabled and self.resolved() is None:
+            issues.error(join(path, "secret"), "cache_salt.enabled needs secret or secret_env "
+                         "(set and non-empty)")
+
+
+@dataclass(frozen=True)
 class KvCacheIndexConfig:
     """``kv_cache_index``: Tier 4, the index of what each engine's GPU holds.
 
@@ -349,6 +375,8 @@ class KvCacheIndexConfig:
     event_sources: tuple[KvEventSourceConfig, ...] = setting(
         default_factory=tuple, doc="listener streams to consume"
     )
+    cache_salt: CacheSaltConfig = setting(default_factory=CacheSaltConfig,
+                                          doc="router-issued cache salts")
 
     def check(self, path: str, issues: Issues) -> None:
         if set(self.redis_key_prefix) & _GLOB_CHARS or not self.redis_key_prefix:
