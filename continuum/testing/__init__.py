@@ -12,7 +12,14 @@ pytest is needed to use this package; it is in the ``test`` extra
 (``pip install 'continuum-router[test]'``). Nothing in the router imports it.
 """
 
+from continuum.testing.kv_index import KvIndexContract
 from continuum.testing.stores import CacheStoreContract
 from continuum.testing.strategies import StrategyContract, make_backends, make_context
 
-__all__ = ["CacheStoreContract", "StrategyContract", "make_backends", "make_context"]
+__all__ = [
+    "CacheStoreContract",
+    "KvIndexContract",
+    "StrategyContract",
+    "make_backends",
+    "make_context",
+]
