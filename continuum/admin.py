@@ -166,6 +166,96 @@ class ResponseCacheInvalidateResource(_AdminResource):
         self._send(resp, {"success": True, "action": "clear_all", "cleared_entries": cleared})
 
 
+class KvIndexStatsResource(_AdminResource):
+    """``GET /admin/kv-index/stats``: the seed's response shape."""
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self.auth.check(req)
+        service = self.service
+        kv = service.config.kv_cache_index
+        scoring = kv.scoring
+        index_stats = service.kv_index.stats() if service.kv_index is not None else {}
+        scorer = service.kv_scorer.stats() if service.kv_scorer is not None else {}
+        decisions = scorer.get("routing_decisions", {"kv_aware": 0, "fallback": 0, "total": 0})
+        sources = service.kv_consumers.stats() if service.kv_consumers is not None else []
+        self._send(resp, {
+            "enabled": kv.enabled,
+            "scorer_active": service.kv_scorer is not None,
+            "config": {
+                "backend": kv.backend,
+                "max_entries": kv.max_entries,
+                "entry_ttl_seconds": kv.entry_ttl_seconds,
+                "event_sources_count": len(kv.event_sources),
+                "scoring": {
+                    "overlap_weight": scoring.overlap_weight,
+                    "load_weight": scoring.load_weight,
+                    "health_weight": scoring.health_weight,
+                    "min_overlap_threshold": scoring.min_overlap_threshold,
+                    "gpu_tier_weight": scoring.gpu_tier_weight,
+                    "storage_tier_weight": scoring.storage_tier_weight,
+                    "load_guard": scoring.load_guard.enabled,
+                },
+            },
+            "index": {key: index_stats.get(key, 0) for key in
+                      ("prefix_count", "entry_count", "total_hits", "total_evictions")},
+            "event_sources": [
+                {key: source[key] for key in ("backend_name", "connected", "events_received",
+                                              "events_dropped", "last_event_at",
+                                              "reconnect_count")}
+                for source in sources
+            ],
+            "routing_decisions": decisions,
+            "query_latency_count": scorer.get("query_latency_count", 0),
+            "overlap_score_count": scorer.get("overlap_score_count", 0),
+        })
+
+
+class KvIndexBackendsResource(_AdminResource):
+    """``GET /admin/kv-index/backends``: per-backend event statistics."""
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self.auth.check(req)
+        consumers = self.service.kv_consumers
+        sources = consumers.stats() if consumers is not None else []
+        self._send(resp, {
+            "enabled": self.service.config.kv_cache_index.enabled,
+            "backends": [
+                {
+                    "backend_name": s["backend_name"],
+                    "connection": {"connected": s["connected"],
+                                   "reconnect_count": s["reconnect_count"],
+                                   "last_event_at": s["last_event_at"]},
+                    "events": {"received": s["events_received"],
+                               "dropped": s["events_dropped"],
+                               "malformed": s["malformed"],
+                               "index_created": s["index_created"],
+                               "index_evicted": s["index_evicted"]},
+                    "last_event_id": s["last_event_id"],
+                }
+                for s in sources
+            ],
+        })
+
+
+class KvIndexClearResource(_AdminResource):
+    """``POST /admin/kv-index/clear``: drop every entry; events rebuild the index."""
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self.auth.check(req)
+        index = self.service.kv_index
+        if index is None:
+            self._send(resp, {"success": False, "error": "KV cache index is not enabled"})
+            return
+        before = index.stats().get("entry_count", 0)
+        try:
+            cleared = index.clear()
+        except StoreError as exc:
+            self._send(resp, {"success": False, "error": exc.message}, status=503)
+            return
+        self._send(resp, {"success": True, "entries_before_clear": before,
+                          "cleared_entries": cleared})
+
+
 class _NoConfigFile(ContinuumError):
     status = 409
     error_type = "invalid_request_error"
@@ -185,6 +275,9 @@ def add_routes(
     app.add_route("/admin/response-cache/stats", ResponseCacheStatsResource(service, auth))
     app.add_route("/admin/response-cache/invalidate",
                   ResponseCacheInvalidateResource(service, auth))
+    app.add_route("/admin/kv-index/stats", KvIndexStatsResource(service, auth))
+    app.add_route("/admin/kv-index/backends", KvIndexBackendsResource(service, auth))
+    app.add_route("/admin/kv-index/clear", KvIndexClearResource(service, auth))
 
 
 __all__ = ["RequestError", "add_routes"]

@@ -15,6 +15,8 @@ from continuum.cache_salt import make_salt
 from continuum.config import restart_required
 from continuum.config.fields import walk
 from continuum.health import HealthMonitor
+from continuum.kv_consumer import KvEventConsumerManager
+from continuum.kv_scorer import KvOverlapScorer
 from continuum.metrics import RouterMetrics
 from continuum.prefix import request_prefix_key
 from continuum.proxy import Forwarder, anthropic_error_event, openai_error_event
@@ -25,13 +27,14 @@ from continuum.selection import SelectionPipeline
 
 if TYPE_CHECKING:
     from continuum.config import RouterConfig
-    from continuum.interfaces import BackendScorer, CacheStore, SelectionStrategy
+    from continuum.interfaces import BackendScorer, CacheStore, KvCacheIndex, SelectionStrategy
     from continuum.request import RequestContext
 
 log = logging.getLogger(__name__)
 
 STRATEGIES = "continuum.strategies"
 CACHE_STORES = "continuum.cache_stores"
+KV_INDEXES = "continuum.kv_indexes"
 
 
 @dataclass
@@ -95,10 +98,28 @@ class RouterService:
                          registry.load(CACHE_STORES, config.response_cache.backend))
         store = store_cls.from_config(config, metrics=metrics, redis=self.redis)
         self.response_cache = ResponseCache(config.response_cache, store, metrics)
+        self._build_kv_tier(config)
+
+    def _build_kv_tier(self, config: RouterConfig) -> None:
+        """Tier 4: the index, its event consumers, and the scorer (only with prefix keys)."""
+        kv = config.kv_cache_index
+        self.kv_index: KvCacheIndex | None = None
+        self.kv_consumers: KvEventConsumerManager | None = None
+        self.kv_scorer: KvOverlapScorer | None = None
+        if not kv.enabled:
+            return
+        index_cls = cast("type[KvCacheIndex]", self.registry.load(KV_INDEXES, kv.backend))
+        self.kv_index = index_cls.from_config(config, metrics=self.metrics, redis=self.redis)
+        self.kv_consumers = KvEventConsumerManager(kv.event_sources, self.kv_index,
+                                                   self.metrics.registry)
+        if config.prefix_routing.enabled:
+            self.kv_scorer = KvOverlapScorer(self.kv_index, kv.scoring, self.metrics)
+            self.pipeline.scorers = (*self.pipeline.scorers, self.kv_scorer)
 
     @staticmethod
     def _needs_redis(config: RouterConfig) -> bool:
-        return config.response_cache.backend == "redis"
+        kv = config.kv_cache_index
+        return config.response_cache.backend == "redis" or (kv.enabled and kv.backend == "redis")
 
     def _make_strategy(self, config: RouterConfig) -> SelectionStrategy:
         strategy: SelectionStrategy = self.registry.create(
@@ -115,10 +136,20 @@ class RouterService:
         """Start background greenlets (health checks, store upkeep). Call in the worker."""
         self.health.start()
         self.response_cache.store.start()
+        if self.redis is not None:
+            self.redis.start()
+        if self.kv_index is not None:
+            self.kv_index.start()
+        if self.kv_consumers is not None:
+            self.kv_consumers.start()
 
     def stop(self) -> None:
         """Stop background greenlets and close connections."""
         self.health.stop()
+        if self.kv_consumers is not None:
+            self.kv_consumers.stop()
+        if self.kv_index is not None:
+            self.kv_index.close()
         self.response_cache.store.close()
         if self.redis is not None:
             self.redis.close()
@@ -235,6 +266,21 @@ class RouterService:
             doc["reason"] = "no healthy backend serves this model" if serving else \
                 "no enabled backend serves this model"
             return doc
+        scorer = self.kv_scorer
+        if scorer is not None and ctx.prefix_key is not None:
+            scorer.prepare(ctx, candidates)
+            rows = scorer.explain(ctx, candidates)
+            doc["kv_scores"] = rows
+            best = max(rows, key=lambda row: row["score"])
+            if best["score"] > self.pipeline.threshold:
+                doc["decision"] = {"decision": "kv_aware", "backend": best["backend"],
+                                   "tier": best["tier"], "score": best["score"],
+                                   "reason": "highest composite score above the pool "
+                                   f"threshold {self.pipeline.threshold}"}
+                return doc
+            doc["kv_fallback_reason"] = (
+                "no candidate holds this prefix" if not any(r["token_count"] for r in rows)
+                else f"no composite score above {self.pipeline.threshold}")
         explain = getattr(self.strategy, "explain", None)
         if explain is not None:
             doc["decision"] = explain(candidates, ctx)

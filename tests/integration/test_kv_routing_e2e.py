@@ -1,0 +1,213 @@
+"""Tier 4 through real gunicorn: an SSE event stream fills the index, the scorer routes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+import requests
+
+from continuum.prefix import request_prefix_key
+
+pytestmark = pytest.mark.e2e
+
+SYSTEM = "You are the routing test assistant. " * 20
+
+
+class EventStreams:
+    """A real SSE server on 127.0.0.1: ``/events/<backend>`` serves queued events."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, list[bytes]] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                backend = self.path.rsplit("/", 1)[-1]
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                sent = 0
+                while not outer.stop.is_set():
+                    with outer.lock:
+                        pending = outer.queues.get(backend, [])[sent:]
+                    for record in pending:
+                        self.wfile.write(record)
+                        sent += 1
+                    self.wfile.flush()
+                    time.sleep(0.02)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, backend: str) -> str:
+        return f"http://127.0.0.1:{self.port}/events/{backend}"
+
+    def push(self, backend: str, event: str, prefix_hash: str, tokens: int) -> None:
+        with self.lock:
+            queue = self.queues.setdefault(backend, [])
+            data = json.dumps({"prefix_hash": prefix_hash, "token_count": tokens})
+            queue.append(f"id: {len(queue) + 1}\nevent: {event}\ndata: {data}\n\n".encode())
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def streams() -> Any:
+    s = EventStreams()
+    yield s
+    s.close()
+
+
+def _body(system: str = SYSTEM) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "system", "content": system},
+                                       {"role": "user", "content": "hello"}]}
+
+
+def _prefix(system: str = SYSTEM) -> str:
+    key = request_prefix_key(_body(system), "m")
+    assert key is not None
+    return key.hex()
+
+
+def _config(ups: list[Any], streams: EventStreams, **kv: Any) -> dict[str, Any]:
+    return {
+        "backends": [{"name": u.name, "url": u.url, "models": ["m"]} for u in ups],
+        "selection_strategy": "RoundRobin",
+        "prefix_routing": {"enabled": True},
+        "health_check": {"interval_seconds": 30},
+        "kv_cache_index": {"enabled": True, "event_sources": [
+            {"backend_name": u.name, "endpoint": streams.url(u.name),
+             "reconnect_interval_ms": 100} for u in ups], **kv},
+    }
+
+
+def _wait_holders(router: Any, expected: int) -> None:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        stats = requests.get(router.url + "/admin/kv-index/stats", timeout=5).json()
+        if stats["index"]["entry_count"] >= expected:
+            time.sleep(0.15)  # let the scorer's 100 ms snapshot of the old state expire
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"index never reached {expected} entries: {stats}")
+
+
+def _backend(router: Any, body: dict[str, Any]) -> str:
+    resp = requests.post(router.url + "/v1/chat/completions", json=body, timeout=10)
+    assert resp.status_code == 200
+    return resp.headers["X-Continuum-Backend"]
+
+
+def test_requests_go_to_the_holder_with_most_tokens(upstreams, router_factory, streams) -> None:
+    ups = [upstreams(n) for n in ("a", "b", "c")]
+    router = router_factory(_config(ups, streams))
+    # Index empty: the strategy (round robin) spreads requests.
+    assert {_backend(router, _body()) for _ in range(6)} == {"a", "b", "c"}
+
+    prefix = _prefix()
+    streams.push("a", "cache_created", prefix, 512)
+    streams.push("b", "cache_created", prefix, 2048)
+    _wait_holders(router, 2)
+    assert [_backend(router, _body()) for _ in range(8)] == ["b"] * 8
+
+    explain = requests.post(router.url + "/admin/routing/explain", json=_body(),
+                            timeout=5).json()
+    assert explain["decision"]["decision"] == "kv_aware"
+    assert explain["decision"]["backend"] == "b"
+    rows = {row["backend"]: row for row in explain["kv_scores"]}
+    assert rows["b"]["raw_overlap"] == 1.0 and rows["a"]["raw_overlap"] == 0.25
+    assert rows["c"]["score"] == 0.0 and rows["c"]["tier"] == "none"
+
+    # Another prefix nobody holds: the strategy decides again.
+    other = {_backend(router, _body("Something else entirely.")) for _ in range(6)}
+    assert other == {"a", "b", "c"}
+
+    streams.push("b", "cache_evicted", prefix, 0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _backend(router, _body()) != "a":
+        time.sleep(0.05)
+    assert _backend(router, _body()) == "a"  # a still holds 512 tokens
+
+    stats = requests.get(router.url + "/admin/kv-index/stats", timeout=5).json()
+    assert stats["routing_decisions"]["kv_aware"] >= 9
+    assert stats["routing_decisions"]["fallback"] >= 6
+    assert all(s["connected"] for s in stats["event_sources"])
+    backends = requests.get(router.url + "/admin/kv-index/backends", timeout=5).json()
+    by_name = {b["backend_name"]: b for b in backends["backends"]}
+    assert by_name["b"]["events"] == {"received": 2, "dropped": 0, "malformed": 0,
+                                      "index_created": 1, "index_evicted": 1}
+    cleared = requests.post(router.url + "/admin/kv-index/clear", timeout=5).json()
+    assert cleared["success"] is True and cleared["cleared_entries"] == 1
+    text = router.metrics()
+    assert 'continuum_kv_index_routing_decisions_total{decision="kv_aware",tier="gpu_hot"}' \
+        in text
+
+
+def test_load_can_move_traffic_off_the_best_holder(upstreams, router_factory, streams) -> None:
+    ups = [upstreams(n) for n in ("a", "b")]
+    router = router_factory(_config(ups, streams))
+    prefix = _prefix()
+    streams.push("a", "cache_created", prefix, 1000)
+    streams.push("b", "cache_created", prefix, 950)
+    _wait_holders(router, 2)
+    assert _backend(router, _body()) == "a"
+    # Keep `a` busy with a slow request: b then wins on load (0.57 + 0.3 > 0.6 + 0).
+    slow = {**_body(), "x_test": {"hang": 1.5}}
+    busy = threading.Thread(target=lambda: requests.post(
+        router.url + "/v1/chat/completions", json=slow, timeout=10))
+    busy.start()
+    try:
+        deadline = time.monotonic() + 5
+        seen = set()
+        while time.monotonic() < deadline and "b" not in seen:
+            time.sleep(0.15)  # past the scorer's 100 ms snapshot
+            seen.add(_backend(router, _body()))
+        assert "b" in seen
+    finally:
+        busy.join(10)
+
+
+@pytest.mark.redis
+def test_two_routers_sharing_a_redis_index_agree(upstreams, router_factory, streams,
+                                                 redis_server) -> None:
+    ups = [upstreams(n) for n in ("a", "b", "c")]
+    kv = {"backend": "redis",
+          "redis_key_prefix": f"cr:kvtest:{time.monotonic_ns()}:"}
+    cfg = _config(ups, streams, **kv)
+    cfg["response_cache"] = {"redis": {"url": redis_server.url}}
+    only_feeds = dict(cfg)
+    # The second router consumes no streams: it sees only what the first wrote to Redis.
+    only_feeds["kv_cache_index"] = {**cfg["kv_cache_index"], "event_sources": []}
+    one, two = router_factory(cfg), router_factory(only_feeds)
+    systems = [f"System prompt number {i}. " * 10 for i in range(3)]
+    for i, system in enumerate(systems):
+        streams.push(["a", "b", "c"][i], "cache_created", _prefix(system), 100 + i)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        sources = requests.get(one.url + "/admin/kv-index/backends", timeout=5).json()
+        if all(s["events"]["index_created"] == 1 for s in sources["backends"]):
+            break
+        time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if [_backend(two, _body(s)) for s in systems] == ["a", "b", "c"]:
+            break
+        time.sleep(0.1)
+    assert [_backend(one, _body(s)) for s in systems] == ["a", "b", "c"]
+    assert [_backend(two, _body(s)) for s in systems] == ["a", "b", "c"]
