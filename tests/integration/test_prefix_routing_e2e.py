@@ -105,3 +105,20 @@ def test_reload_with_errors_keeps_running_config(upstreams, router_factory) -> N
         resp.json()["errors"][0]
     stats = requests.get(router.url + "/admin/prefix-routing/stats", timeout=10).json()
     assert stats["config"]["load_factor_epsilon"] == 0.25
+
+
+def test_config_file_watcher_reloads_without_an_admin_call(upstreams, router_factory) -> None:
+    ups = [upstreams("a")]
+    router = router_factory(_config(ups))
+    config = yaml.safe_load(router.config_path.read_text())
+    config["prefix_routing"]["load_factor_epsilon"] = 0.5
+    router.config_path.write_text(yaml.safe_dump(config))
+    deadline = time.monotonic() + 10
+    epsilon = None
+    while time.monotonic() < deadline:
+        stats = requests.get(router.url + "/admin/prefix-routing/stats", timeout=10).json()
+        epsilon = stats["config"]["load_factor_epsilon"]
+        if epsilon == 0.5:
+            break
+        time.sleep(0.1)
+    assert epsilon == 0.5
