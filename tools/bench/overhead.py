@@ -186,9 +186,11 @@ def start_upstream(tmp: Path, chunks: int, chunk_delay_ms: float) -> tuple[Child
     return child, port
 
 
-def start_router(tmp: Path, upstream_port: int, workers: int, src: str) -> tuple[Child, int]:
-    """gunicorn + gevent worker(s) with a one-backend config; cwd is ``tmp`` so that the
-    ``continuum`` imported is the one from ``src`` (default: this checkout)."""
+def start_router(tmp: Path, upstream_port: int, workers: int, src: str,
+                 extra_config: dict[str, Any] | None = None) -> tuple[Child, int]:
+    """gunicorn + gevent worker(s) with a one-backend config (plus ``extra_config``
+    sections); cwd is ``tmp`` so that the ``continuum`` imported is the one from ``src``
+    (default: this checkout)."""
     port = free_port()
     config = tmp / "router.yaml"
     # JSON is YAML: no PyYAML needed here.
@@ -197,6 +199,7 @@ def start_router(tmp: Path, upstream_port: int, workers: int, src: str) -> tuple
         "health_check": {"enabled": True, "interval_seconds": 3600},
         "backends": [{"name": "bench", "url": f"http://127.0.0.1:{upstream_port}",
                       "models": [MODEL]}],
+        **(extra_config or {}),
     }, indent=2))
     metrics_dir = tmp / "metrics"
     metrics_dir.mkdir(exist_ok=True)
