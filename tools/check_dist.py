@@ -37,7 +37,7 @@ DIST_NAME = "continuum-router"
 
 #: Update these when packages or console scripts are added (e.g. continuum-kv-listener).
 EXPECTED_TOP_LEVEL = frozenset({"continuum", "stores", "strategies", "listener"})
-EXPECTED_CONSOLE_SCRIPTS = frozenset({"continuum-router", "continuum-sim"})
+EXPECTED_CONSOLE_SCRIPTS = frozenset({"continuum-router", "continuum-sim", "continuum-kv-listener"})
 REQUIRED_FILES = ("continuum/py.typed",)
 #: Never to be packaged.
 FORBIDDEN_TOP_LEVEL = frozenset({"tests", "tools", "conf", "docs", "build"})

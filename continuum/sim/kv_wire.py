@@ -54,6 +54,9 @@ class WireProfile:
         required: Fields a map always carries, even when ``None`` (no default upstream).
         signed_hashes: Hashes go out as signed int64 (SGLang).
         salt_metadata: A salted store appends ``{"cache_salt": salt}`` (SGLang 0.5.18-0.5.19).
+        salt_extra_key: A salted store that contains block 0 (no parent) carries the salt as
+            ``extra_keys[0] == (salt,)``, the other entries ``None`` (vLLM ≥0.17, §6/§10);
+            the neutral ``cache_salt`` field itself is not on vLLM's wire.
         topic_in_replay: Replay replies are ``[topic, seq, payload]`` (else ``[seq, payload]``).
         binds_any_address: ``0.0.0.0`` endpoints bind (SGLang ≥0.5.13).
         keeps_port_zero: Rank offsets leave port 0 alone (vLLM ≥0.31).
@@ -66,6 +69,7 @@ class WireProfile:
     required: frozenset[str] = frozenset()
     signed_hashes: bool = False
     salt_metadata: bool = False
+    salt_extra_key: bool = False
     topic_in_replay: bool = False
     binds_any_address: bool = False
     keeps_port_zero: bool = False
@@ -83,9 +87,9 @@ PROFILES: dict[str, WireProfile] = {
     p.name: p
     for p in (
         WireProfile("vllm-0.22", maps=False, stored_fields=_VLLM_STORED[:11],
-                    removed_fields=_VLLM_REMOVED[:3]),
+                    removed_fields=_VLLM_REMOVED[:3], salt_extra_key=True),
         WireProfile("vllm-0.33", maps=True, stored_fields=_VLLM_STORED,
-                    removed_fields=_VLLM_REMOVED, required=_VLLM_REQUIRED,
+                    removed_fields=_VLLM_REMOVED, required=_VLLM_REQUIRED, salt_extra_key=True,
                     topic_in_replay=True, keeps_port_zero=True),
         WireProfile("sglang-0.5.9", maps=False, stored_fields=_SGLANG_STORED,
                     removed_fields=("block_hashes", "medium"), signed_hashes=True),
@@ -126,7 +130,24 @@ def _pack(value: object) -> bytes:
     return packed
 
 
-def _field_value(event: KvEvent, name: str, signed: bool) -> object:
+def _salt_extra_keys(event: BlockStored) -> tuple[tuple[object, ...] | None, ...] | None:
+    """vLLM's published ``extra_keys`` of a salted store (§6, §10).
+
+    The salt is an extra key of block 0 only, so only the event holding block 0 (the one
+    without a parent) shows it: entry 0 is ``(salt,)`` (0.17-0.30 publish the hashed tuple,
+    whose salt key is the plain string; ≥0.31 publish the untagged form, the same string),
+    one ``None`` per other block. Extra keys already on the event are left alone.
+    """
+    if (event.cache_salt is None or event.parent_block_hash is not None
+            or event.extra_keys is not None or not event.block_hashes):
+        return event.extra_keys
+    return ((event.cache_salt,), *([None] * (len(event.block_hashes) - 1)))
+
+
+def _field_value(event: KvEvent, name: str, signed: bool, salt_extra_key: bool = False) -> object:
+    if name == "extra_keys" and salt_extra_key and isinstance(event, BlockStored):
+        keys = _salt_extra_keys(event)
+        return None if keys is None else [None if k is None else list(k) for k in keys]
     value = getattr(event, name)
     if name == "block_hashes":
         return [_wire_hash(h, signed) for h in value]
@@ -163,7 +184,8 @@ def _encode_event(event: KvEvent, profile: WireProfile) -> bytes:
         tag, fields = "AllBlocksCleared", ()
     else:
         raise TypeError(f"not a KV event: {type(event).__name__}")
-    values = [(name, _field_value(event, name, profile.signed_hashes)) for name in fields]
+    values = [(name, _field_value(event, name, profile.signed_hashes, profile.salt_extra_key))
+              for name in fields]
     if not profile.maps:
         items: list[object] = [tag, *(value for _, value in values)]
         if (profile.salt_metadata and isinstance(event, BlockStored)

@@ -1,0 +1,169 @@
+"""``continuum-kv-listener``: run the KV listener, check its config, print the defaults.
+
+Examples::
+
+    continuum-kv-listener --config conf/config.kv-listener.yaml
+    continuum-kv-listener --config conf/config.kv-listener.yaml --check
+    continuum-kv-listener --print-defaults
+
+:func:`main` monkey-patches the process with gevent before anything else is imported; this
+module imports nothing network-related at import time (a test checks it in a subprocess).
+SIGTERM or SIGINT sends ``draining`` to every stream subscriber and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["build_parser", "defaults_text", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for the man page and tests)."""
+    parser = argparse.ArgumentParser(
+        prog="continuum-kv-listener",
+        description="Turn engine KV-cache events into per-backend prefix event streams "
+        "(SSE at /events/<backend>) for continuum-router.",
+    )
+    parser.add_argument("--config", metavar="FILE", help="listener config (YAML)")
+    parser.add_argument("--check", action="store_true",
+                        help="validate --config, print every error and warning, and exit")
+    parser.add_argument("--print-defaults", action="store_true",
+                        help="print every config key with its default and meaning, and exit")
+    return parser
+
+
+def _render(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return "[]"
+    if isinstance(value, str):
+        return '""' if value == "" else repr(value).replace("'", '"')
+    return str(value)
+
+
+def _limits(meta: dict[str, Any]) -> str:
+    parts = []
+    if meta.get("min") is not None or meta.get("max") is not None:
+        parts.append(f"range {meta.get('min', '')}..{meta.get('max', '')}")
+    if meta.get("choices"):
+        parts.append("one of " + "|".join(str(c) for c in meta["choices"]))
+    if meta.get("pattern") is not None:
+        parts.append(f"matches {meta['pattern'].pattern}")
+    return f" [{'; '.join(parts)}]" if parts else ""
+
+
+def _section_type(cls: type, name: str) -> type | None:
+    tp = typing.get_type_hints(cls)[name]
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return tp
+    args = typing.get_args(tp)
+    if args and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
+
+
+def defaults_text(root: type | None = None) -> str:
+    """Every key of the listener config with its default and meaning, as commented YAML."""
+    if root is None:
+        from listener.config import ListenerConfig
+
+        root = ListenerConfig
+    lines: list[str] = []
+
+    def section(cls: type, indent: str) -> None:
+        for f in dataclasses.fields(cls):
+            meta = dict(f.metadata)
+            sub = _section_type(cls, f.name)
+            lines.append(f"{indent}# {meta.get('doc', '')}{_limits(meta)}")
+            if sub is not None and f.default_factory is tuple:  # a list of sections
+                lines.append(f"{indent}{f.name}:")
+                lines.append(f"{indent}  - # one entry per item:")
+                section(sub, indent + "    ")
+            elif sub is not None:
+                lines.append(f"{indent}{f.name}:")
+                section(sub, indent + "  ")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                lines.append(f"{indent}{f.name}:  # required")
+            else:
+                factory: Any = f.default_factory
+                default = factory() if f.default is dataclasses.MISSING else f.default
+                lines.append(f"{indent}{f.name}: {_render(default)}")
+
+    section(root, "")
+    return "\n".join(lines) + "\n"
+
+
+def _load(path: str) -> tuple[Any, list[Any], list[Any]]:
+    """(config or None, errors, warnings) of a config file, every check included."""
+    from pathlib import Path
+
+    import yaml
+
+    from continuum.errors import ConfigIssue
+    from listener.app import listener_issues
+    from listener.config import check_listener_config
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        return None, [ConfigIssue("<file>", f"cannot read: {exc}")], []
+    config, errors, warnings = check_listener_config(data, path)
+    if config is not None:
+        more_errors, more_warnings = listener_issues(config)
+        errors = errors + more_errors
+        warnings = warnings + more_warnings
+    return (None if errors else config), errors, warnings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console-script entry point: returns the exit status."""
+    from gevent import monkey
+
+    monkey.patch_all()
+
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.print_defaults:
+        sys.stdout.write(defaults_text())
+        return 0
+    if not args.config:
+        parser.error("--config FILE is required (or use --print-defaults)")
+    config, errors, warnings = _load(args.config)
+    if args.check:
+        for issue in errors:
+            print("error: " + issue.render(args.config))
+        for issue in warnings:
+            print("warning: " + issue.render(args.config))
+        if errors:
+            print(f"{args.config}: {len(errors)} error(s)")
+            return 1
+        print(f"{args.config}: ok ({len(warnings)} warning(s))")
+        return 0
+    if config is None:
+        for issue in errors:
+            print("error: " + issue.render(args.config), file=sys.stderr)
+        return 1
+    for issue in warnings:
+        print("warning: " + issue.render(args.config), file=sys.stderr)
+    from zmq.error import ZMQError
+
+    from listener.app import run
+
+    try:
+        return run(config)
+    except (OSError, ValueError, ZMQError) as exc:  # a port in use, a bad endpoint …
+        print(f"error: cannot start: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,546 @@
+"""ZeroMQ KV-event sources (vLLM, SGLang): a SUB socket feeding one backend's processor.
+
+``kv-events.md`` §1: each message is ``[topic, seq, payload]``, ``seq`` an 8-byte big-endian
+counter from 0 per publisher. The source binds (engines connect to it) or connects, per
+``zmq_mode``; it keeps polling its socket from a greenlet (a bound SUB's subscription only
+reaches a connecting PUB once the SUB is serviced, §1.4). Sockets come from ``zmq.green``.
+
+**Publishers.** ``allowed_publishers`` is enforced. In bind mode the SUB socket carries a
+``ZMQ_ZAP_DOMAIN`` and a :class:`ZapAuthenticator` greenlet answers the ZAP requests of its
+context (``inproc://zeromq.zap.01``, RFC 27): ``200`` only for a peer whose IP address is
+listed, ``400`` otherwise, so other peers never complete the handshake and nothing of theirs
+reaches the decoder (counted as ``rejected_publishers``). ``ipc://``/``inproc://`` peers have
+no IP address; the socket's file permissions guard them. In connect mode the endpoint's host
+must itself be listed (:func:`zmq_source_issues`, checked by ``--check`` and at start).
+
+**Sequence numbers** are tracked per ``(topic, data-parallel rank)``. Decisions, with ``E``
+the next expected number (none before the first message) and ``F`` the first number of
+the last replay while its duplicates may still arrive:
+
+=========================================  ==================================================
+received ``seq``                           action
+=========================================  ==================================================
+``== E`` (or ``0`` before the first)       apply
+``> E`` (or ``> 0`` before the first)      lost state: replay from ``E`` (0) when
+                                           ``replay_endpoint`` is set, else reset; apply
+``F <= seq < E`` (just after a replay)     duplicate: drop
+``< E`` otherwise                          the publisher restarted: reset, then as before
+                                           the first message
+=========================================  ==================================================
+
+A replay (§1.3, both reply layouts) is asked from a fresh DEALER socket; its batches are
+applied in order, duplicates dropped; if it does not reach back to ``E`` (or returns a hole)
+the state is reset before applying what it returned. A malformed message is counted
+(``decode_errors``) and skipped; the hole it leaves is then a gap like any other. A reset
+calls :meth:`~listener.model.SourceProcessor.reset`, which emits ``cache_cleared``; two
+resets with nothing applied in between collapse into one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import gevent
+import zmq.green as zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from continuum.errors import ConfigIssue
+from continuum.kv_events import KvEventBatch
+from listener.config import SourceConfig
+from listener.decode import DecodeError, decode_zmq_frames, decode_zmq_payload
+from listener.model import SourceProcessor
+
+__all__ = [
+    "ZAP_ENDPOINT",
+    "EventSource",
+    "SourceStats",
+    "ZapAuthenticator",
+    "ZmqSource",
+    "fetch_replay",
+    "zmq_endpoint_host",
+    "zmq_source_issues",
+]
+
+log = logging.getLogger(__name__)
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+#: Replay end marker: sequence number -1 (§1.3).
+END_SEQ = b"\xff" * 8
+#: Seconds a replay may take before it counts as failed (the state is then reset).
+REPLAY_TIMEOUT = 5.0
+#: Batches one replay may return (engines keep ``buffer_steps``, 10000 by default).
+REPLAY_MAX_BATCHES = 1_000_000
+#: Receive high-water mark: the engines' default send HWM.
+RCVHWM = 100_000
+_POLL_MS = 500
+
+
+@dataclass
+class SourceStats:
+    """Counters of one source, exported by ``/metrics`` (never reset while running)."""
+
+    batches: int = 0
+    events: int = 0
+    skipped_events: int = 0
+    decode_errors: int = 0
+    sequence_gaps: int = 0
+    duplicates: int = 0
+    restarts: int = 0
+    resets: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    rejected_publishers: int = 0
+    processor_errors: int = 0
+    polls: int = 0
+    poll_errors: dict[str, int] = field(default_factory=dict)
+
+    def counters(self) -> dict[str, int]:
+        """The integer counters by name (``poll_errors`` excluded)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "poll_errors"}
+
+
+class EventSource:
+    """What every source shares: its processor, counters, state and the reset rule.
+
+    Subclasses run a loop in a greenlet between :meth:`start` and :meth:`stop`, call
+    :meth:`_apply` for each batch in order and :meth:`_reset` when state was lost.
+    """
+
+    transport = "?"
+
+    def __init__(self, config: SourceConfig, processor: SourceProcessor) -> None:
+        self.config = config
+        self.backend = config.backend_name
+        self.processor = processor
+        self.stats = SourceStats()
+        self.state = "idle"
+        self.last_event_at: float | None = None
+        self._greenlets: list[gevent.Greenlet] = []
+        self._stopping = False
+        self._clean = False  # True right after a reset, until a batch is applied
+        self._warned: set[str] = set()
+
+    @property
+    def connected(self) -> bool:
+        """Whether events can flow right now."""
+        return self.state == "connected"
+
+    def start(self) -> None:
+        """Open sockets and start the loop greenlet(s)."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Stop the greenlets; subclasses then close what they opened. Idempotent."""
+        self._stopping = True
+        gevent.killall(self._greenlets, timeout=5)
+        self._greenlets.clear()
+        self.state = "stopped"
+
+    def health(self) -> dict[str, Any]:
+        """The ``/health`` view: no secrets, no event contents."""
+        return {
+            "engine": self.config.engine,
+            "transport": self.transport,
+            "state": self.state,
+            "connected": self.connected,
+            "last_event_at": self.last_event_at,
+            "batches": self.stats.batches,
+        }
+
+    def _spawn(self, fn: Callable[[], None]) -> None:
+        self._greenlets.append(gevent.spawn(fn))
+
+    def _warn_once(self, key: str, message: str, *args: object) -> None:
+        level = logging.DEBUG if key in self._warned else logging.WARNING
+        self._warned.add(key)
+        log.log(level, message, *args)
+
+    def _apply(self, batch: KvEventBatch) -> None:
+        self.stats.batches += 1
+        self.stats.events += len(batch.events)
+        self.stats.skipped_events += batch.skipped
+        self.last_event_at = time.time()
+        self._clean = False
+        try:
+            self.processor.handle_batch(batch)
+        except Exception as exc:  # a processor bug must not kill the source
+            self.stats.processor_errors += 1
+            # the type only: a message could quote event contents
+            log.error("%s: processor failed on a batch (%s); resetting", self.backend,
+                      type(exc).__name__)
+            self._reset(f"processor error ({type(exc).__name__})")
+
+    def _reset(self, reason: str) -> None:
+        if self._clean:
+            log.info("%s: %s (state already clear)", self.backend, reason)
+            return
+        self.stats.resets += 1
+        log.warning("%s: %s: clearing the backend's prefixes", self.backend, reason)
+        self._clean = True
+        try:
+            self.processor.reset(reason)
+        except Exception as exc:
+            self.stats.processor_errors += 1
+            log.error("%s: processor reset failed (%s)", self.backend, type(exc).__name__)
+
+
+def zmq_endpoint_host(endpoint: str) -> str | None:
+    """The host of a ``tcp://host:port`` endpoint (brackets removed), else None."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    rest = endpoint[len("tcp://"):]
+    rest = rest.rsplit(";", 1)[-1]  # "source;destination" syntax: the destination counts
+    host = rest.rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def zmq_source_issues(source: SourceConfig, path: str) -> list[ConfigIssue]:
+    """Checks of a ZMQ source that the config table cannot express (connect-mode hosts).
+
+    In connect mode the listener reaches out, so the engine's host must be in
+    ``allowed_publishers``; a replay endpoint is always connected to and so must name an
+    allowed host too.
+    """
+    issues: list[ConfigIssue] = []
+    if source.engine == "trtllm" or not source.zmq_endpoint:
+        return issues
+    checks = [("replay_endpoint", source.replay_endpoint)]
+    if source.zmq_mode == "connect":
+        checks.insert(0, ("zmq_endpoint", source.zmq_endpoint))
+    for key, endpoint in checks:
+        if not endpoint:
+            continue
+        if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            issues.append(ConfigIssue(f"{path}.{key}", "must be a tcp://, ipc:// or inproc:// "
+                                      "endpoint", endpoint))
+            continue
+        host = zmq_endpoint_host(endpoint)
+        if host is None:
+            continue
+        if host in ("*", "", "0.0.0.0", "::"):
+            issues.append(ConfigIssue(f"{path}.{key}", "the listener connects here: name the "
+                                      "engine's address, not a wildcard", endpoint))
+        elif host not in source.allowed_publishers:
+            issues.append(ConfigIssue(
+                f"{path}.{key}", f"host {host} is not in allowed_publishers (the listener "
+                "connects to it, so it must be listed)", endpoint))
+    return issues
+
+
+class ZapAuthenticator:
+    """Answers ZAP requests for every bound source of one ZMQ context, by domain.
+
+    Only one ZAP handler may exist per context; each source registers its own domain with
+    its allowed IP addresses and is told about every peer it refused.
+    """
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+        self._domains: dict[bytes, tuple[frozenset[str], bool, Callable[[str], None]]] = {}
+        self._socket: Any = None
+        self._greenlet: gevent.Greenlet | None = None
+
+    def register(self, domain: str, allowed: frozenset[str], *, any_local: bool,
+                 on_reject: Callable[[str], None]) -> None:
+        """Route requests of ``domain``: allow ``allowed`` addresses (and, with
+        ``any_local``, peers without an IP address: ipc/inproc)."""
+        self._domains[domain.encode()] = (allowed, any_local, on_reject)
+        if self._socket is None:
+            self._socket = self._context.socket(zmq.REP)
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.bind(ZAP_ENDPOINT)
+            self._greenlet = gevent.spawn(self._serve)
+
+    def unregister(self, domain: str) -> None:
+        """Forget ``domain`` (its peers are refused from now on)."""
+        self._domains.pop(domain.encode(), None)
+
+    def _serve(self) -> None:
+        while True:
+            frames = self._socket.recv_multipart()
+            try:
+                reply = self.answer(frames)
+            except Exception as exc:  # REP must answer every request, or ZAP stalls
+                log.error("ZAP handler failed (%s); refusing the peer", type(exc).__name__)
+                reply = [b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"error",
+                         b"", b""]
+            self._socket.send_multipart(reply)
+
+    def answer(self, frames: list[bytes]) -> list[bytes]:
+        """The ZAP reply to one request: ``[version, request_id, status, text, user, meta]``."""
+        if len(frames) < 6 or frames[0] != b"1.0":
+            request_id = frames[1] if len(frames) > 1 else b""
+            return [b"1.0", request_id, b"500", b"malformed ZAP request", b"", b""]
+        _, request_id, domain, address, _identity, _mechanism = frames[:6]
+        entry = self._domains.get(domain)
+        peer = address.decode("utf-8", "replace")
+        if entry is not None:
+            allowed, any_local, on_reject = entry
+            if peer in allowed or (any_local and not peer):
+                return [b"1.0", request_id, b"200", b"OK", b"", b""]
+            on_reject(peer)
+        return [b"1.0", request_id, b"400", b"publisher not allowed", b"", b""]
+
+    def close(self) -> None:
+        """Stop answering (connections then get no ZAP handler); idempotent."""
+        if self._greenlet is not None:
+            self._greenlet.kill()
+            self._greenlet = None
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+
+
+def fetch_replay(context: Any, endpoint: str, start_seq: int, *,
+                 timeout: float | None = None) -> list[tuple[bytes | None, int, bytes]] | None:
+    """Ask an engine's ROUTER replay socket for every batch from ``start_seq`` (§1.3).
+
+    Args:
+        context: The ``zmq.green`` context to make the DEALER socket in.
+        endpoint: The engine's replay endpoint.
+        start_seq: The first sequence number wanted.
+        timeout: Seconds for the whole replay (default :data:`REPLAY_TIMEOUT`).
+
+    Returns:
+        ``(topic or None, seq, payload)`` per batch up to the end marker, or None when the
+        replay timed out, could not be sent or was too long.
+    """
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    out: list[tuple[bytes | None, int, bytes]] = []
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", start_seq.to_bytes(8, "big")], zmq.NOBLOCK)
+        deadline = time.monotonic() + (REPLAY_TIMEOUT if timeout is None else timeout)
+        while len(out) <= REPLAY_MAX_BATCHES:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                return None
+            frames = sock.recv_multipart()
+            if frames and frames[0] == b"":
+                frames = frames[1:]
+            if len(frames) == 2:  # vLLM ≤0.25, SGLang ≤0.5.21: [seq, payload]
+                topic, seq, payload = None, frames[0], frames[1]
+            elif len(frames) == 3:  # newer: [topic, seq, payload]
+                topic, seq, payload = frames
+            else:
+                continue
+            if seq == END_SEQ:
+                return out
+            if len(seq) == 8:
+                out.append((topic, int.from_bytes(seq, "big"), payload))
+        return None
+    except zmq.ZMQError:
+        return None
+    finally:
+        sock.close(linger=0)
+
+
+_Key = tuple[bytes, "int | None"]
+
+
+class ZmqSource(EventSource):
+    """One vLLM/SGLang ZMQ source (see the module docstring).
+
+    Args:
+        config: The source's config.
+        processor: Its processor.
+        context: A ``zmq.green`` context (one per listener).
+        zap: The context's ZAP authenticator (required in bind mode).
+    """
+
+    transport = "zmq"
+
+    def __init__(self, config: SourceConfig, processor: SourceProcessor, *, context: Any,
+                 zap: ZapAuthenticator | None = None) -> None:
+        super().__init__(config, processor)
+        if not config.zmq_endpoint:
+            raise ValueError(f"source {self.backend} has no zmq_endpoint")
+        issues = zmq_source_issues(config, f"sources[{self.backend}]")
+        if issues:
+            raise ValueError("; ".join(issue.render("config") for issue in issues))
+        if config.zmq_mode == "bind" and zap is None:
+            raise ValueError("bind mode needs a ZapAuthenticator to enforce allowed_publishers")
+        self.endpoint = config.zmq_endpoint
+        self._context = context
+        self._zap = zap
+        self._domain = f"continuum-kv/{self.backend}"
+        self._socket: Any = None
+        self._monitor: Any = None
+        self._peers: set[int] = set()
+        self._expected: dict[_Key, int] = {}
+        self._dup_floor: dict[_Key, int] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Open the SUB socket (bind or connect) and start receiving."""
+        sock = self._context.socket(zmq.SUB)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, RCVHWM)
+            sock.setsockopt(zmq.SUBSCRIBE, self.config.zmq_topic.encode())
+            self._monitor = sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            if self.config.zmq_mode == "bind":
+                assert self._zap is not None
+                local = self.endpoint.startswith(("ipc://", "inproc://"))
+                self._zap.register(self._domain, frozenset(self.config.allowed_publishers),
+                                   any_local=local, on_reject=self._rejected)
+                sock.setsockopt(zmq.ZAP_DOMAIN, self._domain.encode())
+                sock.bind(self.endpoint)
+                self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+                self.state = "listening"
+            else:
+                sock.connect(self.endpoint)
+                self.state = "connecting"
+        except BaseException:
+            self._socket = sock
+            self._close_sockets()
+            raise
+        self._socket = sock
+        log.info("%s: %s %s (topic %r)", self.backend,
+                 "bound" if self.config.zmq_mode == "bind" else "connecting to", self.endpoint,
+                 self.config.zmq_topic)
+        self._spawn(self._receive_loop)
+        self._spawn(self._monitor_loop)
+
+    def stop(self) -> None:
+        """Stop receiving and close the sockets; idempotent."""
+        super().stop()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if self._zap is not None:
+            self._zap.unregister(self._domain)
+        if self._socket is not None and not self._socket.closed:
+            if self._monitor is not None:
+                try:
+                    self._socket.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+            self._socket.close(linger=0)
+        if self._monitor is not None and not self._monitor.closed:
+            self._monitor.close(linger=0)
+
+    def health(self) -> dict[str, Any]:
+        """Connection state, peers and the last sequence number per stream."""
+        doc = super().health()
+        doc.update(mode=self.config.zmq_mode, endpoint=self.endpoint, peers=len(self._peers),
+                   rejected_publishers=self.stats.rejected_publishers)
+        return doc
+
+    def _rejected(self, peer: str) -> None:
+        self.stats.rejected_publishers += 1
+        self._warn_once(f"reject:{peer}", "%s: refused a publisher from %s (not in "
+                        "allowed_publishers)", self.backend, peer or "<no address>")
+
+    def _monitor_loop(self) -> None:
+        while not self._stopping:
+            if not self._monitor.poll(_POLL_MS):
+                continue
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._peers.add(event["value"])
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._peers.discard(event["value"])
+            idle = "listening" if self.config.zmq_mode == "bind" else "connecting"
+            self.state = "connected" if self._peers else idle
+
+    def _receive_loop(self) -> None:
+        while not self._stopping:
+            if not self._socket.poll(_POLL_MS, zmq.POLLIN):
+                continue
+            frames = self._socket.recv_multipart()
+            try:
+                self.handle_frames(frames)
+            except Exception as exc:  # a bug must not silently end the source
+                self.stats.processor_errors += 1
+                log.error("%s: failed on a message (%s); resetting", self.backend,
+                          type(exc).__name__)
+                self._reset(f"internal error ({type(exc).__name__})")
+
+    # -- messages --------------------------------------------------------------------------
+
+    def handle_frames(self, frames: list[bytes]) -> None:
+        """Decode one live message and apply it by the sequence table."""
+        try:
+            batch = decode_zmq_frames(frames)
+        except DecodeError as exc:
+            self.stats.decode_errors += 1
+            # the location only: the reason could quote token values
+            self._warn_once("decode", "%s: skipping a malformed message (at %s)",
+                            self.backend, exc.path)
+            return
+        self.handle_batch(batch)
+
+    def handle_batch(self, batch: KvEventBatch) -> None:
+        """Apply one decoded live batch (``seq`` set) by the sequence table."""
+        assert batch.seq is not None
+        key: _Key = (batch.topic or b"", batch.data_parallel_rank)
+        seq = batch.seq
+        expected = self._expected.get(key)
+        if expected is not None and seq < expected:
+            floor = self._dup_floor.get(key)
+            if floor is not None and seq >= floor:
+                self.stats.duplicates += 1
+                return
+            self.stats.restarts += 1
+            self._reset(f"publisher restarted: sequence went back from {expected} to {seq}")
+            self._dup_floor.pop(key, None)
+            expected = None
+        start = 0 if expected is None else expected
+        if seq > start:
+            self.stats.sequence_gaps += 1
+            what = (f"first sequence number is {seq}, not 0" if expected is None else
+                    f"sequence gap: expected {expected}, got {seq} ({seq - expected} lost)")
+            log.warning("%s: %s", self.backend, what)
+            if self.config.replay_endpoint and self._replay(key, start):
+                start = self._expected[key]
+                if seq < start:  # the replay included this batch
+                    self.stats.duplicates += 1
+                    return
+            if seq > start:
+                self._reset(what)
+        self._apply(batch)
+        self._expected[key] = seq + 1
+        self._dup_floor.pop(key, None)
+
+    def _replay(self, key: _Key, start: int) -> bool:
+        """Replay from ``start``; True when it answered (its batches are applied)."""
+        assert self.config.replay_endpoint
+        self.stats.replays += 1
+        got = fetch_replay(self._context, self.config.replay_endpoint, start)
+        if got is None:
+            self.stats.replay_failures += 1
+            log.warning("%s: replay from %d failed (no answer within %.0f s)", self.backend,
+                        start, REPLAY_TIMEOUT)
+            return False
+        topic, rank = key
+        following = start
+        applied = 0
+        for wire_topic, seq, payload in got:
+            if seq < following or (wire_topic is not None and wire_topic != topic):
+                continue
+            try:
+                batch = decode_zmq_payload(payload, seq=seq, topic=wire_topic or topic)
+            except DecodeError as exc:
+                self.stats.decode_errors += 1
+                self._warn_once("decode", "%s: skipping a malformed replayed batch (at %s)",
+                                self.backend, exc.path)
+                continue
+            if batch.data_parallel_rank != rank:
+                continue
+            if seq > following:
+                self._reset(f"replay has no batches {following}..{seq - 1}")
+            self._apply(batch)
+            applied += 1
+            following = seq + 1
+        log.info("%s: replayed %d batch(es) from %d", self.backend, applied, start)
+        self._expected[key] = following
+        self._dup_floor[key] = start
+        return True

@@ -1,0 +1,719 @@
+"""Listener sources over real sockets: simulated engines, ZMQ publishers, trtllm-serve polls.
+
+The processor here is a stub implementing the ``SourceProcessor`` protocol (one
+``cache_created`` per stored block hash, ``cache_evicted`` per removed one, ``cache_cleared``
+on reset), so these tests see exactly what the sources hand over. Every wait is bounded by a
+deadline and yields to gevent (``gevent.sleep``) so the source greenlets run; nothing asserts
+on time. A bound SUB only gets a connecting PUB's messages once its subscription has arrived
+(``kv-events.md`` §1.4), so tests publish until a first batch arrives and assert on what
+follows.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import gevent
+import pytest
+import requests
+import zmq.green as zmq
+
+from continuum.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
+from continuum.sim.hashing import block_hash_chain, hasher_for
+from continuum.sim.kv_publish import ZmqKvPublisher
+from continuum.sim.kv_wire import encode_zmq_payload
+from listener.config import ListenerConfig, SourceConfig
+from listener.hub import EventHub
+from listener.model import CACHE_CLEARED, CACHE_CREATED, CACHE_EVICTED, Emit, PrefixEvent
+from listener.sources_trtllm import TrtllmSource
+from listener.sources_zmq import (
+    ZapAuthenticator,
+    ZmqSource,
+    zmq_endpoint_host,
+    zmq_source_issues,
+)
+from tests.conftest import PYTHON, Proc, free_port, wait_http
+
+pytestmark = pytest.mark.timeout(120)
+
+BACKEND = "b1"
+SIM = [PYTHON, "-m", "continuum.sim.cli", "--fast"]
+WORDS = "the listener turns engine block events into prefix events for the router " * 3
+
+
+class StubProcessor:
+    """Records batches and resets; emits one prefix event per block hash."""
+
+    def __init__(self, emit: Emit, *, fail_on: int | None = None) -> None:
+        self.emit = emit
+        self.batches: list[KvEventBatch] = []
+        self.resets: list[str] = []
+        self.fail_on = fail_on
+
+    def handle_batch(self, batch: KvEventBatch) -> None:
+        if self.fail_on is not None and batch.seq == self.fail_on:
+            raise RuntimeError("boom")
+        self.batches.append(batch)
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                for h in event.block_hashes:
+                    assert isinstance(h, int)
+                    self.emit(PrefixEvent(CACHE_CREATED, f"{h:064x}", event.block_size))
+            elif isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    assert isinstance(h, int)
+                    self.emit(PrefixEvent(CACHE_EVICTED, f"{h:064x}"))
+            else:
+                self.emit(PrefixEvent(CACHE_CLEARED))
+
+    def reset(self, reason: str) -> None:
+        self.resets.append(reason)
+        self.emit(PrefixEvent(CACHE_CLEARED))
+
+    def stats(self) -> dict[str, int]:
+        return {"tracked_blocks": len(self.batches), "mismatched_blocks": 0}
+
+    def seqs(self, rank: int | None = 0) -> list[int]:
+        return [b.seq for b in self.batches if b.data_parallel_rank == rank and b.seq is not None]
+
+    def stored(self) -> list[BlockStored]:
+        return [e for b in self.batches for e in b.events if isinstance(e, BlockStored)]
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Yield to gevent until ``cond()`` holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        gevent.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def zmq_config(endpoint: str, mode: str = "bind", *, engine: str = "vllm",
+               allowed: tuple[str, ...] = ("127.0.0.1",), replay: str | None = None,
+               topic: str = "", name: str = BACKEND) -> SourceConfig:
+    return SourceConfig(backend_name=name, engine=engine, model="sim-model",
+                        zmq_endpoint=endpoint, zmq_mode=mode, zmq_topic=topic,
+                        replay_endpoint=replay, allowed_publishers=allowed,
+                        detokenize_endpoint="http://127.0.0.1:9/detokenize")
+
+
+def trtllm_config(url: str, allowed: tuple[str, ...] = ("127.0.0.1",)) -> SourceConfig:
+    return SourceConfig(backend_name=BACKEND, engine="trtllm", model="sim-model",
+                        trtllm_endpoint=url, trtllm_poll_interval_ms=10,
+                        allowed_publishers=allowed)
+
+
+def stream_events(hub: EventHub, since: str) -> list[tuple[str, str | None]]:
+    """``(event, prefix_hash)`` of the records after ``since`` (a hub id), from history."""
+    stream = hub.stream(BACKEND, since, keepalive=0.01)
+    try:
+        chunk = next(stream)
+    finally:
+        stream.close()
+    out = []
+    for block in chunk.decode().split("\n\n"):
+        data = [ln[len("data: "):] for ln in block.split("\n") if ln.startswith("data: ")]
+        if data:
+            doc = json.loads(data[0])
+            out.append((doc["event"], doc.get("prefix_hash")))
+    return out
+
+
+@pytest.fixture
+def ctx() -> Iterator[Any]:
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def zap(ctx: Any) -> Iterator[ZapAuthenticator]:
+    auth = ZapAuthenticator(ctx)
+    yield auth
+    auth.close()
+
+
+@pytest.fixture
+def hub() -> EventHub:
+    return EventHub([BACKEND, "other"], epoch="e1")
+
+
+class Sim:
+    """A ``continuum-sim`` engine process; stopped by its PID."""
+
+    def __init__(self, tmp: Path, *args: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = Proc([*SIM, "--port", str(self.port), *args],
+                         log=tmp / f"sim-{time.monotonic_ns()}.log")
+        try:
+            wait_http(self.url + "/health", proc=self.proc.popen)
+        except BaseException:
+            self.proc.stop()
+            raise
+
+    def complete(self, prompt: str) -> None:
+        resp = requests.post(self.url + "/v1/completions",
+                             json={"prompt": prompt, "max_tokens": 1}, timeout=10)
+        resp.raise_for_status()
+
+    def tokens(self, prompt: str) -> list[int]:
+        resp = requests.post(self.url + "/tokenize", json={"prompt": prompt}, timeout=10)
+        resp.raise_for_status()
+        return list(resp.json()["tokens"])
+
+    def stop(self) -> int | None:
+        self.proc.stop()
+        return self.proc.popen.returncode
+
+
+# -- simulated vLLM / SGLang engines, both socket modes ------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["bind", "connect"])
+@pytest.mark.parametrize(("engine", "profile"), [
+    ("vllm", "vllm-0.22"), ("vllm", "vllm-0.33"),
+    ("sglang", "sglang-0.5.9"), ("sglang", "sglang-0.5.22"),
+])
+def test_simulated_engine_events_reach_the_processor(
+        tmp_path: Path, ctx: Any, zap: ZapAuthenticator, hub: EventHub,
+        engine: str, profile: str, mode: str) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    processor = StubProcessor(hub.publisher(BACKEND))
+    source = ZmqSource(zmq_config(endpoint, mode, engine=engine), processor, context=ctx,
+                       zap=zap)
+    engine_mode = "--zmq-connect" if mode == "bind" else "--zmq-bind"
+    args = ["--engine", engine, "--zmq-endpoint", endpoint, engine_mode, "--kv-format", profile]
+    sim: Sim | None = None
+    try:
+        if mode == "bind":
+            source.start()
+            sim = Sim(tmp_path, *args)
+        else:
+            sim = Sim(tmp_path, *args)
+            source.start()
+        for attempt in range(200):  # until the subscription has reached the engine's PUB
+            sim.complete(f"warm-up {attempt}: {WORDS}")
+            gevent.sleep(0.05)
+            if processor.batches:
+                break
+        wait_until(lambda: bool(processor.batches), "a first batch")
+        wait_until(lambda: source.connected, "the connection state")
+        gevent.sleep(0.2)  # let the warm-up's last batches in before counting
+        before = len(processor.batches)
+        prompt = f"final {engine} {profile} {mode}: {WORDS}"
+        sim.complete(prompt)
+        wait_until(lambda: len(processor.batches) > before, "the final prompt's batches")
+        wait_until(lambda: sum(len(e.block_hashes) for b in processor.batches[before:]
+                               for e in b.events if isinstance(e, BlockStored))
+                   >= len(sim.tokens(prompt)) // 16, "every block of the final prompt")
+        stored = [e for b in processor.batches[before:] for e in b.events
+                  if isinstance(e, BlockStored)]
+        tokens = sim.tokens(prompt)
+        full = len(tokens) // 16 * 16
+        assert [t for e in stored for t in e.token_ids][:full] == tokens[:full]
+        expected = block_hash_chain(hasher_for(profile), tokens, 16)
+        assert [h for e in stored for h in e.block_hashes][:len(expected)] == expected
+        seqs = processor.seqs()
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # in order, no gap inside
+        assert source.stats.decode_errors == 0
+        assert source.stats.rejected_publishers == 0
+        assert hub.counters(BACKEND).events_out[CACHE_CREATED] >= len(expected)
+        health = source.health()
+        assert health["state"] == "connected" and health["peers"] == 1
+        assert "token" not in json.dumps(health)
+    finally:
+        source.stop()
+        if sim is not None:
+            assert sim.stop() == 0
+
+
+# -- sequence numbers ----------------------------------------------------------------------
+
+
+def frames(seq: int, events: list[KvEvent], *, profile: str = "vllm-0.33", rank: int = 0,
+           topic: bytes = b"") -> list[bytes]:
+    payload = encode_zmq_payload(events, profile, ts=time.time(), dp_rank=rank)
+    return [topic, seq.to_bytes(8, "big"), payload]
+
+
+def stored(h: int) -> list[KvEvent]:
+    return [BlockStored((h,), None, tuple(range(16)), 16, medium="GPU")]
+
+
+def test_sequence_gap_over_a_socket_clears_the_stream(
+        ctx: Any, zap: ZapAuthenticator, hub: EventHub) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    processor = StubProcessor(hub.publisher(BACKEND))
+    source = ZmqSource(zmq_config(endpoint), processor, context=ctx, zap=zap)
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    try:
+        source.start()
+        pub.connect(endpoint)
+        seq = 0
+        while not processor.batches and seq < 500:  # an engine publishing until we hear it
+            pub.send_multipart(frames(seq, stored(1000 + seq)))
+            seq += 1
+            gevent.sleep(0.02)
+        wait_until(lambda: bool(processor.batches), "a first batch")
+        gevent.sleep(0.1)
+        first = processor.seqs()[0]
+        # a first sequence number > 0 is lost state too (nothing before it was seen)
+        assert (source.stats.sequence_gaps, len(processor.resets)) == (
+            (1, 1) if first > 0 else (0, 0))
+        gaps, resets, mark = source.stats.sequence_gaps, len(processor.resets), hub.latest_id(
+            BACKEND)
+        last = processor.seqs()[-1]
+        for n in (last + 1, last + 2, last + 5):
+            pub.send_multipart(frames(n, stored(n)))
+        wait_until(lambda: processor.seqs()[-1] == last + 5, "the batch after the gap")
+        assert source.stats.sequence_gaps == gaps + 1
+        assert len(processor.resets) == resets + 1
+        assert "sequence gap: expected" in processor.resets[-1]
+        assert stream_events(hub, mark) == [
+            (CACHE_CREATED, f"{last + 1:064x}"), (CACHE_CREATED, f"{last + 2:064x}"),
+            (CACHE_CLEARED, None), (CACHE_CREATED, f"{last + 5:064x}")]
+    finally:
+        pub.close(linger=0)
+        source.stop()
+
+
+def test_sequence_table_without_replay(ctx: Any, zap: ZapAuthenticator, hub: EventHub) -> None:
+    processor = StubProcessor(hub.publisher(BACKEND), fail_on=5)
+    source = ZmqSource(zmq_config("tcp://127.0.0.1:1"), processor, context=ctx, zap=zap)
+    for seq in (0, 1):
+        source.handle_frames(frames(seq, stored(seq)))
+    assert processor.resets == []
+    source.handle_frames(frames(0, stored(0)))  # back to 0 without a replay: a restart
+    assert source.stats.restarts == 1 and "went back from 2 to 0" in processor.resets[-1]
+    for seq in (1, 2):
+        source.handle_frames(frames(seq, stored(seq)))
+    # back to 1: a restart, and 1 > 0 is also lost state: one reset covers both
+    source.handle_frames(frames(1, stored(1)))
+    assert (source.stats.restarts, source.stats.sequence_gaps) == (2, 1)
+    assert len(processor.resets) == 2
+    source.handle_frames([b"", (2).to_bytes(8, "big"), b"\xc1not msgpack"])
+    source.handle_frames([b"", b"\x00"])
+    assert source.stats.decode_errors == 2
+    source.handle_frames(frames(3, stored(3)))  # the malformed 2 left a hole: lost state
+    assert source.stats.sequence_gaps == 2 and len(processor.resets) == 3
+    assert "expected 2, got 3" in processor.resets[-1]
+    # topics and data-parallel ranks are numbered separately
+    source.handle_frames(frames(0, stored(50), rank=1))
+    source.handle_frames(frames(0, stored(60), topic=b"kv@1"))
+    source.handle_frames(frames(4, stored(4)))
+    assert len(processor.resets) == 3
+    source.handle_frames(frames(5, stored(5)))  # the processor fails: counted, reset
+    assert source.stats.processor_errors == 1 and "processor error" in processor.resets[-1]
+    assert processor.seqs() == [0, 1, 0, 1, 2, 1, 3, 0, 4]
+    assert source.stats.batches == 11  # the failed batch was handed over too
+    assert "token" not in json.dumps(source.health())
+
+
+@pytest.mark.parametrize("profile", ["vllm-0.22", "vllm-0.33", "sglang-0.5.9", "sglang-0.5.22"])
+def test_replay_fills_gaps_from_the_engines_router(
+        ctx: Any, zap: ZapAuthenticator, hub: EventHub, profile: str) -> None:
+    """The engine's ROUTER replays what the listener missed: no reset, nothing twice.
+
+    The publisher is the simulator's in-process ``ZmqKvPublisher``; the test's own SUB
+    receives its messages and hands them to the source, leaving some out to make gaps.
+    """
+    pub = ZmqKvPublisher(profile, "tcp://127.0.0.1:0", bind=True,
+                         replay_endpoint="tcp://127.0.0.1:0", context=ctx)
+    pub.start_replay_server()
+    assert pub.replay_endpoint is not None
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    processor = StubProcessor(hub.publisher(BACKEND))
+    source = ZmqSource(zmq_config("tcp://127.0.0.1:1", replay=pub.replay_endpoint),
+                       processor, context=ctx, zap=zap)
+    try:
+        for n in range(5):  # published before anyone listens: only the replay has them
+            pub.publish(stored(n))
+        sub.connect(pub.endpoint)
+        received: list[list[bytes]] = []
+        n = 5
+        while not received and n < 500:
+            pub.publish(stored(n))
+            n += 1
+            if sub.poll(20):
+                received.append(sub.recv_multipart())
+        assert received, "the subscription never reached the publisher"
+        source.handle_frames(received[0])  # first seq > 0: replay from 0
+        assert source.stats.replays == 1
+        assert processor.seqs() == list(range(n))
+        for m in range(n, n + 6):
+            pub.publish(stored(m))
+        live: list[list[bytes]] = []
+        while len(live) < 6 and sub.poll(5000):
+            live.append(sub.recv_multipart())
+        assert len(live) == 6
+        for i, message in enumerate(live):
+            if i != 1:  # batch n+1 is lost on the way: n+2 shows the gap
+                source.handle_frames(message)
+        # the replay from n+1 brought n+1..n+5, so the live n+2..n+5 were duplicates (and
+        # so was the first message, which the first replay included)
+        assert processor.seqs() == list(range(n + 6))
+        assert source.stats.replays == 2 and source.stats.duplicates == 1 + 4
+        assert processor.resets == [] and source.stats.replay_failures == 0
+        assert [e.block_hashes[0] for e in processor.stored()] == list(range(n + 6))
+        # a restarted engine (sequence back to 0, outside the replayed range) still resets
+        restarted = ZmqKvPublisher(profile, "tcp://127.0.0.1:0", bind=True, context=ctx)
+        try:
+            source.handle_frames(frames(0, stored(99), profile=profile))
+        finally:
+            restarted.close()
+        assert source.stats.restarts == 1 and len(processor.resets) == 1
+    finally:
+        source.stop()
+        sub.close(linger=0)
+        pub.close()
+
+
+def test_replay_that_cannot_cover_the_gap_resets(
+        ctx: Any, zap: ZapAuthenticator, hub: EventHub) -> None:
+    pub = ZmqKvPublisher("vllm-0.33", "tcp://127.0.0.1:0", bind=True,
+                         replay_endpoint="tcp://127.0.0.1:0", buffer_steps=2, context=ctx)
+    pub.start_replay_server()
+    assert pub.replay_endpoint is not None
+    processor = StubProcessor(hub.publisher(BACKEND))
+    source = ZmqSource(zmq_config("tcp://127.0.0.1:1", replay=pub.replay_endpoint),
+                       processor, context=ctx, zap=zap)
+    try:
+        for n in range(6):  # the replay buffer keeps only 4 and 5
+            pub.publish(stored(n))
+        source.handle_frames(frames(5, stored(5)))
+        assert processor.seqs() == [4, 5]
+        assert len(processor.resets) == 1 and "replay has no batches 0..3" in processor.resets[0]
+    finally:
+        source.stop()
+        pub.close()
+    # a replay endpoint that never answers: counted, reset, the live batch applied
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    processor = StubProcessor(hub.publisher(BACKEND))
+    source = ZmqSource(zmq_config("tcp://127.0.0.1:1", replay=f"tcp://127.0.0.1:{port}"),
+                       processor, context=ctx, zap=zap)
+    try:
+        import listener.sources_zmq as sources_zmq
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sources_zmq, "REPLAY_TIMEOUT", 0.3)
+            source.handle_frames(frames(3, stored(3)))
+        assert source.stats.replay_failures == 1 and processor.seqs() == [3]
+        assert len(processor.resets) == 1
+    finally:
+        source.stop()
+        silent.close(linger=0)
+
+
+# -- allowed_publishers --------------------------------------------------------------------
+
+
+def _publish_until(pub: Any, cond: Callable[[], bool], rounds: int = 250) -> None:
+    for seq in range(rounds):
+        pub.send_multipart(frames(seq, stored(seq)))
+        gevent.sleep(0.02)
+        if cond():
+            return
+
+
+def test_zap_refuses_publishers_outside_allowed_publishers(ctx: Any, zap: ZapAuthenticator,
+                                                            hub: EventHub) -> None:
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    processor = StubProcessor(hub.publisher(BACKEND))
+    source = ZmqSource(zmq_config(endpoint, allowed=("127.0.0.2",)), processor, context=ctx,
+                       zap=zap)
+    publishers = []
+    try:
+        source.start()
+        # from 127.0.0.1: refused at the handshake, nothing reaches the decoder
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        publishers.append(pub)
+        pub.connect(f"tcp://127.0.0.1:0;127.0.0.1:{port}")
+        _publish_until(pub, lambda: source.stats.rejected_publishers > 0)
+        wait_until(lambda: source.stats.rejected_publishers > 0, "the refusal")
+        for seq in range(20):
+            pub.send_multipart(frames(seq, stored(seq)))
+        gevent.sleep(0.2)
+        assert processor.batches == [] and source.stats.decode_errors == 0
+        assert source.health()["peers"] == 0
+        # from 127.0.0.2 (listed): delivered
+        allowed = ctx.socket(zmq.PUB)
+        allowed.setsockopt(zmq.LINGER, 0)
+        publishers.append(allowed)
+        allowed.connect(f"tcp://127.0.0.2:0;127.0.0.1:{port}")
+        _publish_until(allowed, lambda: bool(processor.batches))
+        wait_until(lambda: bool(processor.batches), "a batch from the allowed publisher")
+    finally:
+        for pub in publishers:
+            pub.close(linger=0)
+        source.stop()
+    # the same publisher address, once listed, gets through (a new port: libzmq releases
+    # the old one asynchronously)
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    processor = StubProcessor(hub.publisher("other"))
+    source = ZmqSource(zmq_config(endpoint, allowed=("127.0.0.1",), name="other"), processor,
+                       context=ctx, zap=zap)
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    try:
+        source.start()
+        pub.connect(f"tcp://127.0.0.1:0;127.0.0.1:{port}")
+        _publish_until(pub, lambda: bool(processor.batches))
+        wait_until(lambda: bool(processor.batches), "a batch from 127.0.0.1 once allowed")
+        assert source.stats.rejected_publishers == 0
+    finally:
+        pub.close(linger=0)
+        source.stop()
+
+
+def test_zap_answers_by_domain(ctx: Any) -> None:
+    auth = ZapAuthenticator(ctx)
+    refused: list[str] = []
+    try:
+        auth.register("d", frozenset({"10.0.0.1"}), any_local=False, on_reject=refused.append)
+        auth.register("ipc", frozenset(), any_local=True, on_reject=refused.append)
+
+        def ask(domain: bytes, address: bytes) -> bytes:
+            return auth.answer([b"1.0", b"7", domain, address, b"", b"NULL"])[2]
+
+        assert ask(b"d", b"10.0.0.1") == b"200"
+        assert ask(b"d", b"10.0.0.2") == b"400"
+        assert ask(b"ipc", b"") == b"200"
+        assert ask(b"unknown", b"10.0.0.1") == b"400"
+        assert auth.answer([b"2.0"])[2] == b"500"
+        assert refused == ["10.0.0.2"]
+    finally:
+        auth.close()
+
+
+def test_connect_mode_host_must_be_allowed(ctx: Any) -> None:
+    config = zmq_config("tcp://10.1.2.3:5557", "connect", allowed=("127.0.0.1",))
+    [issue] = zmq_source_issues(config, "sources[0]")
+    assert issue.path == "sources[0].zmq_endpoint" and "10.1.2.3" in issue.message
+    with pytest.raises(ValueError, match="not in allowed_publishers"):
+        ZmqSource(config, StubProcessor(lambda e: None), context=ctx)
+    wildcard = zmq_config("tcp://*:5557", "connect")
+    assert "wildcard" in zmq_source_issues(wildcard, "s")[0].message
+    replay = zmq_config("tcp://*:5557", "bind", replay="tcp://10.9.9.9:5558")
+    assert zmq_source_issues(replay, "s")[0].path == "s.replay_endpoint"
+    assert zmq_source_issues(zmq_config("tcp://127.0.0.1:5557", "connect"), "s") == []
+    assert zmq_source_issues(zmq_config("ipc:///tmp/kv", "connect"), "s") == []
+    assert zmq_endpoint_host("tcp://[::1]:5557") == "::1"
+    assert zmq_endpoint_host("tcp://127.0.0.2:0;10.0.0.1:5557") == "10.0.0.1"
+    with pytest.raises(ValueError, match="ZapAuthenticator"):
+        ZmqSource(zmq_config("tcp://127.0.0.1:5557"), StubProcessor(lambda e: None),
+                  context=ctx)
+    ListenerConfig()  # the config module itself stays importable without sockets
+
+
+# -- trtllm-serve --------------------------------------------------------------------------
+
+
+def test_trtllm_sim_is_polled_and_restarts_are_detected(tmp_path: Path, hub: EventHub) -> None:
+    sim = Sim(tmp_path, "--engine", "trtllm")
+    url = sim.url + "/kv_cache_events"
+    processor = StubProcessor(hub.publisher(BACKEND))
+    session = requests.Session()
+    source = TrtllmSource(trtllm_config(url), processor, session=session)
+    try:
+        assert source.poll_once()  # [created]: the server's start, a reset
+        assert source.stats.restarts == 1 and len(processor.resets) == 1
+        sim.complete("trtllm one: " + WORDS)
+        sim.complete("trtllm two: " + WORDS)
+        assert source.poll_once()
+        assert source.poll_once()  # an empty drain
+        ids = processor.seqs(None)
+        assert ids and ids == sorted(ids) and ids[0] == 1
+        assert source.last_id is not None and source.last_id >= ids[-1]
+        assert processor.stored() and source.stats.sequence_gaps == 0
+        assert source.connected and source.health()["last_event_id"] == source.last_id
+        # the server restarts on the same port: ids start again with ``created``
+        port = sim.port
+        assert sim.stop() == 0
+        assert not source.poll_once() and source.stats.poll_errors == {"connect": 1}
+        assert source.health()["state"] == "error"
+        sim = Sim(tmp_path, "--engine", "trtllm", port=port)
+        assert source.poll_once()
+        assert source.stats.restarts == 2 and len(processor.resets) == 2
+        assert "(re)started" in processor.resets[-1]
+    finally:
+        source.stop()
+        session.close()
+        assert sim.stop() == 0
+
+
+def test_trtllm_source_runs_its_own_poll_loop(tmp_path: Path, hub: EventHub) -> None:
+    sim = Sim(tmp_path, "--engine", "trtllm")
+    processor = StubProcessor(hub.publisher(BACKEND))
+    source = TrtllmSource(trtllm_config(sim.url + "/kv_cache_events"), processor)
+    try:
+        source.start()
+        wait_until(lambda: source.connected, "a first successful poll")
+        sim.complete("loop: " + WORDS)
+        wait_until(lambda: bool(processor.stored()), "stored blocks")
+        assert source.stats.polls >= 2
+    finally:
+        source.stop()
+        assert sim.stop() == 0
+
+
+class Scripted:
+    """A tiny HTTP server answering each POST with the next scripted (status, headers, body)."""
+
+    def __init__(self, replies: list[tuple[int, dict[str, str], Any]]) -> None:
+        self.replies = list(replies)
+        self.requests: list[str] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                outer.requests.append(self.path)
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                status, headers, body = outer.replies.pop(0) if outer.replies else (
+                    200, {}, [])
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                for key, value in headers.items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+def envelope(event_id: int, kind: str = "stored", h: int | None = None) -> dict[str, Any]:
+    if kind == "created":
+        data: dict[str, Any] = {"type": "created", "num_blocks_per_cache_level": [64, 0]}
+    elif kind == "updated":
+        data = {"type": "updated", "block_hash": h, "cache_level": None, "priority": None}
+    else:
+        data = {"type": "stored", "parent_hash": None, "blocks": [{
+            "type": "stored_block", "block_hash": h if h is not None else event_id,
+            "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0}
+                       for t in range(4)], "cache_level": 0, "priority": 35}]}
+    return {"event_id": event_id, "data": data}
+
+
+def test_trtllm_ids_dedupe_gaps_and_backwards(hub: EventHub) -> None:
+    server = Scripted([
+        (200, {}, [envelope(0, "created"), envelope(1), envelope(2)]),
+        (200, {}, [envelope(1), envelope(2), envelope(3), envelope(4, "updated", 3)]),
+        (200, {}, [envelope(5)]),
+        (200, {}, [envelope(8)]),  # 6 and 7 lost: a gap
+        (200, {}, [envelope(2)]),  # before the previous reply: the server restarted
+        (200, {}, "not a list"),
+        (500, {}, {"error": "x"}),
+    ])
+    processor = StubProcessor(hub.publisher(BACKEND))
+    session = requests.Session()
+    source = TrtllmSource(trtllm_config(server.url + "/kv_cache_events"), processor,
+                          session=session)
+    try:
+        assert source.poll_once()
+        assert processor.seqs(None) == [1] and len(processor.resets) == 1  # created: reset
+        assert processor.batches[0].events == (
+            BlockStored((1,), None, (0, 1, 2, 3), 4, medium="GPU", priority=35),
+            BlockStored((2,), 1, (0, 1, 2, 3), 4, medium="GPU", priority=35),
+        ) or len(processor.batches[0].events) == 2
+        assert source.poll_once()  # 1, 2 repeated: dropped; 3 new; 4 updated: nothing
+        assert source.stats.duplicates == 2 and processor.seqs(None) == [1, 3]
+        assert source.poll_once()
+        assert source.poll_once()
+        assert source.stats.sequence_gaps == 1 and "gap: expected 6, got 8" in processor.resets[-1]
+        assert source.poll_once()
+        assert source.stats.restarts == 2 and "went back from 8 to 2" in processor.resets[-1]
+        assert processor.seqs(None) == [1, 3, 5, 8, 2]
+        assert not source.poll_once() and source.stats.decode_errors == 1
+        assert not source.poll_once()
+        assert source.stats.poll_errors == {"decode": 1, "status": 1}
+    finally:
+        source.stop()
+        session.close()
+        server.close()
+
+
+def test_trtllm_first_poll_mid_stream_is_lost_state(hub: EventHub) -> None:
+    server = Scripted([(200, {}, [envelope(40), envelope(41)])])
+    processor = StubProcessor(hub.publisher(BACKEND))
+    session = requests.Session()
+    source = TrtllmSource(trtllm_config(server.url + "/kv_cache_events"), processor,
+                          session=session)
+    try:
+        assert source.poll_once()
+        assert processor.seqs(None) == [40] and len(processor.resets) == 1
+        assert "first event id is 40" in processor.resets[0]
+    finally:
+        source.stop()
+        session.close()
+        server.close()
+
+
+def test_trtllm_redirects_are_refused_not_followed(hub: EventHub) -> None:
+    target = Scripted([(200, {}, [envelope(0, "created"), envelope(1)])])
+    redirect = Scripted([(307, {"Location": target.url + "/kv_cache_events"}, {}),
+                         (302, {"Location": target.url + "/kv_cache_events"}, {})])
+    processor = StubProcessor(hub.publisher(BACKEND))
+    session = requests.Session()
+    source = TrtllmSource(trtllm_config(redirect.url + "/kv_cache_events"), processor,
+                          session=session)
+    try:
+        assert not source.poll_once()
+        assert not source.poll_once()
+        assert source.stats.poll_errors == {"redirect": 2}
+        assert target.requests == [] and processor.batches == []
+        assert source.health()["last_error"] == "redirect"
+    finally:
+        source.stop()
+        session.close()
+        redirect.close()
+        target.close()
+
+
+def test_trtllm_host_must_be_allowed() -> None:
+    with pytest.raises(ValueError, match="not in allowed_publishers"):
+        TrtllmSource(trtllm_config("http://10.0.0.9:8000/kv_cache_events"),
+                     StubProcessor(lambda e: None))
+    with pytest.raises(ValueError, match="http"):
+        TrtllmSource(trtllm_config("ftp://127.0.0.1/x"), StubProcessor(lambda e: None))
+    source = TrtllmSource(trtllm_config("http://user:pw@127.0.0.1:8000/kv_cache_events"),
+                          StubProcessor(lambda e: None))
+    assert "pw" not in json.dumps(source.health())
+
+
+def test_all_blocks_cleared_reaches_the_processor(ctx: Any, zap: ZapAuthenticator,
+                                                  hub: EventHub) -> None:
+    processor = StubProcessor(hub.publisher(BACKEND))
+    source = ZmqSource(zmq_config("tcp://127.0.0.1:1"), processor, context=ctx, zap=zap)
+    source.handle_frames(frames(0, [AllBlocksCleared()]))
+    assert processor.batches[0].events == (AllBlocksCleared(),)
