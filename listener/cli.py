@@ -14,9 +14,7 @@ SIGTERM or SIGINT sends ``draining`` to every stream subscriber and exits 0.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,68 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _render(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, tuple):
-        return "[]"
-    if isinstance(value, str):
-        return '""' if value == "" else repr(value).replace("'", '"')
-    return str(value)
-
-
-def _limits(meta: dict[str, Any]) -> str:
-    parts = []
-    if meta.get("min") is not None or meta.get("max") is not None:
-        parts.append(f"range {meta.get('min', '')}..{meta.get('max', '')}")
-    if meta.get("choices"):
-        parts.append("one of " + "|".join(str(c) for c in meta["choices"]))
-    if meta.get("pattern") is not None:
-        parts.append(f"matches {meta['pattern'].pattern}")
-    return f" [{'; '.join(parts)}]" if parts else ""
-
-
-def _section_type(cls: type, name: str) -> type | None:
-    tp = typing.get_type_hints(cls)[name]
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return tp
-    args = typing.get_args(tp)
-    if args and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]):
-        return args[0]
-    return None
-
-
-def defaults_text(root: type | None = None) -> str:
+def defaults_text() -> str:
     """Every key of the listener config with its default and meaning, as commented YAML."""
-    if root is None:
-        from listener.config import ListenerConfig
+    from continuum.config.fields import defaults_text as render_defaults
+    from listener.config import ListenerConfig
 
-        root = ListenerConfig
-    lines: list[str] = []
-
-    def section(cls: type, indent: str) -> None:
-        for f in dataclasses.fields(cls):
-            meta = dict(f.metadata)
-            sub = _section_type(cls, f.name)
-            lines.append(f"{indent}# {meta.get('doc', '')}{_limits(meta)}")
-            if sub is not None and f.default_factory is tuple:  # a list of sections
-                lines.append(f"{indent}{f.name}:")
-                lines.append(f"{indent}  - # one entry per item:")
-                section(sub, indent + "    ")
-            elif sub is not None:
-                lines.append(f"{indent}{f.name}:")
-                section(sub, indent + "  ")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                lines.append(f"{indent}{f.name}:  # required")
-            else:
-                factory: Any = f.default_factory
-                default = factory() if f.default is dataclasses.MISSING else f.default
-                lines.append(f"{indent}{f.name}: {_render(default)}")
-
-    section(root, "")
-    return "\n".join(lines) + "\n"
+    return render_defaults(ListenerConfig)
 
 
 def _load(path: str) -> tuple[Any, list[Any], list[Any]]:

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from continuum.config.fields import Issues, build_section, join, setting
+from continuum.config.fields import Issues, build_section, from_env, join, setting
 from continuum.errors import ConfigError, ConfigIssue
 
 SOURCE_NAME = r"[A-Za-z0-9_-]{1,64}"
@@ -55,8 +55,7 @@ class SaltConfig:
     secret_env: str | None = setting(None, doc="environment variable holding the secret")
 
     def resolved(self) -> bytes | None:
-        value = self.secret if self.secret is not None else (
-            os.environ.get(self.secret_env) if self.secret_env else None)
+        value = from_env(self.secret, self.secret_env)
         return value.encode() if value else None
 
     def check(self, path: str, issues: Issues) -> None:

@@ -8,7 +8,6 @@ Usage::
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from continuum.config.fields import Issues, build_section, format_duration, walk
+from continuum.config.fields import Issues, build_section, walk
+from continuum.config.fields import defaults_text as render_defaults
 from continuum.config.schema import (
     AdminConfig,
     AuthConfig,
@@ -161,71 +161,6 @@ def restart_required(old: RouterConfig, new: RouterConfig) -> list[str]:
     return changed
 
 
-def _render(value: Any, meta: dict[str, Any]) -> str:
-    if meta.get("duration") and isinstance(value, float):
-        return repr(format_duration(value))
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, tuple):
-        return "[]"
-    if isinstance(value, str):
-        return repr(value)
-    return str(value)
-
-
-def _limits(meta: dict[str, Any]) -> str:
-    parts = []
-    if meta.get("min") is not None or meta.get("max") is not None:
-        parts.append(f"range {meta.get('min', '')}..{meta.get('max', '')}")
-    if meta.get("choices"):
-        parts.append("one of " + "|".join(str(c) for c in meta["choices"]))
-    if meta.get("restart"):
-        parts.append("restart to change")
-    return f" [{'; '.join(parts)}]" if parts else ""
-
-
 def defaults_text() -> str:
-    """Every key with its default and meaning, as commented YAML."""
-    lines: list[str] = []
-
-    def section(cls: type, indent: str) -> None:
-        for f in dataclasses.fields(cls):
-            meta = dict(f.metadata)
-            tp = cls.__annotations__.get(f.name, "")
-            sub = _section_type(cls, f.name)
-            lines.append(f"{indent}# {meta.get('doc', '')}{_limits(meta)}")
-            if sub is not None and "tuple" in str(tp):
-                lines.append(f"{indent}{f.name}:")
-                lines.append(f"{indent}  - # one entry per item:")
-                section(sub, indent + "    ")
-            elif sub is not None:
-                lines.append(f"{indent}{f.name}:")
-                section(sub, indent + "  ")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                lines.append(f"{indent}{f.name}:  # required")
-            else:
-                default = (
-                    f.default_factory()  # type: ignore[misc,operator]
-                    if f.default is dataclasses.MISSING
-                    else f.default
-                )
-                lines.append(f"{indent}{f.name}: {_render(default, meta)}")
-
-    section(RouterConfig, "")
-    return "\n".join(lines) + "\n"
-
-
-def _section_type(cls: type, name: str) -> type | None:
-    import typing
-
-    from continuum.config.fields import hints
-
-    tp = hints(cls)[name]
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return tp
-    args = typing.get_args(tp)
-    if args and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]):
-        return args[0]
-    return None
+    """Every router key with its default and meaning, as commented YAML."""
+    return render_defaults(RouterConfig)

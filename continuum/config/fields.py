@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import types
 import typing
@@ -94,6 +95,16 @@ class Issues:
 
     def warn(self, path: str, message: str, value: Any = None) -> None:
         self.warnings.append(ConfigIssue(path, message, value))
+
+
+def from_env(literal: str | None, env_name: str | None) -> str | None:
+    """A value given literally or through an environment variable (read now); None when
+    neither is set or the variable is missing or empty."""
+    if literal is not None:
+        return literal
+    if env_name:
+        return os.environ.get(env_name) or None
+    return None
 
 
 def join(path: str, key: str) -> str:
@@ -249,3 +260,69 @@ def walk(section: Any, path: str = "") -> Iterator[tuple[str, dataclasses.Field[
                 yield from walk(item, f"{key_path}[{i}]")
         else:
             yield key_path, f, value
+
+
+def _render(value: Any, meta: dict[str, Any]) -> str:
+    if meta.get("duration") and isinstance(value, float):
+        return f'"{format_duration(value)}"'
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return "[]"
+    if isinstance(value, str):
+        return '""' if value == "" else repr(value).replace("'", '"')
+    return str(value)
+
+
+def _limits(meta: dict[str, Any]) -> str:
+    parts = []
+    if meta.get("min") is not None or meta.get("max") is not None:
+        parts.append(f"range {_num(meta['min']) if meta.get('min') is not None else ''}.."
+                     f"{_num(meta['max']) if meta.get('max') is not None else ''}")
+    if meta.get("choices"):
+        parts.append("one of " + "|".join(str(c) for c in meta["choices"]))
+    if meta.get("pattern") is not None:
+        parts.append(f"matches {meta['pattern'].pattern}")
+    if meta.get("restart"):
+        parts.append("restart to change")
+    return f" [{'; '.join(parts)}]" if parts else ""
+
+
+def _section_type(cls: type, name: str) -> type | None:
+    tp, _optional = _unwrap_optional(hints(cls)[name])
+    if _is_section(tp):
+        return tp  # type: ignore[no-any-return]
+    args = typing.get_args(tp)
+    if args and _is_section(args[0]):
+        return args[0]  # type: ignore[no-any-return]
+    return None
+
+
+def defaults_text(root: type) -> str:
+    """Every key of config class ``root`` with its default, range and meaning, as
+    commented YAML (``continuum-router config defaults``, ``--print-defaults``)."""
+    lines: list[str] = []
+
+    def section(cls: type, indent: str) -> None:
+        for f in dataclasses.fields(cls):
+            meta = dict(f.metadata)
+            sub = _section_type(cls, f.name)
+            lines.append(f"{indent}# {meta.get('doc', '')}{_limits(meta)}")
+            if sub is not None and f.default_factory is tuple:  # a list of sections
+                lines.append(f"{indent}{f.name}:")
+                lines.append(f"{indent}  - # one entry per item:")
+                section(sub, indent + "    ")
+            elif sub is not None:
+                lines.append(f"{indent}{f.name}:")
+                section(sub, indent + "  ")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                lines.append(f"{indent}{f.name}:  # required")
+            else:
+                factory: Any = f.default_factory
+                default = factory() if f.default is dataclasses.MISSING else f.default
+                lines.append(f"{indent}{f.name}: {_render(default, meta)}")
+
+    section(root, "")
+    return "\n".join(lines) + "\n"

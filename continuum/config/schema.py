@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from continuum.config.fields import Issues, join, setting
+from continuum.config.fields import Issues, from_env, join, setting
 
 NAME_PATTERN = r"[A-Za-z0-9_-]{1,64}"
 BACKEND_TYPES = ("openai", "anthropic")
@@ -84,11 +84,7 @@ class BackendConfig:
 
     def resolved_api_key(self) -> str | None:
         """The API key, reading ``api_key_env`` now."""
-        if self.api_key is not None:
-            return self.api_key
-        if self.api_key_env is not None:
-            return os.environ.get(self.api_key_env)
-        return None
+        return from_env(self.api_key, self.api_key_env)
 
     def check(self, path: str, issues: Issues) -> None:
         parts = urlsplit(self.url)
@@ -338,8 +334,7 @@ class CacheSaltConfig:
                                      restart=True)
 
     def resolved(self) -> bytes | None:
-        value = self.secret if self.secret is not None else (
-            os.environ.get(self.secret_env) if self.secret_env else None)
+        value = from_env(self.secret, self.secret_env)
         return value.encode() if value else None
 
     def check(self, path: str, issues: Issues) -> None:
@@ -414,10 +409,8 @@ class ClientKeyConfig:
                          self.tenant_env)
 
     def resolved(self) -> tuple[str, str]:
-        key = self.key if self.key is not None else os.environ.get(self.key_env or "", "")
-        tenant = self.tenant if self.tenant is not None else os.environ.get(
-            self.tenant_env or "", "")
-        return key, tenant
+        return (from_env(self.key, self.key_env) or "",
+                from_env(self.tenant, self.tenant_env) or "")
 
 
 @dataclass(frozen=True)
@@ -440,11 +433,7 @@ class AdminConfig:
     token_env: str | None = setting(None, doc="environment variable holding the token")
 
     def resolved_token(self) -> str | None:
-        if self.token is not None:
-            return self.token
-        if self.token_env is not None:
-            return os.environ.get(self.token_env)
-        return None
+        return from_env(self.token, self.token_env)
 
     def check(self, path: str, issues: Issues) -> None:
         if self.token is not None and self.token_env is not None:
