@@ -99,12 +99,17 @@ class ResponseCache:
         self.metrics = metrics
         self.counts = {"hit": 0, "miss": 0, "skip": 0}
 
-    def reconfigure(self, config: ResponseCacheConfig) -> None:
-        """Apply a reloaded ``response_cache`` section (the store itself stays)."""
+    def reconfigure(self, config: ResponseCacheConfig, store: CacheStore | None = None) -> None:
+        """Apply a reloaded ``response_cache`` section; ``store`` replaces the store (a new
+        Redis connection), else a memory store is resized in place."""
         self.config = config
-        capacity = getattr(self.store, "capacity", None)
-        if isinstance(capacity, int) and capacity != config.capacity:
-            self.store.capacity = config.capacity  # type: ignore[attr-defined]
+        if store is not None:
+            old, self.store = self.store, store
+            old.close()
+            return
+        resize = getattr(self.store, "resize", None)
+        if resize is not None and getattr(self.store, "capacity", None) != config.capacity:
+            resize(config.capacity)
 
     def _count(self, result: str) -> None:
         self.counts[result] += 1

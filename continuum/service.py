@@ -13,7 +13,7 @@ from continuum.auth import ClientAuth
 from continuum.backends import Backend, BackendPool
 from continuum.cache_salt import make_salt
 from continuum.config import restart_required
-from continuum.config.fields import walk
+from continuum.config.fields import keep_restart_fields, walk
 from continuum.health import HealthMonitor
 from continuum.kv_consumer import KvEventConsumerManager
 from continuum.kv_scorer import KvOverlapScorer
@@ -89,6 +89,7 @@ class RouterService:
             on_result=self.health.observe,
         )
         self.auth = ClientAuth(config.auth)
+        self._kept_links: list[RedisLink] = []
         kv = config.kv_cache_index
         self._salt_secret = kv.cache_salt.resolved() if kv.cache_salt.enabled else None
         self._salted_backends = frozenset(s.backend_name for s in kv.event_sources)
@@ -151,8 +152,9 @@ class RouterService:
         if self.kv_index is not None:
             self.kv_index.close()
         self.response_cache.store.close()
-        if self.redis is not None:
-            self.redis.close()
+        for link in (self.redis, *self._kept_links):
+            if link is not None:
+                link.close()
 
     def prepare(self, ctx: RequestContext) -> None:
         """Derive what routing needs from the parsed request (the prefix key)."""
@@ -301,6 +303,7 @@ class RouterService:
                 continue
             if old_leaves.get(path, value) != value:
                 report.applied.append(path)
+        new = keep_restart_fields(old, new)
         self.config = new
         if new.selection_strategy != old.selection_strategy:
             self.pipeline.strategy = self._make_strategy(new)
@@ -310,6 +313,27 @@ class RouterService:
         for backend in self.pool:
             backend.set_ewma_alpha(new.pool.latency_ewma_alpha)
         self.forwarder.retry_connect_errors = new.pool.retry_connect_errors
-        self.response_cache.reconfigure(new.response_cache)
+        self._reload_response_cache(old, new)
         self.auth = ClientAuth(new.auth)
         return report
+
+    def _reload_response_cache(self, old: RouterConfig, new: RouterConfig) -> None:
+        """New Redis settings get a new pool and store; the KV index keeps its own."""
+        redis_changed = old.response_cache.redis != new.response_cache.redis
+        if not (redis_changed and new.response_cache.backend == "redis"
+                and old.response_cache.backend == "redis"):
+            self.response_cache.reconfigure(new.response_cache)
+            return
+        link = RedisLink(new.response_cache.redis, self.metrics)
+        store_cls = cast("type[CacheStore]", self.registry.load(CACHE_STORES, "redis"))
+        store = store_cls.from_config(new, metrics=self.metrics, redis=link)
+        link.start()
+        store.start()
+        self.response_cache.reconfigure(new.response_cache, store)
+        old_link, self.redis = self.redis, link
+        index_uses_old = self.kv_index is not None and old.kv_cache_index.backend == "redis"
+        if old_link is not None:
+            if index_uses_old:
+                self._kept_links.append(old_link)  # closed at stop()
+            else:
+                old_link.close()

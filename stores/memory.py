@@ -126,6 +126,18 @@ class InMemoryCacheStore(CacheStore):
                 self._rebuild_expiries()
             self._publish_entries()
 
+    def resize(self, capacity: int) -> None:
+        """Change ``capacity`` (hot reload); a smaller one evicts least recently used
+        entries at once, so ``len <= capacity`` holds again immediately."""
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1 (got {capacity})")
+        with self._lock:
+            self.capacity = capacity
+            now = self._clock()
+            while len(self._data) > capacity:
+                self._make_room(now)
+            self._publish_entries()
+
     def delete(self, key: str) -> None:
         """Remove ``key`` if present."""
         with self._lock:
@@ -180,7 +192,7 @@ class InMemoryCacheStore(CacheStore):
                 del self._data[key]
                 self._size -= len(entry[0])
                 self._expired += 1
-        if len(self._data) >= self.capacity:
+        if self._data and len(self._data) >= self.capacity:
             _, (value, _) = self._data.popitem(last=False)
             self._size -= len(value)
             self._evictions += 1

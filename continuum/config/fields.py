@@ -248,6 +248,22 @@ def read_value(tp: Any, value: Any, path: str, meta: dict[str, Any], issues: Iss
     return coerced
 
 
+def keep_restart_fields(running: Any, loaded: Any) -> Any:
+    """``loaded`` with every restart-only key (and every list of sections, such as
+    ``backends``) taken from ``running``: the config a worker really runs after a reload."""
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(loaded):
+        old, new = getattr(running, f.name), getattr(loaded, f.name)
+        if old == new:
+            continue
+        if f.metadata.get("restart") or (isinstance(new, tuple) and new
+                                         and dataclasses.is_dataclass(new[0])):
+            changes[f.name] = old
+        elif dataclasses.is_dataclass(new) and not isinstance(new, type):
+            changes[f.name] = keep_restart_fields(old, new)
+    return dataclasses.replace(loaded, **changes) if changes else loaded
+
+
 def walk(section: Any, path: str = "") -> Iterator[tuple[str, dataclasses.Field[Any], Any]]:
     """Yield ``(path, field, value)`` for every leaf of a section instance, depth first."""
     for f in dataclasses.fields(section):

@@ -167,34 +167,33 @@ _GLOB_CHARS = set("*?[]\\")
 
 @dataclass(frozen=True)
 class RedisConfig:
-    """``response_cache.redis``: the shared Redis/Valkey connection (Tier 3)."""
+    """``response_cache.redis``: the shared Redis/Valkey connection (Tier 3).
+
+    Every key hot-reloads: a change opens a new connection pool for the response cache
+    (a Redis KV index keeps the pool it started with until a restart)."""
 
     url: str = setting(
         "redis://127.0.0.1:6379", doc="redis:// or rediss:// URL (db and password may be in it)",
-        restart=True,
     )
-    tls: bool = setting(False, doc="use TLS with a redis:// URL", restart=True)
-    pool_size: int = setting(8, doc="connections in the pool", min=1, max=1024, restart=True)
+    tls: bool = setting(False, doc="use TLS with a redis:// URL")
+    pool_size: int = setting(8, doc="connections in the pool", min=1, max=1024)
     key_prefix: str = setting(
-        "cr:resp:", doc="namespace for response keys (no glob characters)", restart=True
+        "cr:resp:", doc="namespace for response keys (no glob characters)"
     )
-    connect_timeout_ms: int = setting(3000, doc="connect timeout", min=10, max=60000,
-                                      restart=True)
-    command_timeout_ms: int = setting(1000, doc="per-command timeout", min=10, max=60000,
-                                      restart=True)
+    connect_timeout_ms: int = setting(3000, doc="connect timeout", min=10, max=60000)
+    command_timeout_ms: int = setting(1000, doc="per-command timeout", min=10, max=60000)
     fallback_capacity: int = setting(
         1000, doc="entries of the in-memory fallback while Redis is down", min=1,
-        max=10_000_000, restart=True,
+        max=10_000_000,
     )
     fallback_ttl_seconds: int = setting(
-        300, doc="TTL of fallback entries", min=1, max=86400, restart=True
+        300, doc="TTL of fallback entries", min=1, max=86400
     )
     fallback_to_memory: bool = setting(
-        True, doc="serve from memory while Redis is unreachable", restart=True
+        True, doc="serve from memory while Redis is unreachable"
     )
     probe_interval_seconds: float = setting(
         30.0, doc="how often a Redis in fallback is probed", min=0.1, max=3600, duration=True,
-        restart=True,
     )
 
     def check(self, path: str, issues: Issues) -> None:

@@ -192,3 +192,42 @@ def test_redis_outage_falls_back_without_client_errors(
         thread.join(30)
     assert errors == []
     assert _post(router, {"model": "m", "messages": MSG}).headers["X-Cache"] in ("MISS", "HIT")
+
+
+@pytest.mark.redis
+def test_reload_applies_cache_settings_and_a_new_redis(
+    upstreams, router_factory, redis_server, fresh_redis
+) -> None:
+    import yaml
+
+    up = upstreams("a")
+    router = router_factory(_config(up, **_redis_cache(redis_server, "cr:reload:")))
+    body = {"model": "m", "messages": MSG, "temperature": 0}
+    assert _post(router, body).headers["X-Cache"] == "MISS"
+    assert _post(router, body).headers["X-Cache"] == "HIT"
+
+    config = yaml.safe_load(router.config_path.read_text())
+    config["response_cache"]["redis"]["url"] = fresh_redis.url
+    config["response_cache"]["ttl"] = "10m"
+    router.config_path.write_text(yaml.safe_dump(config))
+    reply = requests.post(router.url + "/admin/config/reload", timeout=10).json()
+    assert reply["restart_required"] == []
+    assert {"response_cache.redis.url", "response_cache.ttl"} <= set(reply["applied"])
+    # The new Redis takes over at once (a new pool; it is empty).
+    assert _post(router, body).headers["X-Cache"] == "MISS"
+    assert _post(router, body).headers["X-Cache"] == "HIT"
+
+    config["response_cache"]["backend"] = "memory"  # restart-only: reported, not applied
+    router.config_path.write_text(yaml.safe_dump(config))
+    for _ in range(2):  # reported on every reload until a restart, never half-applied
+        reply = requests.post(router.url + "/admin/config/reload", timeout=10).json()
+        assert reply["restart_required"] == ["response_cache.backend"]
+    stats = requests.get(router.url + "/admin/response-cache/stats", timeout=5).json()
+    assert stats["backend_type"] == "redis"
+    assert _post(router, body).headers["X-Cache"] == "HIT"
+    client = redis.Redis.from_url(fresh_redis.url)
+    try:
+        keys = client.keys("cr:reload:*")
+        assert len(keys) == 1 and 590 < client.ttl(keys[0]) <= 600
+    finally:
+        client.close()
