@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from listener.hub import EventHub
-from listener.sources_zmq import EventSource
+from listener.sources import EventSource
 
 __all__ = ["KEEPALIVE_SECONDS", "ListenerCollector", "create_app", "make_server", "parse_listen"]
 

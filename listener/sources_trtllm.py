@@ -46,7 +46,7 @@ from continuum.kv_events import KvEvent, KvEventBatch
 from listener.config import SourceConfig
 from listener.decode import DecodeError, TrtllmEvent, decode_trtllm_events
 from listener.model import SourceProcessor
-from listener.sources_zmq import EventSource
+from listener.sources import EventSource
 
 __all__ = ["MAX_ERROR_BACKOFF", "TrtllmSource"]
 

@@ -40,11 +40,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
 from typing import Any
 
-import gevent
 import zmq.green as zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -53,6 +50,8 @@ from continuum.kv_events import KvEventBatch
 from listener.config import SourceConfig
 from listener.decode import DecodeError, decode_zmq_frames, decode_zmq_payload
 from listener.model import SourceProcessor
+from listener.sources import EventSource, SourceStats
+from listener.zap import ZAP_ENDPOINT, ZapAuthenticator
 
 __all__ = [
     "ZAP_ENDPOINT",
@@ -67,7 +66,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 #: Replay end marker: sequence number -1 (§1.3).
 END_SEQ = b"\xff" * 8
 #: Seconds a replay may take before it counts as failed (the state is then reset).
@@ -77,115 +75,6 @@ REPLAY_MAX_BATCHES = 1_000_000
 #: Receive high-water mark: the engines' default send HWM.
 RCVHWM = 100_000
 _POLL_MS = 500
-
-
-@dataclass
-class SourceStats:
-    """Counters of one source, exported by ``/metrics`` (never reset while running)."""
-
-    batches: int = 0
-    events: int = 0
-    skipped_events: int = 0
-    decode_errors: int = 0
-    sequence_gaps: int = 0
-    duplicates: int = 0
-    restarts: int = 0
-    resets: int = 0
-    replays: int = 0
-    replay_failures: int = 0
-    rejected_publishers: int = 0
-    processor_errors: int = 0
-    polls: int = 0
-    poll_errors: dict[str, int] = field(default_factory=dict)
-
-    def counters(self) -> dict[str, int]:
-        """The integer counters by name (``poll_errors`` excluded)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "poll_errors"}
-
-
-class EventSource:
-    """What every source shares: its processor, counters, state and the reset rule.
-
-    Subclasses run a loop in a greenlet between :meth:`start` and :meth:`stop`, call
-    :meth:`_apply` for each batch in order and :meth:`_reset` when state was lost.
-    """
-
-    transport = "?"
-
-    def __init__(self, config: SourceConfig, processor: SourceProcessor) -> None:
-        self.config = config
-        self.backend = config.backend_name
-        self.processor = processor
-        self.stats = SourceStats()
-        self.state = "idle"
-        self.last_event_at: float | None = None
-        self._greenlets: list[gevent.Greenlet] = []
-        self._stopping = False
-        self._clean = False  # True right after a reset, until a batch is applied
-        self._warned: set[str] = set()
-
-    @property
-    def connected(self) -> bool:
-        """Whether events can flow right now."""
-        return self.state == "connected"
-
-    def start(self) -> None:
-        """Open sockets and start the loop greenlet(s)."""
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        """Stop the greenlets; subclasses then close what they opened. Idempotent."""
-        self._stopping = True
-        gevent.killall(self._greenlets, timeout=5)
-        self._greenlets.clear()
-        self.state = "stopped"
-
-    def health(self) -> dict[str, Any]:
-        """The ``/health`` view: no secrets, no event contents."""
-        return {
-            "engine": self.config.engine,
-            "transport": self.transport,
-            "state": self.state,
-            "connected": self.connected,
-            "last_event_at": self.last_event_at,
-            "batches": self.stats.batches,
-        }
-
-    def _spawn(self, fn: Callable[[], None]) -> None:
-        self._greenlets.append(gevent.spawn(fn))
-
-    def _warn_once(self, key: str, message: str, *args: object) -> None:
-        level = logging.DEBUG if key in self._warned else logging.WARNING
-        self._warned.add(key)
-        log.log(level, message, *args)
-
-    def _apply(self, batch: KvEventBatch) -> None:
-        self.stats.batches += 1
-        self.stats.events += len(batch.events)
-        self.stats.skipped_events += batch.skipped
-        self.last_event_at = time.time()
-        self._clean = False
-        try:
-            self.processor.handle_batch(batch)
-        except Exception as exc:  # a processor bug must not kill the source
-            self.stats.processor_errors += 1
-            # the type only: a message could quote event contents
-            log.error("%s: processor failed on a batch (%s); resetting", self.backend,
-                      type(exc).__name__)
-            self._reset(f"processor error ({type(exc).__name__})")
-
-    def _reset(self, reason: str) -> None:
-        if self._clean:
-            log.info("%s: %s (state already clear)", self.backend, reason)
-            return
-        self.stats.resets += 1
-        log.warning("%s: %s: clearing the backend's prefixes", self.backend, reason)
-        self._clean = True
-        try:
-            self.processor.reset(reason)
-        except Exception as exc:
-            self.stats.processor_errors += 1
-            log.error("%s: processor reset failed (%s)", self.backend, type(exc).__name__)
 
 
 def zmq_endpoint_host(endpoint: str) -> str | None:
@@ -229,70 +118,6 @@ def zmq_source_issues(source: SourceConfig, path: str) -> list[ConfigIssue]:
                 f"{path}.{key}", f"host {host} is not in allowed_publishers (the listener "
                 "connects to it, so it must be listed)", endpoint))
     return issues
-
-
-class ZapAuthenticator:
-    """Answers ZAP requests for every bound source of one ZMQ context, by domain.
-
-    Only one ZAP handler may exist per context; each source registers its own domain with
-    its allowed IP addresses and is told about every peer it refused.
-    """
-
-    def __init__(self, context: Any) -> None:
-        self._context = context
-        self._domains: dict[bytes, tuple[frozenset[str], bool, Callable[[str], None]]] = {}
-        self._socket: Any = None
-        self._greenlet: gevent.Greenlet | None = None
-
-    def register(self, domain: str, allowed: frozenset[str], *, any_local: bool,
-                 on_reject: Callable[[str], None]) -> None:
-        """Route requests of ``domain``: allow ``allowed`` addresses (and, with
-        ``any_local``, peers without an IP address: ipc/inproc)."""
-        self._domains[domain.encode()] = (allowed, any_local, on_reject)
-        if self._socket is None:
-            self._socket = self._context.socket(zmq.REP)
-            self._socket.setsockopt(zmq.LINGER, 0)
-            self._socket.bind(ZAP_ENDPOINT)
-            self._greenlet = gevent.spawn(self._serve)
-
-    def unregister(self, domain: str) -> None:
-        """Forget ``domain`` (its peers are refused from now on)."""
-        self._domains.pop(domain.encode(), None)
-
-    def _serve(self) -> None:
-        while True:
-            frames = self._socket.recv_multipart()
-            try:
-                reply = self.answer(frames)
-            except Exception as exc:  # REP must answer every request, or ZAP stalls
-                log.error("ZAP handler failed (%s); refusing the peer", type(exc).__name__)
-                reply = [b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"error",
-                         b"", b""]
-            self._socket.send_multipart(reply)
-
-    def answer(self, frames: list[bytes]) -> list[bytes]:
-        """The ZAP reply to one request: ``[version, request_id, status, text, user, meta]``."""
-        if len(frames) < 6 or frames[0] != b"1.0":
-            request_id = frames[1] if len(frames) > 1 else b""
-            return [b"1.0", request_id, b"500", b"malformed ZAP request", b"", b""]
-        _, request_id, domain, address, _identity, _mechanism = frames[:6]
-        entry = self._domains.get(domain)
-        peer = address.decode("utf-8", "replace")
-        if entry is not None:
-            allowed, any_local, on_reject = entry
-            if peer in allowed or (any_local and not peer):
-                return [b"1.0", request_id, b"200", b"OK", b"", b""]
-            on_reject(peer)
-        return [b"1.0", request_id, b"400", b"publisher not allowed", b"", b""]
-
-    def close(self) -> None:
-        """Stop answering (connections then get no ZAP handler); idempotent."""
-        if self._greenlet is not None:
-            self._greenlet.kill()
-            self._greenlet = None
-        if self._socket is not None:
-            self._socket.close(linger=0)
-            self._socket = None
 
 
 def fetch_replay(context: Any, endpoint: str, start_seq: int, *,
