@@ -152,6 +152,7 @@ class RouterService:
         if self.kv_index is not None:
             self.kv_index.close()
         self.response_cache.store.close()
+        self.forwarder.close()
         for link in (self.redis, *self._kept_links):
             if link is not None:
                 link.close()
