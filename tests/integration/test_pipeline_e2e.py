@@ -1,0 +1,418 @@
+"""Tier 4 end to end: simulated engines → ``continuum-kv-listener`` → router, all real.
+
+Each engine flavour is exercised the way it is deployed: vLLM (array and map wire formats)
+and SGLang publish ZMQ KV events that the listener attributes to prompts through the
+engines' ``/detokenize``; TensorRT-LLM's ``/kv_cache_events`` is polled and its blocks are
+attributed through router-issued cache salts. System prompts are warmed up straight on one
+engine, so the test knows who holds what; the router (RoundRobin, so KV-aware routing is
+visible) must learn it from the streams, route there, and forget it once the engine
+evicts. The second test kills the listener under traffic and restarts it, and cuts one
+stream while the listener keeps running. Every wait is a deadline-bounded poll.
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from tests.integration.pipeline import (
+    BLOCK,
+    MODES,
+    Pipeline,
+    cached_tokens,
+    event_number,
+    question,
+    system_prompt,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(180)]
+
+#: vLLM array (0.22) and map (0.33) wire formats, SGLang 0.5.22 and 0.5.9 over ZMQ with
+#: /detokenize, TensorRT-LLM polled with router-issued salts.
+ALL_MODES = list(MODES)
+
+
+class TcpRelay:
+    """A TCP relay 127.0.0.1:port → 127.0.0.1:target whose connections the test can cut,
+    so a router's event stream drops while the listener behind it keeps running."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.server.getsockname()[1])
+        self.holding = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._peers: dict[socket.socket, socket.socket] = {}
+        self._commands: list[tuple[str, threading.Event, list[int]]] = []
+        self._lock = threading.Lock()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self.server, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._run, name="tcp-relay", daemon=True)
+        self._thread.start()
+
+    def url(self, path: str) -> str:
+        """``http://127.0.0.1:<relay port><path>``."""
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def cut(self, hold: bool = False) -> int:
+        """Close every relayed connection now; returns how many there were. With ``hold``,
+        new connections are closed at once too, until :meth:`release`."""
+        return self._command("hold" if hold else "cut")
+
+    def release(self) -> None:
+        """Relay new connections again."""
+        self._command("release")
+
+    def close(self) -> None:
+        """Close everything and stop the relay thread."""
+        if self._thread.is_alive():
+            self._command("close")
+            self._thread.join(10)
+        self._wake_w.close()
+
+    def _command(self, name: str) -> int:
+        done, result = threading.Event(), [0]
+        with self._lock:
+            self._commands.append((name, done, result))
+        self._wake_w.send(b"x")
+        assert done.wait(10), f"the relay did not {name}"
+        return result[0]
+
+    def _cut(self, sock: socket.socket) -> None:
+        peer = self._peers.pop(sock, None)
+        for s in (sock, peer):
+            if s is None:
+                continue
+            self._peers.pop(s, None)
+            try:
+                self._selector.unregister(s)
+            except (KeyError, ValueError):
+                pass
+            s.close()
+
+    def _accept(self) -> None:
+        client, _ = self.server.accept()
+        if self.holding:  # the connection is refused after the TCP handshake
+            client.close()
+            return
+        try:
+            upstream = socket.create_connection(self.target, timeout=2)
+        except OSError:  # nothing listens behind us: the client sees the connection close
+            client.close()
+            return
+        upstream.settimeout(None)
+        self._peers[client], self._peers[upstream] = upstream, client
+        self._selector.register(client, selectors.EVENT_READ)
+        self._selector.register(upstream, selectors.EVENT_READ)
+
+    def _run(self) -> None:
+        running = True
+        while running:
+            for key, _ in self._selector.select(0.5):
+                sock: Any = key.fileobj
+                try:
+                    if sock is self.server:
+                        self._accept()
+                    elif sock is self._wake_r:
+                        sock.recv(64)
+                        with self._lock:
+                            commands, self._commands = self._commands, []
+                        for name, done, result in commands:
+                            self.holding = name == "hold"
+                            if name != "release":
+                                result[0] = len(self._peers) // 2
+                                for s in list(self._peers):
+                                    if s in self._peers:
+                                        self._cut(s)
+                            running = running and name != "close"
+                            done.set()
+                    elif sock in self._peers:
+                        data = sock.recv(65536)
+                        if data:
+                            self._peers[sock].sendall(data)
+                        else:
+                            self._cut(sock)
+                except OSError:
+                    if sock in self._peers:
+                        self._cut(sock)
+        for s in list(self._peers):
+            if s in self._peers:
+                self._cut(s)
+        self._selector.close()
+        self.server.close()
+        self._wake_r.close()
+
+
+class Traffic:
+    """Client threads sending chat requests through the router until stopped (bounded by
+    ``limit`` requests per thread and ``deadline`` seconds); every result is kept with the
+    phase it was sent in."""
+
+    def __init__(self, pipeline: Pipeline, systems: list[str], threads: int = 2,
+                 limit: int = 400, deadline: float = 60.0) -> None:
+        self.pipeline = pipeline
+        self.systems = systems
+        self.phase = "start"
+        self.results: list[tuple[str, int, str | None, int]] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._limit = limit
+        self._deadline = time.monotonic() + deadline
+        self._threads = [threading.Thread(target=self._run, args=(n,), daemon=True,
+                                          name=f"traffic-{n}") for n in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, n: int) -> None:
+        session = requests.Session()
+        try:
+            for i in range(self._limit):
+                if self._stop.is_set() or time.monotonic() > self._deadline:
+                    return
+                phase = self.phase
+                system = self.systems[(n + i) % len(self.systems)]
+                status, backend, cached = self.pipeline.route(
+                    system, question(f"traffic {n}.{i}"), session)
+                with self._lock:
+                    self.results.append((phase, status, backend, cached))
+                time.sleep(0.01)
+        except BaseException as exc:  # reported by the test, never lost in the thread
+            with self._lock:
+                self.errors.append(exc)
+        finally:
+            session.close()
+
+    def count(self, phase: str) -> int:
+        """Requests completed that were sent in ``phase``."""
+        with self._lock:
+            return sum(1 for r in self.results if r[0] == phase)
+
+    def stop(self) -> list[tuple[str, int, str | None, int]]:
+        """Stop the threads and return every result."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(15)
+        assert not any(t.is_alive() for t in self._threads), "traffic threads did not stop"
+        with self._lock:
+            return list(self.results)
+
+
+class Pipelines:
+    """``pipeline(mode, relayed=(...), **options)`` builds a :class:`Pipeline`, puts a
+    :class:`TcpRelay` in front of the streams of the ``relayed`` backends and starts the
+    router; :meth:`close` stops everything built."""
+
+    def __init__(self, tmp: Path, router_factory: Callable[[dict[str, Any]], Any]) -> None:
+        self.tmp = tmp
+        self.router_factory = router_factory
+        self.built: list[Pipeline] = []
+        self.relays: dict[str, TcpRelay] = {}
+
+    def __call__(self, mode: str, *, relayed: tuple[str, ...] = (), **options: Any
+                 ) -> Pipeline:
+        pipeline = Pipeline(self.tmp / f"{mode}-{len(self.built)}", MODES[mode], **options)
+        self.built.append(pipeline)
+        for name in relayed:
+            relay = self.relays[name] = TcpRelay(pipeline.listener_port)
+            pipeline.endpoints[name] = relay.url(f"/events/{name}")
+        pipeline.start_router(self.router_factory)
+        return pipeline
+
+    def close(self) -> None:
+        """Stop relays, listeners and engines (the routers are ``router_factory``'s)."""
+        for relay in self.relays.values():
+            relay.close()
+        for pipeline in self.built:
+            pipeline.close()
+
+
+@pytest.fixture
+def pipeline(tmp_path: Path, router_factory: Callable[..., Any]) -> Iterator[Pipelines]:
+    """``pipeline(mode, **options)`` starts engines, listener and router of one mode;
+    logs and configs stay in ``tmp_path``."""
+    built = Pipelines(tmp_path, router_factory)
+    yield built
+    built.close()
+
+
+def warm_up(p: Pipeline, holders: dict[str, str]) -> dict[str, int]:
+    """Send each system prompt straight to its holder; returns the token count the index
+    must show (the prompt's full blocks: one output token adds no block)."""
+    expected = {}
+    for backend, system in holders.items():
+        doc = p.direct(backend, system, question(f"warm-up {backend}"))
+        assert cached_tokens(doc) == 0  # nobody had it before
+        expected[backend] = doc["usage"]["prompt_tokens"] // BLOCK * BLOCK
+        assert expected[backend] >= 4 * BLOCK  # several blocks
+    return expected
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_index_names_the_holder_routes_to_it_and_forgets_evictions(
+        pipeline: Pipelines, mode: str) -> None:
+    p = pipeline(mode, engines=3, num_blocks=48)
+    p.hear_engines("start")
+    holders = {"e0": system_prompt(f"{mode} alpha"), "e1": system_prompt(f"{mode} bravo")}
+    expected = warm_up(p, holders)
+
+    # The index names exactly the engine that holds each prompt, with its token count.
+    for backend, system in holders.items():
+        doc = p.wait_holders(system, {backend: expected[backend]})
+        assert doc["decision"]["decision"] == "kv_aware", doc
+        assert doc["decision"]["backend"] == backend
+
+    # Requests with that system prompt all go there, and hit the engine's cache.
+    for backend, system in holders.items():
+        for n in range(3):
+            status, chosen, cached = p.route(system, question(f"routed {n}"))
+            assert (status, chosen) == (200, backend)
+            assert cached >= BLOCK, "the holder did not have the prompt cached"
+    # Control: prompts nobody holds rotate over the fleet (RoundRobin decides).
+    spread = {p.route(system_prompt(f"{mode} fresh {n}"), question("fresh"))[1]
+              for n in range(3)}
+    assert spread == set(p.names)
+
+    # Evict on e0 with /reset_prefix_cache: the entry disappears from the router's index.
+    p.reset("e0")
+    doc = p.wait_holders(holders["e0"], {})
+    assert doc["kv_fallback_reason"] == "no candidate holds this prefix"
+    assert doc["decision"].get("decision") != "kv_aware"
+
+    # Evict on e1 by filling its small cache (48 blocks) with other prompts.
+    for n in range(40):
+        p.direct("e1", system_prompt(f"{mode} filler {n}"), question(f"filler {n}"))
+        if p.index_tokens(holders["e1"])["e1"] == 0:
+            break
+    doc = p.wait_holders(holders["e1"], {})
+    assert doc["kv_fallback_reason"] == "no candidate holds this prefix"
+    # ... and the engines really lost them (asked directly: no cached tokens).
+    for backend, system in holders.items():
+        assert cached_tokens(p.direct(backend, system, question("after eviction"))) == 0
+
+    # Nothing was lost or malformed on the way: the router is at the listener's last event.
+    p.positions()
+    for name, b in p.kv_backends().items():
+        assert b["events"]["malformed"] == 0 and b["events"]["dropped"] == 0, (name, b)
+        assert b["connection"]["reconnect_count"] == 0, (name, b)
+
+
+def consistent(p: Pipeline, systems: list[str]) -> bool:
+    """The router's index is the listener's view: same number of entries overall, same
+    token counts for every test prompt on every backend."""
+    p.positions()
+    gauge = sum(p.listener.metric("prefixes", backend=n) for n in p.names)
+    if p.kv_stats()["index"]["entry_count"] != gauge:
+        return False
+    return all(p.index_tokens(s) == p.listener_view(s) for s in systems)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_listener_kill_and_restart_under_traffic(
+        pipeline: Pipelines, mode: str) -> None:
+    p = pipeline(mode, engines=3, num_blocks=1024, replay=True, relayed=("e0",))
+    p.hear_engines("start")
+    holders = {"e0": system_prompt(f"{mode} alpha"), "e1": system_prompt(f"{mode} bravo")}
+    systems = list(holders.values())
+    expected = warm_up(p, holders)
+    for backend, system in holders.items():
+        p.wait_holders(system, {backend: expected[backend]})
+
+    traffic = Traffic(p, systems)
+    try:
+        wait_for(lambda: traffic.count("start") >= 6, "traffic to flow")
+
+        # -- the stream to e0 drops while the listener keeps running: the router resumes
+        # from the listener's history, missing nothing published meanwhile.
+        before = p.positions()
+        history = p.listener.subscriptions("e0", "history")
+        snapshots = p.listener.subscriptions("e0", "snapshot")
+        traffic.phase = "stream cut"
+        assert pipeline.relays["e0"].cut(hold=True) == 1
+        for n in range(3):  # events on e0's stream while its consumer cannot read it
+            p.direct("e0", system_prompt(f"{mode} during the cut {n}"), question("cut"))
+
+        def missed() -> bool:
+            seen = event_number(p.kv_backends()["e0"]["last_event_id"])
+            return event_number(p.listener.health()["sources"]["e0"]["latest_event_id"]) > seen
+
+        wait_for(missed, "events on e0's stream that the cut-off router has not seen")
+        assert not p.kv_backends()["e0"]["connection"]["connected"]
+        pipeline.relays["e0"].release()
+        after = p.positions()
+        for name in p.names:  # every event applied exactly once: no replay, no gap
+            received = after[name][0] - before[name][0]
+            published = after[name][1] - before[name][1]
+            assert received == published, (name, before, after)
+        assert after["e0"][1] > before["e0"][1]
+        assert p.listener.subscriptions("e0", "history") == history + 1
+        assert p.listener.subscriptions("e0", "snapshot") == snapshots
+        backends = p.kv_backends()
+        assert backends["e0"]["connection"]["reconnect_count"] >= 1
+        assert all(backends[n]["connection"]["reconnect_count"] == 0 for n in ("e1", "e2"))
+        assert backends["e0"]["events"]["dropped"] == 0
+
+        # -- kill -9 the listener under traffic, restart it on the same port.
+        epoch = p.listener.health()["epoch"]
+        traffic.phase = "listener down"
+        p.listener.kill()
+        wait_for(lambda: not any(b["connection"]["connected"]
+                                 for b in p.kv_backends().values()),
+                 "the router to notice the listener is gone")
+        wait_for(lambda: traffic.count("listener down") >= 4, "traffic while it is down")
+        p.listener.start()
+        p.listener.wait()
+        traffic.phase = "restarted"
+        new_epoch = p.listener.health()["epoch"]
+        assert new_epoch != epoch
+        p.hear_engines("restart")
+
+        def resumed() -> bool:
+            backends = p.kv_backends().values()
+            return all(b["connection"]["connected"]
+                       and b["connection"]["reconnect_count"] >= 1
+                       and (b["last_event_id"] or "").startswith(new_epoch + "-")
+                       for b in backends)
+
+        wait_for(resumed, lambda: f"the consumers to resume on the new listener: "
+                 f"{p.kv_backends()}")
+        wait_for(lambda: traffic.count("restarted") >= 4, "traffic after the restart")
+    finally:
+        results = traffic.stop()
+    assert not traffic.errors, traffic.errors
+    assert [r for r in results if r[1] != 200] == [], "client requests failed"
+
+    # A restarted listener knows nothing: it sent cache_cleared and a snapshot (the resume
+    # id was from the old run) and rebuilds its view from the engines — by replay over
+    # ZMQ; for TensorRT-LLM, whose queue the old run drained, from blocks stored since
+    # (salted requests to the holders re-announce them).
+    assert p.listener.subscriptions("e1", "snapshot") >= 1
+    assert p.listener.subscriptions("e1", "history") == 0
+    if p.mode.salted:
+        for backend, system in holders.items():
+            p.direct(backend, system, question("after the restart"))
+    else:
+        assert all(p.listener.metric("replays_total", backend=n) >= 1 for n in p.names)
+    wait_for(lambda: consistent(p, systems),
+             lambda: f"the router's index to match the listener: "
+             f"{[(p.index_tokens(s), p.listener_view(s)) for s in systems]}")
+    for backend, system in holders.items():
+        tokens = p.index_tokens(system)
+        assert tokens[backend] > 0, f"{backend} is not named again as a holder: {tokens}"
+        if not p.mode.salted:  # the replay rebuilt the whole chain
+            assert tokens[backend] >= expected[backend], tokens
+        for name, count in tokens.items():  # every holder named really holds the prompt
+            if count:
+                assert cached_tokens(p.direct(name, system, question("truth"))) >= BLOCK, name
+    for name, b in p.kv_backends().items():
+        assert b["events"]["malformed"] == 0, (name, b)
