@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -62,13 +63,18 @@ class RedisLink:
         self.client = redis.Redis(connection_pool=self.pool)
         self.fallback_active = False
         self.errors = {"connection": 0, "timeout": 0, "other": 0}
-        self._listeners: list[Listener] = []
+        self._listeners: list[weakref.WeakMethod[Listener]] = []
         self._greenlet: Any = None
         self._publish_state()
 
     def add_listener(self, listener: Listener) -> None:
-        """Call ``listener(fallback_active)`` on every transition."""
-        self._listeners.append(listener)
+        """Call the bound method ``listener(fallback_active)`` on every transition.
+
+        Held by weak reference: the link is the app's and outlives stores and indexes, so a
+        dropped store is collected and stops listening without unregistering.
+        """
+        self._listeners = [ref for ref in self._listeners if ref() is not None]
+        self._listeners.append(weakref.WeakMethod(listener))
 
     def execute(self, operation: str, command: Callable[[redis.Redis], T]) -> T:
         """Run ``command(client)``, timing it and classifying failures.
@@ -117,7 +123,10 @@ class RedisLink:
             # Connections from before the outage are dead; start clean.
             self.pool.disconnect(inuse_connections=False)
         self._publish_state()
-        for listener in self._listeners:
+        for ref in self._listeners:
+            listener = ref()
+            if listener is None:
+                continue
             try:
                 listener(active)
             except Exception:  # one listener must not stop the others

@@ -42,7 +42,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -170,14 +169,13 @@ class RedisKvIndex(KvCacheIndex):
         self._events = dict.fromkeys(KV_EVENT_TYPES, 0)
         self._hits = 0
         self._closed = False
-        ref = weakref.ref(self)
+        link.add_listener(self._on_link_transition)
 
-        def on_transition(active: bool) -> None:
-            index = ref()
-            if index is not None and not index._closed:
-                index._fallback.clear()
-
-        link.add_listener(on_transition)
+    def _on_link_transition(self, fallback_active: bool) -> None:
+        # Redis is authoritative again (or the outage starts): the fallback's entries would
+        # only shadow it; the listener streams rebuild what matters.
+        if not self._closed:
+            self._fallback.clear()
 
     @classmethod
     def from_config(

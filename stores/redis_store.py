@@ -20,7 +20,6 @@ the response cache above turns them into misses.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -92,16 +91,7 @@ class RedisCacheStore(CacheStore):
         self._hits = 0
         self._misses = 0
         self._closed = False
-        # The link outlives stores (it is the app's); a weak reference lets a dropped
-        # store be collected, and a closed one stops listening.
-        ref = weakref.ref(self)
-
-        def on_transition(active: bool) -> None:
-            store = ref()
-            if store is not None and not store._closed:
-                store._reset_fallback()
-
-        link.add_listener(on_transition)
+        link.add_listener(self._on_link_transition)
 
     @classmethod
     def from_config(
@@ -270,6 +260,10 @@ class RedisCacheStore(CacheStore):
                 removed += int(self._run("clear", partial(_unlink_all, mine)))
             if cursor == 0:
                 return removed
+
+    def _on_link_transition(self, fallback_active: bool) -> None:
+        if not self._closed:
+            self._reset_fallback()
 
     def _reset_fallback(self) -> None:
         if self._fallback is not None:
