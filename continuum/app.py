@@ -60,6 +60,21 @@ def _handle_continuum_error(
         resp.set_header("WWW-Authenticate", "Bearer")
 
 
+def _handle_unexpected(
+    req: falcon.Request, resp: falcon.Response, exc: Exception, params: Any
+) -> None:
+    """A bug, not a client or upstream problem: log it with the request, answer 500 in the
+    client's error shape (never a traceback)."""
+    log.exception("unhandled error in %s %s", req.method, req.path)
+    resp.status = 500
+    resp.content_type = JSON
+    message = "internal error in the router (logged)"
+    if _is_anthropic(req):
+        resp.data = anthropic.error_document(500, message)
+    else:
+        resp.data = error_body(message, "server_error", "internal_error")
+
+
 def _serialize_http_error(
     req: falcon.Request, resp: falcon.Response, exc: falcon.HTTPError
 ) -> None:
@@ -201,6 +216,7 @@ def create_app(
     service = service or RouterService(config, registry=registry, metrics=metrics)
     app = RouterApp(media_type=JSON)
     app.req_options.strip_url_path_trailing_slash = True
+    app.add_error_handler(Exception, _handle_unexpected)
     app.add_error_handler(ContinuumError, _handle_continuum_error)
     app.set_error_serializer(_serialize_http_error)
     app.add_route("/v1/chat/completions", ProxyResource(service, rq.CHAT, "/v1/chat/completions"))

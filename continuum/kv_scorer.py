@@ -160,9 +160,11 @@ class KvOverlapScorer(BackendScorer):
         overlap = holding.token_count / snapshot.max_tokens * self.tier_weights.get(tier, 0.0)
         if overlap < self.min_overlap:
             return 0.0, tier
-        in_flight = snapshot.in_flight.get(backend.name, backend.in_flight)
-        if self.guard and in_flight >= snapshot.bound:
+        # The guard reads the live count: a burst for one prefix inside the 100 ms snapshot
+        # window would otherwise all see the same stale load and pile onto one holder.
+        if self.guard and backend.in_flight >= snapshot.bound:
             return 0.0, tier
+        in_flight = snapshot.in_flight.get(backend.name, backend.in_flight)
         load_ratio = in_flight / snapshot.max_in_flight if snapshot.max_in_flight else 0.0
         score = (self.overlap_weight * overlap
                  + self.load_weight * (1.0 - load_ratio)

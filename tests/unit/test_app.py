@@ -66,3 +66,22 @@ def test_metrics_exposition(client: falcon.testing.TestClient) -> None:
     resp = client.simulate_get("/metrics")
     assert resp.status_code == 200
     assert "continuum_backend_healthy" in resp.text
+
+
+def test_unexpected_errors_are_logged_and_shaped(client: falcon.testing.TestClient,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    service = client.app.service  # type: ignore[attr-defined]
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise KeyError("bug")
+
+    service.proxy = boom
+    resp = client.simulate_post("/v1/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert resp.status_code == 500 and _error(resp)["code"] == "internal_error"
+    assert "KeyError" not in resp.text
+    assert any("unhandled error in POST /v1/chat/completions" in r.message for r in caplog.records)
+    anthropic_resp = client.simulate_post("/anthropic/v1/messages", json={
+        "model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
+    assert anthropic_resp.status_code == 500
+    assert anthropic_resp.json["type"] == "error"

@@ -188,3 +188,17 @@ def test_failed_index_query_scores_empty_and_metrics_record() -> None:
         prefix=PREFIX))
     sample = scorer.metrics.kv_decisions.labels("kv_aware", TIER_GPU_HOT)._value.get()  # type: ignore[union-attr]
     assert sample == 1
+
+
+def test_load_guard_reads_live_in_flight_not_the_snapshot() -> None:
+    index = FakeIndex()
+    index.hold(PREFIX, b0=(1000, TIER_GPU_HOT))
+    backends = make_backends(4)
+    scorer = make_scorer(index, load_guard={"enabled": True})
+    first = make_context(prefix=PREFIX)
+    scorer.prepare(first, backends)  # snapshot: everyone idle, bound 4
+    assert scorer.score_with_tier(backends[0], first)[0] > 0.3
+    backends[0].in_flight = 4  # a burst inside the 100 ms window
+    burst = make_context(prefix=PREFIX)
+    scorer.prepare(burst, backends)  # same cached snapshot
+    assert scorer.score_with_tier(backends[0], burst) == (0.0, TIER_GPU_HOT)
