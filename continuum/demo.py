@@ -1,12 +1,18 @@
 """``continuum-router demo``: simulated engines + the router, one table per strategy.
 
 Starts a fleet of simulated engines (``continuum-sim --fleet N``) and, for comparison, one
-engine with the whole fleet's KV capacity and slots; then, for each scenario, the router
-under gunicorn with gevent workers and a config built from :data:`DEFAULT_ROUTER_CONFIG`.
-Every scenario replays the same seeded workload (:func:`demo_workload`) against fresh
-engine caches and reports requests/s, TTFT, the engines' prefix-cache hit rate and the
-router's response-cache hits. Every process started is stopped by its PID on the way out,
-also on Ctrl-C or SIGTERM.
+engine with the whole fleet's KV capacity and slots; when a scenario uses the KV cache
+index (Tier 4), the fleet publishes its KV events over ZMQ to ``continuum-kv-listener``.
+Then, for each scenario, the router runs under gunicorn with gevent workers and a config
+built from :data:`DEFAULT_ROUTER_CONFIG`. Every scenario replays the same seeded workload
+(:func:`demo_workload`) against fresh engine caches (and, with the listener, a listener and
+router index that are verified empty) and reports requests/s, TTFT, the engines'
+prefix-cache hit rate, the router's response-cache hits and the share of KV-aware routing
+decisions. Every process started is stopped by its PID on the way out, also on Ctrl-C or
+SIGTERM (:mod:`continuum.demo_fleet`).
+
+``--scenario load`` replays a heavier multi-turn workload with skewed prompt popularity
+instead, to compare the KV scorer with and without ``scoring.load_guard``.
 
 Later tiers add a row by appending a :class:`Scenario` to :data:`SCENARIOS`.
 """
@@ -14,34 +20,48 @@ Later tiers add a row by appending a :class:`Scenario` to :data:`SCENARIOS`.
 from __future__ import annotations
 
 import argparse
-import copy
-import functools
 import json
-import os
-import re
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
+from continuum.demo_fleet import (
+    MODEL,
+    RUN_ENV,
+    Children,
+    Fleet,
+    FleetShape,
+    backend_names,
+    engine_stats,
+    kv_index_stats,
+    listener_stats,
+    merge,
+    metric_sum,
+    reset_engines,
+    signals_to_main,
+    slug,
+    start_fleet,
+    start_router,
+    wait_listener_clear,
+    wait_router_index_ready,
+    wait_until,
+)
 
 if TYPE_CHECKING:
     import requests
 
-    from continuum.sim.workload import Workload
+    from continuum.sim.workload import Session, Workload
 
-RUN_ENV = "CONTINUUM_DEMO_RUN"
-MODEL = "sim-model"
+__all__ = ["LOAD_SCENARIOS", "SCENARIOS", "FleetShape", "Scenario", "main", "merge",
+           "metric_sum"]
+
 CACHE_HIT_METRIC = "continuum_response_cache_requests_total"
 
 #: The router config every scenario starts from; ``backends`` and ``server.bind`` are
@@ -57,12 +77,26 @@ DEFAULT_ROUTER_CONFIG: dict[str, Any] = {
 @dataclass(frozen=True)
 class Scenario:
     """One row of the table: a router config (overrides of the default), or ``direct``:
-    the workload sent straight to the single big engine, with no router."""
+    the workload sent straight to the single big engine, with no router. ``kv_events``:
+    the router consumes the listener's streams (``kv_cache_index.event_sources`` is filled
+    in at run time)."""
 
     name: str
     overrides: dict[str, Any] = field(default_factory=dict)
     direct: bool = False
+    kv_events: bool = False
 
+
+#: All four tiers: prefix keys with PrefixAwareHash (CHWBL) as the strategy the KV scorer
+#: falls back to, the response cache, and the KV index fed by the listener.
+KV_INDEX: dict[str, Any] = {
+    "selection_strategy": "PrefixAwareHash",
+    "prefix_routing": {"enabled": True},
+    "response_cache": {"enabled": True, "backend": "memory"},
+    "kv_cache_index": {"enabled": True},
+}
+KV_INDEX_GUARDED = merge(KV_INDEX, {"kv_cache_index": {"scoring": {"load_guard": {
+    "enabled": True}}}})
 
 SCENARIOS: list[Scenario] = [
     Scenario("single engine", direct=True),
@@ -79,18 +113,12 @@ SCENARIOS: list[Scenario] = [
             "response_cache": {"enabled": True, "backend": "memory"},
         },
     ),
+    Scenario("KV index", KV_INDEX, kv_events=True),
+    Scenario("KV index + load guard", KV_INDEX_GUARDED, kv_events=True),
 ]
 
-
-@dataclass(frozen=True)
-class FleetShape:
-    """Engine knobs: scaled-down latencies, and a KV capacity per engine that holds a few
-    of the workload's shared prefixes but not all of them, so locality matters."""
-
-    engines: int = 4
-    num_blocks: int = 480
-    max_num_seqs: int = 4
-    latency_scale: float = 0.5
+#: ``--scenario load``: the strategy alone, then the KV scorer without and with the guard.
+LOAD_SCENARIOS: list[Scenario] = [SCENARIOS[3], SCENARIOS[4], SCENARIOS[5]]
 
 
 def demo_workload(seed: int, quick: bool, rate: float | None = None) -> Workload:
@@ -104,178 +132,61 @@ def demo_workload(seed: int, quick: bool, rate: float | None = None) -> Workload
     return mixed(seed, users=110, conversations=40, rag_questions=40, rate=rate or 24.0)
 
 
-def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``overrides`` merged in, recursively for nested mappings."""
-    out = copy.deepcopy(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
+#: ``--scenario load``'s workload (``--quick`` halves the conversations).
+LOAD_WORKLOAD: dict[str, Any] = {"conversations": 180, "turns": (3, 6), "prompts": 8,
+                                 "popularity_skew": 1.5, "think_seconds": 0.2, "rate": 7.0}
+#: ``--scenario load``'s defaults: two slots per engine (the fleet serves ~40 requests/s
+#: on 2 cores, the workload offers ~30) and sessions never wait for a replay worker.
+LOAD_MAX_NUM_SEQS = 2
+LOAD_CONCURRENCY = 512
 
 
-class Children:
-    """The processes the demo started, stopped by PID (quick-shutdown signal, then KILL)."""
+def load_workload(seed: int, quick: bool, rate: float | None = None) -> Workload:
+    """``--scenario load``: multi-turn chat only, conversations arriving faster than the
+    fleet serves them, over 8 system prompts with Zipf popularity, so that the holders of
+    the popular prompts are the busy engines."""
+    from continuum.sim.workload import multi_turn
 
-    def __init__(self, workdir: Path, run_id: str) -> None:
-        self.workdir = workdir
-        self.env = {**os.environ, RUN_ENV: run_id}
-        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
-            self.env.pop(name, None)
-        self.procs: list[tuple[subprocess.Popen[bytes], int]] = []
-        self.pids: list[int] = []
-        self.preexec = _die_with_parent()
-
-    def spawn(
-        self, argv: list[str], log: str, env: dict[str, str] | None = None, stop_signal: int = 15
-    ) -> subprocess.Popen[bytes]:
-        """Start ``argv`` with output to ``workdir/log``."""
-        with open(self.workdir / log, "wb") as out:  # the child keeps its own descriptor
-            proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env={**self.env, **(env or {})},
-                stdin=subprocess.DEVNULL,
-                preexec_fn=self.preexec,
-            )
-        self.procs.append((proc, stop_signal))
-        self.pids.append(proc.pid)
-        return proc
-
-    def stop(self, proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
-        """Stop one child and wait for it."""
-        sig = next((s for p, s in self.procs if p is proc), signal.SIGTERM)
-        if proc.poll() is None:
-            proc.send_signal(sig)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        self.procs = [(p, s) for p, s in self.procs if p is not proc]
-
-    def stop_all(self) -> None:
-        """Stop every child still running, newest first."""
-        for proc, _ in reversed(list(self.procs)):
-            self.stop(proc)
-
-    def log_tail(self, log: str, lines: int = 20) -> str:
-        """The end of a child's log, for error messages."""
-        try:
-            text = (self.workdir / log).read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+    options = dict(LOAD_WORKLOAD)
+    if quick:
+        options["conversations"] //= 2
+    if rate:
+        options["rate"] = rate
+    return multi_turn(seed, **options)
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking Linux to SIGTERM the child when the demo dies, so even a
-    SIGKILLed demo leaves nothing behind; None elsewhere. Resolved here, in the parent: the
-    child between fork and exec must not import anything."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
+def warmup_workload(workload: Workload) -> Workload:
+    """One short question per shared prefix, one after the other: the state a fleet is in
+    when load rises, each prompt cached on one engine. (Not a turn of the workload: that
+    would be a response-cache hit later.)"""
+    from dataclasses import replace
 
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return functools.partial(prctl, 1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    firsts: dict[str, Session] = {}
+    for session in workload.sessions:
+        firsts.setdefault(session.group, session)
+    sessions = tuple(replace(s, id=f"warmup-{s.id}", turns=("Are you there?",), arrival=0.0,
+                             think_seconds=0.0)
+                     for s in firsts.values())
+    return replace(workload, name=f"{workload.name} warm-up", sessions=sessions)
 
 
-def start_engines(
-    children: Children, name: str, count: int, blocks: int, slots: int, scale: float,
-    timeout: float = 20.0,
-) -> tuple[subprocess.Popen[bytes], list[str]]:
-    """Start ``continuum-sim --fleet count`` on free ports; return it and its URLs."""
-    argv = [
-        sys.executable, "-m", "continuum.sim.cli", "--fleet", str(count), "--port", "0",
-        "--num-blocks", str(blocks), "--max-num-seqs", str(slots),
-        "--latency-scale", str(scale), "--model", MODEL,
-    ]
-    log = f"{name}.log"
-    proc = children.spawn(argv, log)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = (children.workdir / log).read_text(errors="replace")
-        urls = re.findall(r"^continuum-sim: engine \d+ .*?(http://\S+)", text, re.MULTILINE)
-        if len(urls) == count:
-            return proc, urls
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    raise RuntimeError(f"simulated engines did not start:\n{children.log_tail(log)}")
+def event_sources(listener: str, count: int) -> list[dict[str, Any]]:
+    """``kv_cache_index.event_sources`` for ``count`` engines behind ``listener``."""
+    return [{"backend_name": name, "endpoint": f"{listener}/events/{name}",
+             "reconnect_interval_ms": 200} for name in backend_names(count)]
 
 
-def start_router(
-    children: Children, http: requests.Session, config: dict[str, Any], name: str,
-    timeout: float = 30.0,
-) -> tuple[subprocess.Popen[bytes], str]:
-    """Start the router under gunicorn with ``config``; return it once ``/health`` is 200."""
-    port = _free_port()
-    config = merge(config, {"server": {"bind": f"127.0.0.1:{port}"}})
-    slug = _slug(name)
-    path = children.workdir / f"router-{slug}.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    metrics_dir = children.workdir / f"metrics-{slug}"
-    metrics_dir.mkdir()
-    argv = [sys.executable, "-m", "gunicorn", "-c", "python:continuum.gunicorn_conf",
-            "continuum.app:get_app()"]
-    runtime_dir = children.workdir / f"runtime-{slug}"
-    runtime_dir.mkdir()
-    env = {"CONTINUUM_CONFIG": str(path), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
-           "CONTINUUM_RUNTIME_DIR": str(runtime_dir)}
-    log = f"router-{slug}.log"
-    # SIGQUIT: gunicorn's quick shutdown (SIGTERM would wait out keep-alive connections).
-    proc = children.spawn(argv, log, env, stop_signal=signal.SIGQUIT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if http.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except OSError:  # requests' errors are OSErrors: not listening yet
-            pass
-        time.sleep(0.1)
-    children.stop(proc)
-    raise RuntimeError(f"router ({name}) did not start:\n{children.log_tail(log)}")
-
-
-def engine_stats(http: requests.Session, urls: Sequence[str]) -> list[dict[str, Any]]:
-    """``GET /sim/stats`` of each engine."""
-    return [http.get(u + "/sim/stats", timeout=5).json() for u in urls]
-
-
-def reset_engines(http: requests.Session, urls: Sequence[str], timeout: float = 10.0) -> None:
-    """Drop every engine's prefix cache (retrying while requests still run)."""
-    for url in urls:
-        deadline = time.monotonic() + timeout
-        while http.post(url + "/reset_prefix_cache", timeout=5).status_code != 200:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url}: prefix cache reset refused for {timeout}s")
-            time.sleep(0.1)
-
-
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` in a Prometheus exposition whose labels match."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")):
-            head, _, value = line.rpartition(" ")
-            if all(f'{k}="{v}"' in head for k, v in labels.items()):
-                total += float(value)
-    return total
-
-
-def router_config(scenario: Scenario, engines: Sequence[str]) -> dict[str, Any]:
-    """The router config of ``scenario`` in front of ``engines`` (``server.bind`` unset)."""
-    backends = [{"name": f"engine-{i}", "url": u, "models": [MODEL]} for i, u in enumerate(engines)]
+def router_config(
+    scenario: Scenario, engines: Sequence[str], listener: str | None = None,
+) -> dict[str, Any]:
+    """The router config of ``scenario`` in front of ``engines`` (``server.bind`` unset);
+    ``listener`` is the KV listener's URL for a ``kv_events`` scenario."""
+    backends = [{"name": name, "url": url, "models": [MODEL]}
+                for name, url in zip(backend_names(len(engines)), engines, strict=True)]
     config = merge({**DEFAULT_ROUTER_CONFIG, "backends": backends}, scenario.overrides)
+    if scenario.kv_events and listener is not None:
+        config = merge(config, {"kv_cache_index": {
+            "event_sources": event_sources(listener, len(engines))}})
     return merge(config, {"admin": {"token": secrets.token_hex(16)}})
 
 
@@ -289,7 +200,7 @@ def check_scenarios(scenarios: Sequence[Scenario]) -> list[str]:
     problems = []
     for scenario in scenarios:
         if not scenario.direct:
-            config = router_config(scenario, ["http://127.0.0.1:8000"])
+            config = router_config(scenario, ["http://127.0.0.1:8000"], "http://127.0.0.1:1")
             result = check_config(config, f"scenario {scenario.name!r}", registry)
             problems += [issue.render(result.source) for issue in result.errors]
     return problems
@@ -297,31 +208,71 @@ def check_scenarios(scenarios: Sequence[Scenario]) -> list[str]:
 
 def run_scenario(
     scenario: Scenario, children: Children, http: requests.Session, workload: Workload,
-    fleet: list[str], single: list[str], args: argparse.Namespace,
+    fleet: Fleet, args: argparse.Namespace, warmup: Workload | None = None,
 ) -> dict[str, Any]:
-    """Replay ``workload`` through one scenario; return its row."""
+    """Replay ``workload`` through one scenario; return its row.
+
+    Engine caches are reset first; with a listener, the scenario starts only once the
+    listener has applied the resets and the new router's index is connected and empty.
+    ``warmup`` is replayed one session at a time before the measured replay (and, with
+    the KV index, until the index holds one entry per warm-up session).
+    """
     from continuum.sim.replay import replay
 
     router = None
-    engines = single if scenario.direct else fleet
+    engines = fleet.single if scenario.direct else fleet.engines
+    kv: dict[str, Any] | None = None
+    start: dict[str, Any] = {}
+    measured_from: dict[str, int] = {}
+    token = ""
+    if scenario.kv_events and fleet.listener is None:
+        raise RuntimeError(f"scenario {scenario.name!r} needs the KV listener")
     try:
-        if scenario.direct:
-            target = single[0]
-        else:
-            config = router_config(scenario, fleet)
-            router, target = start_router(children, http, config, scenario.name)
         reset_engines(http, engines)
+        if fleet.listener is not None and not scenario.direct:
+            wait_listener_clear(http, fleet.listener, backend_names(len(fleet.engines)))
+        if scenario.direct:
+            target = fleet.single[0]
+        else:
+            config = router_config(scenario, fleet.engines, fleet.listener)
+            router, target = start_router(children, http, config, scenario.name)
+            token = config["admin"]["token"]
+            if scenario.kv_events:
+                start = wait_router_index_ready(http, target, token)
+        if warmup is not None:
+            done = replay(target, warmup, concurrency=1, max_seconds=60, timeout=30)
+            if done.summary()["errors"]:
+                log = children.log_tail(f"router-{slug(scenario.name)}.log")
+                raise RuntimeError(f"warm-up failed: {done.error_samples()}\n{log}")
+            if scenario.kv_events:
+                wait_until(lambda: kv_index_stats(http, target, token)["index"][
+                    "entry_count"] >= len(warmup.sessions), "the warm-up in the KV index", 10)
+                time.sleep(0.2)  # past the scorer's 100 ms snapshots
+        if scenario.kv_events:
+            measured_from = kv_index_stats(http, target, token)["routing_decisions"]
         before = engine_stats(http, engines)
         result = replay(target, workload, concurrency=args.concurrency,
-                        max_seconds=args.duration, timeout=30.0)
+                        max_seconds=args.duration, timeout=args.request_timeout)
         after = engine_stats(http, engines)
         metrics = http.get(target + "/metrics", timeout=5).text if router else ""
+        if router is not None and scenario.kv_events:
+            end = kv_index_stats(http, target, token)
+            kv = {
+                "entry_count_at_start": start["index"]["entry_count"],
+                "entry_count_at_end": end["index"]["entry_count"],
+                "events_received": sum(s["events_received"] for s in end["event_sources"]),
+                "reconnects": sum(s["reconnect_count"] for s in end["event_sources"]),
+                # the measured replay's decisions (a warm-up's are left out)
+                "routing_decisions": {k: v - measured_from.get(k, 0)
+                                      for k, v in end["routing_decisions"].items()},
+            }
     finally:
         if router is not None:
             children.stop(router)
     pairs = list(zip(after, before, strict=True))
     prompt = sum(a["prompt_tokens"] - b["prompt_tokens"] for a, b in pairs)
     cached = sum(a["cached_prompt_tokens"] - b["cached_prompt_tokens"] for a, b in pairs)
+    decisions = kv["routing_decisions"] if kv else {}
     return {
         "name": scenario.name,
         "direct": scenario.direct,
@@ -332,6 +283,9 @@ def run_scenario(
         "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
         "engine_requests": [a["requests"] - b["requests"] for a, b in pairs],
         "router_cache_hits": int(metric_sum(metrics, CACHE_HIT_METRIC, result="hit")),
+        "kv_aware_share": round(decisions["kv_aware"] / decisions["total"], 4)
+        if decisions.get("total") else None,
+        "kv_index": kv,
         "error_samples": result.error_samples(),
     }
 
@@ -343,6 +297,7 @@ COLUMNS = (
     ("TTFT p99 ms", "ttft_ms_p99", "{:.1f}"),
     ("prefix hit %", "prefix_hit_rate", "{:.1%}"),
     ("router cache hits", "router_cache_hits", "{}"),
+    ("KV-aware %", "kv_aware_share", "{:.1%}"),
     ("errors", "errors", "{}"),
 )
 
@@ -366,61 +321,65 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``continuum-router demo`` argument parser."""
     p = argparse.ArgumentParser(
         prog="continuum-router demo",
-        description="Start simulated engines and the router; compare strategies on one "
-        "seeded workload.",
+        description="Start simulated engines, the KV listener and the router; compare "
+        "strategies on one seeded workload.",
     )
+    p.add_argument("--scenario", choices=("default", "load"), default="default",
+                   help="default: the mixed workload, every row; load: heavy multi-turn "
+                   "chat with skewed prompt popularity, PrefixAwareHash and the KV index "
+                   "without and with scoring.load_guard")
     p.add_argument("--engines", type=int, default=4, help="simulated engines behind the router")
     p.add_argument("--num-blocks", type=int, default=FleetShape.num_blocks,
                    help="KV capacity of each engine, in 16-token blocks")
-    p.add_argument("--max-num-seqs", type=int, default=FleetShape.max_num_seqs,
-                   help="concurrent request slots of each engine")
+    p.add_argument("--max-num-seqs", type=int,
+                   help=f"concurrent request slots of each engine (default "
+                   f"{FleetShape.max_num_seqs}; {LOAD_MAX_NUM_SEQS} with --scenario load)")
     p.add_argument("--latency-scale", type=float, default=FleetShape.latency_scale,
                    help="multiplies every simulated latency")
     p.add_argument("--rate", type=float, help="session arrivals per second (default: built-in)")
     p.add_argument("--requests", type=int, help="cap on requests per scenario")
     p.add_argument("--duration", type=float, default=30.0,
                    help="seconds after which a scenario starts no new request")
+    p.add_argument("--request-timeout", type=float, default=30.0,
+                   help="seconds one request may take before it counts as an error")
     p.add_argument("--strategies", nargs="+", metavar="NAME",
                    help="scenarios to run (names from the table, or any strategy name); "
-                   "default: all")
+                   "default: all of the --scenario")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--concurrency", type=int, default=64, help="sessions in flight at once")
+    p.add_argument("--concurrency", type=int,
+                   help=f"sessions in flight at once (default 64; {LOAD_CONCURRENCY} with "
+                   "--scenario load)")
     p.add_argument("--quick", action="store_true", help="a smaller workload (CI)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--keep-logs", action="store_true",
+                   help="keep the work directory with every process's log and config")
     return p
 
 
-def _slug(name: str) -> str:
-    return re.sub(r"\W+", "-", name).strip("-").lower()
-
-
-def select_scenarios(names: Sequence[str] | None) -> list[Scenario]:
+def select_scenarios(names: Sequence[str] | None, default: Sequence[Scenario] = SCENARIOS,
+                     ) -> list[Scenario]:
     """The scenarios named (case-insensitive, ``single-engine`` or ``single`` for the first
     row); any other name becomes a row with that ``selection_strategy``."""
     if not names:
-        return list(SCENARIOS)
-    known = {_slug(s.name): s for s in SCENARIOS}
+        return list(default)
+    known = {slug(s.name): s for s in SCENARIOS}
     known.setdefault("single", SCENARIOS[0])
     wanted = [n.strip() for name in names for n in name.split(",") if n.strip()]
-    return [known.get(_slug(n)) or Scenario(n, {"selection_strategy": n}) for n in wanted]
+    return [known.get(slug(n)) or Scenario(n, {"selection_strategy": n}) for n in wanted]
 
 
-@contextmanager
-def _signals_to_main() -> Iterator[None]:
-    """Raise SIGINT as KeyboardInterrupt and SIGTERM as SystemExit in the main greenlet, so
-    its ``finally`` blocks stop the children (and gevent's hub prints no traceback)."""
-    import gevent
-
-    main = gevent.getcurrent()
-    handlers = [
-        gevent.signal_handler(signal.SIGINT, lambda: gevent.kill(main, KeyboardInterrupt)),
-        gevent.signal_handler(signal.SIGTERM, lambda: gevent.kill(main, SystemExit(143))),
-    ]
-    try:
-        yield
-    finally:
-        for handler in handlers:
-            handler.cancel()
+def _print_results(doc: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return
+    workload = doc["workload"]
+    print(f"\n{doc['engines']} simulated engines; single engine = one engine with their "
+          f"combined KV capacity; workload {workload['name']!r} (seed {args.seed}, "
+          f"{workload['requests']} requests)\n")
+    print(render_table(doc["scenarios"]))
+    print("\nprefix hit % = cached prompt tokens / prompt tokens, from the engines' "
+          "/sim/stats; KV-aware % = requests the KV scorer routed (the rest fell back to "
+          f"the strategy); finished in {doc['wall_seconds']:.1f}s")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -435,8 +394,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["--"]:  # ``continuum-router demo -- --quick``
         argv = argv[1:]
     args = build_parser().parse_args(argv)
-    if args.engines < 1 or args.concurrency < 1:
-        print("continuum-router demo: --engines and --concurrency must be >= 1", file=sys.stderr)
+    load = args.scenario == "load"
+    if args.max_num_seqs is None:
+        args.max_num_seqs = LOAD_MAX_NUM_SEQS if load else FleetShape.max_num_seqs
+    if args.concurrency is None:
+        args.concurrency = LOAD_CONCURRENCY if load else 64
+    if args.engines < 1 or args.concurrency < 1 or args.max_num_seqs < 1:
+        print("continuum-router demo: --engines, --concurrency and --max-num-seqs must be "
+              ">= 1", file=sys.stderr)
         return 2
     began = time.monotonic()
 
@@ -444,10 +409,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"demo [{time.monotonic() - began:5.1f}s] {message}", file=sys.stderr, flush=True)
 
     shape = FleetShape(args.engines, args.num_blocks, args.max_num_seqs, args.latency_scale)
-    workload = demo_workload(args.seed, args.quick, args.rate)
+    workload = (load_workload if load else demo_workload)(args.seed, args.quick, args.rate)
     if args.requests:
         workload = workload.limit(args.requests)
-    scenarios = select_scenarios(args.strategies)
+    warmup = warmup_workload(workload) if load else None
+    scenarios = select_scenarios(args.strategies, LOAD_SCENARIOS if load else SCENARIOS)
     problems = check_scenarios(scenarios)
     if problems:
         print("\n".join(f"continuum-router demo: {p}" for p in problems), file=sys.stderr)
@@ -456,27 +422,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="continuum-demo-"))
     children = Children(workdir, run_id)
     rows: list[dict[str, Any]] = []
+    listener: dict[str, int] | None = None
     try:
-        with _signals_to_main(), requests.Session() as http:
+        with signals_to_main(), requests.Session() as http:
             http.trust_env = False
-            progress(f"starting {shape.engines} simulated engines and one with "
-                     f"{shape.engines}x their KV capacity")
-            _, fleet = start_engines(children, "fleet", shape.engines, shape.num_blocks,
-                                     shape.max_num_seqs, shape.latency_scale)
-            _, single = start_engines(children, "single", 1, shape.num_blocks * shape.engines,
-                                      shape.max_num_seqs * shape.engines, shape.latency_scale)
+            fleet = start_fleet(children, http, shape, any(s.kv_events for s in scenarios),
+                                progress)
             progress(f"workload {workload.name!r} seed {args.seed}: "
                      f"{len(workload.sessions)} sessions, {workload.requests} requests")
             for scenario in scenarios:
                 progress(f"{scenario.name}: replaying")
-                row = run_scenario(scenario, children, http, workload, fleet, single, args)
+                row = run_scenario(scenario, children, http, workload, fleet, args, warmup)
                 rows.append(row)
                 progress(f"{scenario.name}: {row['ok']} ok, {row['errors']} errors, "
                          f"hit rate {row['prefix_hit_rate']:.1%}, "
                          f"{row['requests_per_second']} req/s")
                 for sample in row["error_samples"]:
                     progress(f"  error: {sample}")
-    except (RuntimeError, OSError) as exc:  # OSError: requests' errors, spawn failures
+                if row["errors"] and not scenario.direct:
+                    progress("  router log:\n" + children.log_tail(
+                        f"router-{slug(scenario.name)}.log"))
+            if fleet.listener is not None:
+                listener = listener_stats(http, fleet.listener)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        # OSError: requests' errors, spawn failures
         print(f"continuum-router demo: {exc}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
@@ -484,24 +453,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         children.stop_all()
-        shutil.rmtree(workdir, ignore_errors=True)
-    wall = time.monotonic() - began
-    if args.json:
-        doc = {
-            "run_id": run_id, "run_env": RUN_ENV, "pids": children.pids, "seed": args.seed,
-            "quick": args.quick, "engines": shape.engines, "fleet_shape": asdict(shape),
-            "workload": {"name": workload.name, "sessions": len(workload.sessions),
-                         "requests": workload.requests},
-            "wall_seconds": round(wall, 2), "scenarios": rows,
-        }
-        print(json.dumps(doc, indent=2))
-    else:
-        print(f"\n{shape.engines} simulated engines; single engine = one engine with their "
-              f"combined KV capacity; workload {workload.name!r} (seed {args.seed}, "
-              f"{workload.requests} requests)\n")
-        print(render_table(rows))
-        print("\nprefix hit % = cached prompt tokens / prompt tokens, from the engines' "
-              f"/sim/stats; finished in {wall:.1f}s")
+        if args.keep_logs:
+            print(f"continuum-router demo: logs and configs in {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    doc = {
+        "run_id": run_id, "run_env": RUN_ENV, "pids": children.pids, "seed": args.seed,
+        "quick": args.quick, "scenario": args.scenario, "engines": shape.engines,
+        "fleet_shape": asdict(shape),
+        "workload": {"name": workload.name, "sessions": len(workload.sessions),
+                     "requests": workload.requests},
+        "wall_seconds": round(time.monotonic() - began, 2), "scenarios": rows,
+        "kv_listener": listener,
+    }
+    _print_results(doc, args)
     return 1 if any(row["errors"] for row in rows) else 0
 
 
