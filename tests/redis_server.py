@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 #: Seconds to wait for a started server to answer PING before failing loudly.
 STARTUP_TIMEOUT = 10.0
@@ -169,3 +170,46 @@ class RedisServer:
         raise RuntimeError(
             f"redis-server on port {self.port} {state} within {STARTUP_TIMEOUT}s:\n{output}"
         )
+
+
+def unique_prefix(tag: str = "t") -> str:
+    """A key prefix no other test uses (tests share the session's redis-server)."""
+    import uuid
+
+    return f"test:{tag}:{uuid.uuid4().hex[:12]}:"
+
+
+class Links:
+    """RedisLinks and raw clients made by one test, all closed at its end (``close``)."""
+
+    def __init__(self) -> None:
+        from continuum.redis_link import RedisLink
+
+        self._link_class = RedisLink
+        self.links: list[RedisLink] = []
+        self.clients: list[Any] = []
+        self.closing: list[Any] = []  # stores, indexes: closed before the links
+
+    def link(self, url: str, metrics: Any = None, **settings: Any) -> Any:
+        """A RedisLink to ``url`` with ``response_cache.redis`` settings."""
+        from continuum.config import RedisConfig
+
+        link = self._link_class(RedisConfig(url=url, **settings), metrics)
+        self.links.append(link)
+        return link
+
+    def raw(self, url: str) -> Any:
+        """A plain redis-py client (to plant or inspect keys)."""
+        import redis
+
+        client = redis.Redis.from_url(url)
+        self.clients.append(client)
+        return client
+
+    def close(self) -> None:
+        for item in self.closing:
+            item.close()
+        for link in self.links:
+            link.close()
+        for client in self.clients:
+            client.close()

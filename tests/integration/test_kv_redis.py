@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import redis
 
-from continuum.config import RedisConfig, RouterConfig
+from continuum.config import RouterConfig
 from continuum.errors import StoreError
 from continuum.interfaces import (
     CACHE_CLEARED,
@@ -23,7 +22,8 @@ from continuum.redis_link import RedisLink
 from continuum.testing import KvIndexContract
 from stores.kv_memory import EMPTY
 from stores.kv_redis import RedisKvIndex
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import Links as BaseLinks
+from tests.redis_server import RedisServer, free_port, unique_prefix
 
 pytestmark = pytest.mark.redis
 
@@ -43,40 +43,13 @@ class FakeClock:
         self.now += seconds
 
 
-def unique_prefix(tag: str = "kv") -> str:
-    return f"test:{tag}:{uuid.uuid4().hex[:12]}:"
-
-
-class Links:
+class Links(BaseLinks):
     """Links, raw clients and indexes made by one test, all released at its end."""
 
-    def __init__(self) -> None:
-        self.links: list[RedisLink] = []
-        self.clients: list[redis.Redis] = []
-        self.indexes: list[RedisKvIndex] = []
-
-    def link(self, url: str, **settings: Any) -> RedisLink:
-        link = RedisLink(RedisConfig(url=url, **settings))
-        self.links.append(link)
-        return link
-
-    def raw(self, url: str) -> redis.Redis:
-        client = redis.Redis.from_url(url)
-        self.clients.append(client)
-        return client
-
     def index(self, link: RedisLink, prefix: str | None = None, **settings: Any) -> RedisKvIndex:
-        index = RedisKvIndex(link, key_prefix=prefix or unique_prefix(), **settings)
-        self.indexes.append(index)
+        index = RedisKvIndex(link, key_prefix=prefix or unique_prefix("kv"), **settings)
+        self.closing.append(index)
         return index
-
-    def close(self) -> None:
-        for index in self.indexes:
-            index.close()
-        for link in self.links:
-            link.close()
-        for client in self.clients:
-            client.close()
 
 
 @pytest.fixture
@@ -96,7 +69,7 @@ class TestRedisKvContract(KvIndexContract):
         self.links = links
         self.link = links.link(redis_server.url)
         yield
-        for index in links.indexes:
+        for index in links.closing:
             index.clear()
 
     def make_index(self, *, storage_offloading: bool = False,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -12,44 +11,16 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from continuum.config import RedisConfig, RouterConfig
+from continuum.config import RouterConfig
 from continuum.errors import StoreError
 from continuum.interfaces import CacheStore
 from continuum.metrics import RouterMetrics
 from continuum.redis_link import RedisLink
 from continuum.testing import CacheStoreContract
 from stores.redis_store import RedisCacheStore, glob_escape
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import Links, RedisServer, free_port, unique_prefix
 
 pytestmark = pytest.mark.redis
-
-
-def unique_prefix(tag: str = "t") -> str:
-    return f"test:{tag}:{uuid.uuid4().hex[:12]}:"
-
-
-class Links:
-    """Links and raw clients made by one test, all closed at its end."""
-
-    def __init__(self) -> None:
-        self.links: list[RedisLink] = []
-        self.clients: list[redis.Redis] = []
-
-    def link(self, url: str, metrics: RouterMetrics | None = None, **settings: Any) -> RedisLink:
-        link = RedisLink(RedisConfig(url=url, **settings), metrics)
-        self.links.append(link)
-        return link
-
-    def raw(self, url: str) -> redis.Redis:
-        client = redis.Redis.from_url(url)
-        self.clients.append(client)
-        return client
-
-    def close(self) -> None:
-        for link in self.links:
-            link.close()
-        for client in self.clients:
-            client.close()
 
 
 @pytest.fixture
