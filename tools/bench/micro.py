@@ -22,6 +22,7 @@ Each figure is the median of ``--repeat`` runs of ``--number`` calls.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import time
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -87,16 +88,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _redis_roundtrip(number: int, repeat: int) -> dict[str, float]:
+@contextlib.contextmanager
+def _redis_server() -> Iterator[int | None]:
+    """A throwaway redis-server on a free port (None when none is installed)."""
     exe = shutil.which("redis-server")
     if exe is None:
-        print("tier2: redis-server not installed; Redis figures skipped", file=sys.stderr)
-        return {}
+        print("redis-server not installed; Redis figures skipped", file=sys.stderr)
+        yield None
+        return
     import redis
-
-    from continuum.config import parse_config
-    from continuum.redis_link import RedisLink
-    from stores.redis_store import RedisCacheStore
 
     port = _free_port()
     tmp = tempfile.mkdtemp(prefix="bench-redis-")
@@ -113,6 +113,21 @@ def _redis_roundtrip(number: int, repeat: int) -> dict[str, float]:
             except redis.ConnectionError:
                 time.sleep(0.05)
         client.close()
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _redis_roundtrip(number: int, repeat: int) -> dict[str, float]:
+    from continuum.config import parse_config
+    from continuum.redis_link import RedisLink
+    from stores.redis_store import RedisCacheStore
+
+    with _redis_server() as port:
+        if port is None:
+            return {}
         config = parse_config({"response_cache": {"backend": "redis", "redis": {
             "url": f"redis://127.0.0.1:{port}/0"}}})
         link = RedisLink(config.response_cache.redis)
@@ -127,10 +142,29 @@ def _redis_roundtrip(number: int, repeat: int) -> dict[str, float]:
         store.close()
         link.close()
         return out
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _redis_kv_query(number: int, repeat: int) -> dict[str, float]:
+    from continuum.config import parse_config
+    from continuum.redis_link import RedisLink
+    from stores.kv_redis import RedisKvIndex
+
+    with _redis_server() as port:
+        if port is None:
+            return {}
+        config = parse_config({"response_cache": {"redis": {
+            "url": f"redis://127.0.0.1:{port}/0"}}, "kv_cache_index": {"backend": "redis"}})
+        link = RedisLink(config.response_cache.redis)
+        index = RedisKvIndex.from_config(config, redis=link)
+        prefix = "ab" * 32
+        for i in range(3):
+            index.apply(f"vllm-{i}", "cache_created", prefix, 512 * (i + 1))
+        n = max(number // 50, 200)
+        out = {"redis_query_hit_3_holders": measure(lambda: index.query_backends(prefix), n,
+                                                    repeat)}
+        index.close()
+        link.close()
+        return out
 
 
 def tier2(number: int, repeat: int) -> dict[str, float]:
@@ -196,6 +230,7 @@ def tier4(number: int, repeat: int) -> dict[str, float]:
 
     scorer.clock = lambda: float(next(counter))  # every prepare misses the 100 ms cache
     results["1000_prepare_and_score_8_ms"] = measure(thousand_scoring_passes, 3, repeat) / 1000
+    results.update(_redis_kv_query(number, repeat))
     return results
 
 
