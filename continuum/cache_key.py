@@ -4,12 +4,16 @@ Byte layout (each ``‖`` is one ``0x00`` byte; ``tag(x)`` is ``b"N"`` for a mis
 and ``b"S"`` followed by the value's bytes otherwise; floats are IEEE-754 big-endian
 doubles, integers big-endian signed 64-bit)::
 
-    SHA256( model_utf8 ‖ SHA256(input_json) ‖ tag(temperature) ‖ tag(max_tokens)
+    SHA256( model_utf8 ‖ input ‖ tag(temperature) ‖ tag(max_tokens)
             ‖ tag(top_p) ‖ tag(tenant_utf8) ‖ SHA256(rest_json) ‖ endpoint ‖ stream )
 
-* ``input_json``: the compact JSON of ``messages`` (chat, Anthropic), ``prompt``
-  (completions) or ``input`` (embeddings), as the client sent them (key order kept: a
-  client that reorders keys only misses, it can never hit a wrong entry);
+* ``input``: ``messages`` (chat, Anthropic), ``prompt`` (completions) or ``input``
+  (embeddings). When it is a list of objects whose values are all strings (the usual chat
+  request) it is ``b"F"`` + SHA256 of the concatenation, per message, of
+  ``"<len(key)>:<key><len(value)>:<value>"`` for each field followed by ``";"`` (lengths make
+  it unambiguous; this skips a JSON encode, the costliest step); otherwise ``b"J"`` +
+  SHA256 of its compact JSON. Both keep the client's key order: a client that reorders
+  keys only misses, it can never hit a wrong entry;
 * ``rest_json``: the sorted compact JSON of every remaining body field (``tools``,
   ``tool_choice``, ``response_format``, ``stop``, ``seed``, ``n``, penalties,
   ``logprobs``, ``stream_options``, ``system`` for Anthropic, unknown fields too), except
@@ -73,6 +77,26 @@ def _compact(value: Any, sort: bool = False) -> bytes:
     return (_ENCODE_SORTED if sort else _ENCODE)(value).encode("utf-8", "surrogatepass")
 
 
+def _input_digest(payload: Any) -> bytes:
+    if type(payload) is list:
+        parts: list[str] = []
+        for message in payload:
+            if type(message) is not dict:
+                break
+            for name, value in message.items():
+                if type(value) is not str:
+                    break
+                parts.append(f"{len(name)}:{name}{len(value)}:{value}")
+            else:
+                parts.append(";")
+                continue
+            break
+        else:
+            joined = "".join(parts).encode("utf-8", "surrogatepass")
+            return b"F" + hashlib.sha256(joined).digest()
+    return b"J" + hashlib.sha256(_compact(payload)).digest()
+
+
 def cache_key(ctx: RequestContext) -> str:
     """The hex cache key of ``ctx`` (see the module docstring for the byte layout)."""
     body = ctx.body
@@ -87,7 +111,7 @@ def cache_key(ctx: RequestContext) -> str:
         rest["\x00headers"] = headers
     return hashlib.sha256(_SEP.join((
         ctx.model.encode("utf-8", "surrogatepass"),
-        hashlib.sha256(_compact(payload)).digest(),
+        _input_digest(payload),
         _float(ctx.temperature),
         _int(ctx.max_tokens),
         _float(ctx.top_p),

@@ -62,9 +62,9 @@ def make_cache(store: CacheStore | None = None, **cfg: Any) -> ResponseCache:
 
 def test_key_matches_documented_layout() -> None:
     ctx = ctx_of(temperature=0, max_tokens=5, user="alice")
-    messages = json.dumps(MSGS, separators=(",", ":")).encode()
+    messages = b"4:role4:user;".replace(b";", b"7:content12:What is 2+2?;")
     expected = hashlib.sha256(b"\x00".join([
-        b"m", hashlib.sha256(messages).digest(), b"S" + struct.pack(">d", 0.0),
+        b"m", b"F" + hashlib.sha256(messages).digest(), b"S" + struct.pack(">d", 0.0),
         b"S" + struct.pack(">q", 5), b"N", b"N", b"N", b"chat", b"B"])).hexdigest()
     assert cache_key(ctx) == expected
 
@@ -204,3 +204,17 @@ def test_client_auth_maps_keys_to_tenants(monkeypatch: pytest.MonkeyPatch) -> No
     optional = ClientAuth(parse_config({"auth": {"keys": [
         {"key": "key-one", "tenant": "acme"}]}}).auth)
     assert optional.tenant("Bearer unknown", None) is None
+
+
+def test_non_string_content_takes_the_json_path_and_still_separates() -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is 2+2?"}]}]
+    as_parts = ctx_of(messages=parts)
+    as_text = ctx_of()
+    assert cache_key(as_parts) != cache_key(as_text)
+    # Field boundaries are unambiguous: moving text between fields changes the key.
+    a = ctx_of(messages=[{"role": "user", "content": "ab"}])
+    b = ctx_of(messages=[{"role": "usera", "content": "b"}])
+    assert cache_key(a) != cache_key(b)
+    three = ctx_of(messages=[{"role": "user", "content": "a;"}, {"role": "user", "content": "b"}])
+    two = ctx_of(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": ";b"}])
+    assert cache_key(three) != cache_key(two)
