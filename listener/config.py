@@ -79,7 +79,8 @@ class SourceConfig:
                             choices=("bind", "connect"))
     zmq_topic: str = setting("", doc="topic filter (engines default to the empty topic)")
     replay_endpoint: str | None = setting(
-        None, doc="the engine's ROUTER replay endpoint, asked after a sequence gap")
+        None, doc="the engine's ROUTER replay endpoint, asked at start and after a "
+        "sequence gap")
     detokenize_endpoint: str | None = setting(
         None, doc="the engine's /detokenize URL (its /tokenize is derived from it)")
     trtllm_endpoint: str | None = setting(None, doc="trtllm-serve's /kv_cache_events URL")

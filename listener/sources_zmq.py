@@ -277,6 +277,16 @@ class ZmqSource(EventSource):
             self.state = "connected" if self._peers else idle
 
     def _receive_loop(self) -> None:
+        if self.config.replay_endpoint:
+            # Catch up before the first live message: an engine that stays idle after a
+            # listener (re)start would otherwise be missing from the index until it
+            # publishes again. Live messages queue in the socket meanwhile; the sequence
+            # table drops the ones the replay already applied.
+            try:
+                self.catch_up()
+            except Exception as exc:  # the live stream (and its gap handling) still works
+                self.stats.processor_errors += 1
+                log.error("%s: start-up replay failed (%s)", self.backend, type(exc).__name__)
         while not self._stopping:
             if not self._socket.poll(_POLL_MS, zmq.POLLIN):
                 continue
@@ -334,6 +344,43 @@ class ZmqSource(EventSource):
         self._apply(batch)
         self._expected[key] = seq + 1
         self._dup_floor.pop(key, None)
+
+    def catch_up(self) -> int:
+        """Replay the engine's whole buffer at start; return how many batches were applied.
+
+        The stream key (topic, rank) is learned from the first replayed batch; a buffer
+        that no longer reaches back to 0 is applied from where it starts (the tracker is
+        empty anyway, so nothing stale remains).
+        """
+        assert self.config.replay_endpoint
+        self.stats.replays += 1
+        got = fetch_replay(self._context, self.config.replay_endpoint, 0)
+        if got is None:
+            self.stats.replay_failures += 1
+            log.info("%s: no start-up replay from %s", self.backend, self.config.replay_endpoint)
+            return 0
+        applied = 0
+        for wire_topic, seq, payload in got:
+            try:
+                batch = decode_zmq_payload(payload, seq=seq,
+                                           topic=wire_topic or self.config.zmq_topic.encode())
+            except DecodeError as exc:
+                self.stats.decode_errors += 1
+                self._warn_once("decode", "%s: skipping a malformed replayed batch (at %s)",
+                                self.backend, exc.path)
+                continue
+            key: _Key = (batch.topic or b"", batch.data_parallel_rank)
+            expected = self._expected.get(key)
+            if expected is not None and seq < expected:
+                continue
+            if expected is not None and seq > expected:
+                self._reset(f"start-up replay has no batches {expected}..{seq - 1}")
+            self._apply(batch)
+            self._expected[key] = seq + 1
+            self._dup_floor[key] = 0
+            applied += 1
+        log.info("%s: start-up replay applied %d batch(es)", self.backend, applied)
+        return applied
 
     def _replay(self, key: _Key, start: int) -> bool:
         """Replay from ``start``; True when it answered (its batches are applied)."""

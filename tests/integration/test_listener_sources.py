@@ -717,3 +717,35 @@ def test_all_blocks_cleared_reaches_the_processor(ctx: Any, zap: ZapAuthenticato
     source = ZmqSource(zmq_config("tcp://127.0.0.1:1"), processor, context=ctx, zap=zap)
     source.handle_frames(frames(0, [AllBlocksCleared()]))
     assert processor.batches[0].events == (AllBlocksCleared(),)
+
+
+def test_start_up_replay_rebuilds_an_idle_engine(
+        ctx: Any, zap: ZapAuthenticator, hub: EventHub) -> None:
+    """A (re)started listener asks the replay socket for the engine's buffer before any
+    live message: an engine that stays idle is known at once, and the live messages the
+    replay already covered are not applied twice."""
+    pub = ZmqKvPublisher("vllm-0.33", "tcp://127.0.0.1:0", bind=True,
+                         replay_endpoint="tcp://127.0.0.1:0", context=ctx)
+    pub.start_replay_server()
+    assert pub.replay_endpoint is not None
+    for n in range(5):  # published before the listener starts; then the engine goes idle
+        pub.publish(stored(n))
+    processor = StubProcessor(hub.publisher(BACKEND))
+    source = ZmqSource(zmq_config(pub.endpoint, "connect", replay=pub.replay_endpoint),
+                       processor, context=ctx, zap=zap)
+    try:
+        source.start()
+        wait_until(lambda: processor.seqs() == [0, 1, 2, 3, 4], "the start-up replay")
+        assert processor.resets == [] and source.stats.replays == 1
+        wait_until(lambda: source.health()["peers"] == 1, "the engine connection")
+        n = 5
+        while processor.seqs()[-1:] != [n - 1] and n < 200:  # live again, no duplicates
+            pub.publish(stored(n))
+            n += 1
+            gevent.sleep(0.02)
+        seqs = processor.seqs()
+        assert seqs == sorted(set(seqs)) and seqs[:5] == [0, 1, 2, 3, 4]
+        assert processor.resets == []
+    finally:
+        source.stop()
+        pub.close()
