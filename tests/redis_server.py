@@ -23,6 +23,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from tests.conftest import free_port
+
 #: Seconds to wait for a started server to answer PING before failing loudly.
 STARTUP_TIMEOUT = 10.0
 
@@ -30,13 +32,6 @@ STARTUP_TIMEOUT = 10.0
 def redis_available() -> str | None:
     """Path of the ``redis-server`` executable, or None when it is not installed."""
     return shutil.which("redis-server")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ping(port: int, timeout: float = 0.5) -> bool:

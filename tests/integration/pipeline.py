@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import requests
 import yaml
 
 from continuum.cache_salt import make_salt
+from continuum.demo_fleet import free_port_block
 from continuum.prefix import request_prefix_key
 from continuum.sse import SseTransport
 from tests.conftest import PYTHON, Proc, metric_value, wait_http
@@ -34,6 +34,24 @@ MODEL = "sim-model"
 BLOCK = 16
 SECRET = "pipeline-e2e-shared-secret"
 T = TypeVar("T")
+
+
+def listener_snapshot(url: str, backend: str) -> dict[str, int]:
+    """prefix → token_count ``backend`` holds, read from a fresh subscription to the
+    listener at ``url``: ``cache_cleared``, then one ``cache_created`` per prefix, the last
+    record carrying the id."""
+    records: list[tuple[str | None, dict[str, Any]]] = []
+    transport = SseTransport.open(f"{url}/events/{backend}", None, 5.0, 30.0)
+    try:
+        for event, data, record_id in transport.records():
+            records.append((event, json.loads(data or "{}")))
+            if record_id is not None:
+                break
+    finally:
+        transport.close()
+    assert records and records[0][0] == "cache_cleared", records[:1]
+    return {doc["prefix_hash"]: int(doc.get("token_count") or 0)
+            for event, doc in records[1:] if event == "cache_created"}
 
 
 @dataclass(frozen=True)
@@ -72,29 +90,6 @@ def wait_for(cond: Callable[[], T], what: str | Callable[[], str],
             detail = what() if callable(what) else what
             raise AssertionError(f"timed out after {timeout}s waiting for {detail}")
         time.sleep(interval)
-
-
-def port_block(count: int, attempts: int = 50) -> int:
-    """The first of ``count`` consecutive TCP ports on 127.0.0.1 that are all free now."""
-    for _ in range(attempts):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        if base + count > 65535:
-            continue
-        held: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports found")
 
 
 # -- prompts ---------------------------------------------------------------------------------
@@ -227,18 +222,7 @@ class Listener:
 
     def snapshot(self, backend: str) -> dict[str, int]:
         """prefix → token_count the backend holds, from a fresh subscription's snapshot."""
-        records: list[tuple[str | None, dict[str, Any]]] = []
-        transport = SseTransport.open(f"{self.url}/events/{backend}", None, 5.0, 30.0)
-        try:
-            for event, data, record_id in transport.records():
-                records.append((event, json.loads(data or "{}")))
-                if record_id is not None:  # the snapshot's last record carries the id
-                    break
-        finally:
-            transport.close()
-        assert records and records[0][0] == "cache_cleared", records[:1]
-        return {doc["prefix_hash"]: int(doc.get("token_count") or 0)
-                for event, doc in records[1:] if event == "cache_created"}
+        return listener_snapshot(self.url, backend)
 
 
 # -- the pipeline ----------------------------------------------------------------------------
@@ -259,7 +243,7 @@ class Pipeline:
                  replay: bool = False) -> None:
         self.mode = mode
         tmp.mkdir(parents=True, exist_ok=True)
-        base = port_block(3 * engines + 1)
+        base = free_port_block(3 * engines + 1)
         zmq_base = base + engines if mode.kv_format else None
         replay_base = base + 2 * engines if mode.kv_format and replay else None
         self.fleet = Fleet(tmp, mode, engines, num_blocks, base, zmq_base, replay_base)

@@ -37,6 +37,7 @@ from listener.server import create_app, make_server, parse_listen
 from listener.sources_zmq import ZapAuthenticator, ZmqSource
 from stores.kv_memory import InMemoryKvIndex
 from tests.conftest import PYTHON, ROOT, Proc, free_port, wait_http
+from tests.integration.pipeline import listener_snapshot
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -388,18 +389,7 @@ class ListenerProcess:
 
     def snapshot(self, backend: str) -> dict[str, int]:
         """The backend's current prefixes, from a fresh subscription's snapshot."""
-        records: list[tuple[str | None, dict[str, Any]]] = []
-        transport = SseTransport.open(f"{self.url}/events/{backend}", None, 5.0, 30.0)
-        try:
-            for event, data, record_id in transport.records():
-                records.append((event, json.loads(data or "{}")))
-                if record_id is not None:  # the snapshot's last record carries the id
-                    break
-        finally:
-            transport.close()
-        assert records[0][0] == CACHE_CLEARED
-        return {doc["prefix_hash"]: doc.get("token_count", 0) for event, doc in records[1:]
-                if event == CACHE_CREATED}
+        return listener_snapshot(self.url, backend)
 
 
 def listener_config(port: int, zmq_port: int, sim_port: int,
