@@ -195,18 +195,42 @@ def shared_system_prompt(
     """
     rng = random.Random(seed)
     pool = _prompt_pool(rng, prompts, prompt_tokens)
-    faqs = [[question(rng) for _ in range(faq_size)] for _ in pool]
-    arrivals = poisson_arrivals(rng, users, rate)
+    sessions = _one_question_each(
+        rng, pool, users, ("user", "shared-system", "sys"), faq_size=faq_size,
+        repeat_fraction=repeat_fraction, popularity_skew=popularity_skew, rate=rate,
+        temperature=temperature, model=model)
+    return Workload("shared-system", seed, sessions)
+
+
+def _one_question_each(
+    rng: random.Random,
+    contexts: Sequence[str],
+    count: int,
+    names: tuple[str, str, str],
+    *,
+    faq_size: int,
+    repeat_fraction: float,
+    popularity_skew: float,
+    rate: float | None,
+    temperature: float,
+    model: str,
+) -> tuple[Session, ...]:
+    """``count`` single-question sessions over shared ``contexts`` (system prompts or
+    documents); ``names`` = (session id prefix, kind, context id prefix). Some questions
+    repeat exactly from a small per-context FAQ."""
+    faqs = [[question(rng) for _ in range(faq_size)] for _ in contexts]
+    arrivals = poisson_arrivals(rng, count, rate)
+    session_prefix, kind, context_prefix = names
     sessions = []
-    for n in range(users):
-        k = _pick(rng, len(pool), popularity_skew)
+    for n in range(count):
+        k = _pick(rng, len(contexts), popularity_skew)
         repeated = faq_size > 0 and rng.random() < repeat_fraction
         asked = rng.choice(faqs[k]) if repeated else question(rng)
         sessions.append(
-            Session(f"user-{n}", "shared-system", f"sys-{k}", arrivals[n], pool[k], (asked,),
-                    temperature=temperature, model=model)
+            Session(f"{session_prefix}-{n}", kind, f"{context_prefix}-{k}", arrivals[n],
+                    contexts[k], (asked,), temperature=temperature, model=model)
         )
-    return Workload("shared-system", seed, tuple(sessions))
+    return tuple(sessions)
 
 
 def multi_turn(
@@ -289,18 +313,11 @@ def rag(
         title = f"Document {d + 1}: notes on the {rng.choice(_LOWER)} {rng.choice(_LOWER)}."
         body = text_of(rng, rng.randint(*document_tokens), title)
         docs.append("Answer the question using only the document below.\n\n" + body)
-    faqs = [[question(rng) for _ in range(faq_size)] for _ in docs]
-    arrivals = poisson_arrivals(rng, questions, rate)
-    sessions = []
-    for n in range(questions):
-        d = _pick(rng, documents, popularity_skew)
-        repeated = faq_size > 0 and rng.random() < repeat_fraction
-        asked = rng.choice(faqs[d]) if repeated else question(rng)
-        sessions.append(
-            Session(f"rag-{n}", "rag", f"doc-{d}", arrivals[n], docs[d], (asked,),
-                    temperature=temperature, model=model)
-        )
-    return Workload("rag", seed, tuple(sessions))
+    sessions = _one_question_each(
+        rng, docs, questions, ("rag", "rag", "doc"), faq_size=faq_size,
+        repeat_fraction=repeat_fraction, popularity_skew=popularity_skew, rate=rate,
+        temperature=temperature, model=model)
+    return Workload("rag", seed, sessions)
 
 
 def mixed(
