@@ -34,6 +34,7 @@ class Backend:
         "_outcomes",
         "_successes",
         "config",
+        "configured_models",
         "discovered_models",
         "healthy",
         "in_flight",
@@ -57,6 +58,8 @@ class Backend:
         self.in_flight = 0
         self.healthy = True
         self.latency_ewma: float | None = None
+        # Built once: ``serves()`` runs for every backend on every request.
+        self.configured_models = frozenset(config.models)
         self.discovered_models: frozenset[str] = frozenset()
         self._alpha = ewma_alpha
         self._outcomes: deque[bool] = deque(maxlen=success_window)
@@ -65,7 +68,7 @@ class Backend:
     @property
     def models(self) -> frozenset[str]:
         """Configured models, or the ones discovered from ``/v1/models`` when none are set."""
-        return self.config.model_set or self.discovered_models
+        return self.configured_models or self.discovered_models
 
     def serves(self, model: str) -> bool:
         """Whether this backend serves ``model``.
@@ -144,7 +147,3 @@ class BackendPool:
                 continue
             ids.update(backend.models)
         return sorted(ids)
-
-    def in_flight_snapshot(self) -> dict[str, int]:
-        """Current in-flight count of every backend."""
-        return {b.name: b.in_flight for b in self._order}

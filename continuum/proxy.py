@@ -24,7 +24,7 @@ import ssl
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from continuum import upstream_http
@@ -315,10 +315,3 @@ def anthropic_error_event(message: str) -> bytes:
     """An Anthropic-style SSE ``error`` event (what the anthropic SDK raises on)."""
     payload = {"type": "error", "error": {"type": "api_error", "message": message}}
     return b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
-
-
-def first_backend(candidates: Sequence[Backend], ctx: Any) -> Backend:
-    """A selector that takes the first candidate (used for admin probes and tests)."""
-    if not candidates:
-        raise NoHealthyBackendError("no healthy backend")
-    return candidates[0]

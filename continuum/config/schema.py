@@ -78,10 +78,6 @@ class BackendConfig:
         """The API family the backend speaks: ``openai`` or ``anthropic``."""
         return "anthropic" if self.type == "anthropic" else "openai"
 
-    @property
-    def model_set(self) -> frozenset[str]:
-        return frozenset(self.models)
-
     def resolved_api_key(self) -> str | None:
         """The API key, reading ``api_key_env`` now."""
         return from_env(self.api_key, self.api_key_env)
