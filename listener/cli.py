@@ -46,19 +46,10 @@ def defaults_text() -> str:
 
 def _load(path: str) -> tuple[Any, list[Any], list[Any]]:
     """(config or None, errors, warnings) of a config file, every check included."""
-    from pathlib import Path
-
-    import yaml
-
-    from continuum.errors import ConfigIssue
     from listener.app import listener_issues
-    from listener.config import check_listener_config
+    from listener.config import check_listener_file
 
-    try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        return None, [ConfigIssue("<file>", f"cannot read: {exc}")], []
-    config, errors, warnings = check_listener_config(data, path)
+    config, errors, warnings = check_listener_file(path)
     if config is not None:
         more_errors, more_warnings = listener_issues(config)
         errors = errors + more_errors

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from continuum.config.fields import Issues, build_section, from_env, join, setting
-from continuum.errors import ConfigError, ConfigIssue
+from continuum.errors import ConfigIssue
 
 SOURCE_NAME = r"[A-Za-z0-9_-]{1,64}"
 ENGINES = ("vllm", "sglang", "trtllm")
@@ -181,17 +181,14 @@ def check_listener_config(data: Any, source: str = "<config>") -> tuple[
     return (None if issues.errors else config), issues.errors, issues.warnings
 
 
-def load_listener_config(path: str | os.PathLike[str]) -> ListenerConfig:
-    """Load and check a listener config file.
+def check_listener_file(path: str | os.PathLike[str]) -> tuple[
+        ListenerConfig | None, list[ConfigIssue], list[ConfigIssue]]:
+    """Read and check a listener config file: (config or None, errors, warnings).
 
-    Raises:
-        ConfigError: every problem found, each with its key path.
-    """
+    ``listener.app.listener_issues`` adds the checks that need the sources' code (the
+    CLI runs both)."""
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
     except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError([ConfigIssue("<file>", f"cannot read: {exc}")], str(path)) from None
-    config, errors, _warnings = check_listener_config(data, str(path))
-    if config is None:
-        raise ConfigError(errors, str(path))
-    return config
+        return None, [ConfigIssue("<file>", f"cannot read: {exc}")], []
+    return check_listener_config(data, str(path))
