@@ -186,6 +186,7 @@ class KvIndexStatsResource(_AdminResource):
                 "max_entries": kv.max_entries,
                 "entry_ttl_seconds": kv.entry_ttl_seconds,
                 "event_sources_count": len(kv.event_sources),
+                "match": kv.match,
                 "scoring": {
                     "overlap_weight": scoring.overlap_weight,
                     "load_weight": scoring.load_weight,
@@ -194,10 +195,12 @@ class KvIndexStatsResource(_AdminResource):
                     "gpu_tier_weight": scoring.gpu_tier_weight,
                     "storage_tier_weight": scoring.storage_tier_weight,
                     "load_guard": scoring.load_guard.enabled,
+                    "load_guard_mode": scoring.load_guard.mode,
                 },
             },
             "index": {key: index_stats.get(key, 0) for key in
-                      ("prefix_count", "entry_count", "total_hits", "total_evictions")},
+                      ("prefix_count", "entry_count", "total_hits", "total_evictions",
+                       "chain_key_count", "chain_entry_count", "chain_approximate_entries")},
             "event_sources": [
                 {key: source[key] for key in ("backend_name", "connected", "events_received",
                                               "events_dropped", "last_event_at",

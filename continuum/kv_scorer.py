@@ -20,7 +20,9 @@ prefix for 100 ms so every candidate in one scoring pass (and every request for 
 prefix in that window) is compared against the same moment. ``score_with_tier()`` reads
 score and tier from that one cached snapshot.
 
-Load guard (``scoring.load_guard``, off by default, beyond the seed): with the seed's
+Load guard (``scoring.load_guard`` with ``mode: bound``, beyond the seed; the default
+``mode: adaptive`` belongs to :mod:`continuum.kv_chain_scorer`, so with ``match: seed`` and
+the default config this scorer runs the seed's formula unguarded): with the seed's
 formula the best holder scores at least ``overlap_weight`` = 0.6 whatever its load, so
 the pool's 0.3 threshold never sends a busy holder's traffic elsewhere. With the guard, a
 holder only qualifies while its in-flight count is under the CHWBL bound
@@ -100,7 +102,7 @@ class KvOverlapScorer(BackendScorer):
         self.tier_weights = {TIER_GPU_HOT: scoring.gpu_tier_weight,
                              TIER_STORAGE_WARM: scoring.storage_tier_weight}
         guard = scoring.load_guard
-        self.guard = guard.enabled
+        self.guard = guard.enabled and guard.mode == "bound"
         self.guard_epsilon = guard.load_factor_epsilon
         self.guard_floor = guard.floor
         self._snapshots: dict[str, _Snapshot] = {}
@@ -113,7 +115,7 @@ class KvOverlapScorer(BackendScorer):
             self.overlap_weight, self.load_weight, self.health_weight, self.min_overlap,
             scoring.gpu_tier_weight, scoring.storage_tier_weight,
             f"on (epsilon={guard.load_factor_epsilon}, floor={guard.floor})"
-            if guard.enabled else "off",
+            if self.guard else "off",
         )
 
     def prepare(self, ctx: RequestContext, candidates: Sequence[Backend]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -14,11 +14,15 @@ from continuum.backends import Backend, BackendPool
 from continuum.cache_salt import make_salt
 from continuum.config import restart_required
 from continuum.config.fields import keep_restart_fields, walk
+from continuum.errors import StoreError
 from continuum.health import HealthMonitor
+from continuum.interfaces import CACHE_CREATED
+from continuum.kv_chain_scorer import ChainOverlapScorer
 from continuum.kv_consumer import KvEventConsumerManager
 from continuum.kv_scorer import KvOverlapScorer
 from continuum.metrics import RouterMetrics
 from continuum.prefix import request_prefix_key
+from continuum.prefix_chain import BYTES_PER_TOKEN, PrefixChain, request_chain
 from continuum.proxy import Forwarder, anthropic_error_event, openai_error_event
 from continuum.redis_link import RedisLink
 from continuum.registry import PluginRegistry
@@ -106,7 +110,7 @@ class RouterService:
         kv = config.kv_cache_index
         self.kv_index: KvCacheIndex | None = None
         self.kv_consumers: KvEventConsumerManager | None = None
-        self.kv_scorer: KvOverlapScorer | None = None
+        self.kv_scorer: KvOverlapScorer | ChainOverlapScorer | None = None
         if not kv.enabled:
             return
         index_cls = cast("type[KvCacheIndex]", self.registry.load(KV_INDEXES, kv.backend))
@@ -114,7 +118,9 @@ class RouterService:
         self.kv_consumers = KvEventConsumerManager(kv.event_sources, self.kv_index,
                                                    self.metrics.registry)
         if config.prefix_routing.enabled:
-            self.kv_scorer = KvOverlapScorer(self.kv_index, kv.scoring, self.metrics)
+            self.kv_scorer = (ChainOverlapScorer(self.kv_index, kv, self.metrics)
+                              if kv.match == "chain"
+                              else KvOverlapScorer(self.kv_index, kv.scoring, self.metrics))
             self.pipeline.scorers = (*self.pipeline.scorers, self.kv_scorer)
 
     @staticmethod
@@ -164,6 +170,31 @@ class RouterService:
             ctx.prefix_key = request_prefix_key(
                 ctx.body, ctx.model, max_prefix_length=settings.max_prefix_length
             )
+            if isinstance(self.kv_scorer, ChainOverlapScorer) and ctx.prefix_key is not None:
+                chain_settings = self.config.kv_cache_index.chain
+                chain = request_chain(ctx.body, ctx.model, chunk_bytes=chain_settings.chunk_bytes,
+                                      max_keys=chain_settings.max_keys)
+                if chain is not None:
+                    ctx.state["chain"] = chain
+                    # the fallback strategy hashes the conversation, not the system prompt
+                    ctx.state["route_key"] = chain.route_key
+
+    def _select(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend:
+        """The pipeline's choice; with ``kv_cache_index.approximate`` the request's chain
+        is recorded for it at once, so the next request that shares it finds it before
+        (or without) the engine's KV events."""
+        backend = self.pipeline.select(candidates, ctx)
+        chain: PrefixChain | None = ctx.state.get("chain")
+        approximate = self.config.kv_cache_index.approximate
+        if chain is not None and approximate.enabled and self.kv_index is not None:
+            entries = [(key, end // BYTES_PER_TOKEN)
+                       for key, end in zip(chain.keys, chain.ends, strict=True)]
+            try:
+                self.kv_index.apply_chain(backend.name, CACHE_CREATED, entries,
+                                          ttl=approximate.ttl_seconds)
+            except StoreError as exc:
+                log.debug("KV index: recording a routed chain failed (%s)", exc.kind)
+        return backend
 
     def proxy(
         self,
@@ -204,7 +235,7 @@ class RouterService:
         elif self._salt_secret is not None and ctx.prefix_key is not None \
                 and "cache_salt" not in ctx.body:
             body = self._salted_body(ctx, self._salt_secret)
-        upstream = self.forwarder.open(ctx, self.pipeline.select, path, body,
+        upstream = self.forwarder.open(ctx, self._select, path, body,
                                        ctx.state.get("forward_headers"))
         headers = upstream.headers()
         headers["X-Continuum-Backend"] = upstream.backend.name
@@ -253,9 +284,13 @@ class RouterService:
         self.prepare(ctx)
         serving = self.pool.serving(ctx.model, ctx.protocol)
         candidates = [b for b in serving if b.healthy]
+        chain: PrefixChain | None = ctx.state.get("chain")
         doc: dict[str, Any] = {
             "model": ctx.model,
             "prefix_hash": ctx.prefix_hash,
+            "kv_match": self.config.kv_cache_index.match if self.kv_scorer else None,
+            "chain": {"depth": len(chain.keys), "bytes": chain.total_bytes,
+                      "keys": list(chain.keys)} if chain is not None else None,
             "prefix_routing_enabled": self.config.prefix_routing.enabled,
             "strategy": self.config.selection_strategy,
             "candidates": [
@@ -276,14 +311,22 @@ class RouterService:
             doc["kv_scores"] = rows
             best = max(rows, key=lambda row: row["score"])
             if best["score"] > self.pipeline.threshold:
+                reason = ("highest composite score above the pool threshold "
+                          f"{self.pipeline.threshold}")
+                if "why" in best:
+                    reason = (f"highest score above the pool threshold "
+                              f"{self.pipeline.threshold}: it matches {best['matched_depth']} "
+                              f"of {best['chain_depth']} chain keys ({best['matched_tokens']} "
+                              f"tokens) and {best['why']}")
                 doc["decision"] = {"decision": "kv_aware", "backend": best["backend"],
                                    "tier": best["tier"], "score": best["score"],
-                                   "reason": "highest composite score above the pool "
-                                   f"threshold {self.pipeline.threshold}"}
+                                   "reason": reason}
                 return doc
             doc["kv_fallback_reason"] = (
                 "no candidate holds this prefix" if not any(r["token_count"] for r in rows)
-                else f"no composite score above {self.pipeline.threshold}")
+                else f"no score above {self.pipeline.threshold}"
+                + "".join(f"; {r['backend']}: {r['why']}" for r in rows
+                          if r.get("token_count") and "why" in r))
         explain = getattr(self.strategy, "explain", None)
         if explain is not None:
             doc["decision"] = explain(candidates, ctx)

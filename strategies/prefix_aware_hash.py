@@ -12,6 +12,11 @@ once per ``select``:
   * ``prefix_hash``: the owner took it (including the all-full case, which keeps locality);
   * ``overflow``: the owner was full and a later backend on the ring took it;
   * ``fallback``: no prefix key; model-name hash, no bound.
+
+Behind the KV scorer with ``kv_cache_index.match: chain`` the ring position comes from
+``ctx.state["route_key"]`` (the chain key that names the conversation, see
+:attr:`continuum.prefix_chain.PrefixChain.route_key`) instead of the system-prompt key, so
+that new conversations and documents behind one system prompt spread over the fleet.
 """
 
 from __future__ import annotations
@@ -34,6 +39,12 @@ if TYPE_CHECKING:
 PREFIX_HASH = "prefix_hash"
 OVERFLOW = "overflow"
 FALLBACK = "fallback"
+
+
+def route_key(ctx: RequestContext) -> bytes | None:
+    """The key the ring places ``ctx`` by: the KV scorer's route key, else the prefix key."""
+    key: bytes | None = ctx.state.get("route_key")
+    return key if key is not None else ctx.prefix_key
 
 
 def load_bound(candidates: Sequence[Backend], epsilon: float) -> int:
@@ -82,7 +93,7 @@ class PrefixAwareHash(ConsistentHash):
         """The choice, its label and the load bound, without recording anything."""
         if not candidates:
             raise NoHealthyBackendError("no healthy backend to select from")
-        key = ctx.prefix_key
+        key = route_key(ctx)
         if key is None:
             return super().select(candidates, ctx), FALLBACK, None
         ring = self.ring(candidates)
@@ -118,7 +129,7 @@ class PrefixAwareHash(ConsistentHash):
             reason = "no prefix key: model-name hash, first backend clockwise, no load bound"
         else:
             ring = self.ring(candidates)
-            start = ring.lookup_probes(ctx.prefix_key)
+            start = ring.lookup_probes(route_key(ctx) or ctx.prefix_key)
             order = [candidates[i].name for i in ring.walk_indices_at(start)]
             reason = {
                 PREFIX_HASH: "the key's owner is under the load bound"
