@@ -287,12 +287,15 @@ class Pipeline:
         """The listener's HTTP port (the same across restarts)."""
         return int(self.listener.url.rsplit(":", 1)[1])
 
-    def router_config(self) -> dict[str, Any]:
+    def router_config(self, match: str = "seed") -> dict[str, Any]:
         """RoundRobin (so KV-aware routing is visible), prefix keys, the index fed by the
-        listener's streams (:attr:`endpoints`), salts for TensorRT-LLM."""
+        listener's streams (:attr:`endpoints`), salts for TensorRT-LLM. ``match``: the
+        index's key (``seed`` by default: these tests pin the seed key's events); no
+        approximate entries, so every routing decision comes from the listener's events."""
         sources = [{"backend_name": name, "endpoint": self.endpoints[name],
                     "reconnect_interval_ms": 50} for name in self.names]
-        kv: dict[str, Any] = {"enabled": True, "event_sources": sources}
+        kv: dict[str, Any] = {"enabled": True, "event_sources": sources, "match": match,
+                              "approximate": {"enabled": False}}
         if self.mode.salted:
             kv["cache_salt"] = {"enabled": True, "secret": SECRET}
         return {
@@ -303,9 +306,10 @@ class Pipeline:
             "kv_cache_index": kv,
         }
 
-    def start_router(self, router_factory: Callable[[dict[str, Any]], Any]) -> None:
+    def start_router(self, router_factory: Callable[[dict[str, Any]], Any],
+                     match: str = "seed") -> None:
         """Start the router and wait until it reads every stream."""
-        self.router = router_factory(self.router_config())
+        self.router = router_factory(self.router_config(match))
         wait_for(lambda: all(b["connection"]["connected"]
                              for b in self.kv_backends().values()),
                  lambda: f"the router's consumers to connect: {self.kv_backends()}")
