@@ -164,27 +164,29 @@ def request_chain(
     if not any(text.strip() for _, text in messages):
         return None
     root = chain_root(model, body.get("tools"))
-    keys: list[str] = []
+    digests: list[bytes] = []
     ends: list[int] = []
-    total = 0
-    anchor_end = 0
-    route_depth = 0
+    add_digest, add_ends = digests.append, ends.extend
+    total = anchor_end = route_depth = 0
     sha256 = hashlib.sha256
     prev = root
     for index, (role, text) in enumerate(messages):
         data = message_bytes(role, text)
         size = len(data)
         if index == 1:
-            route_depth = len(keys)
-        for start in range(0, size, chunk_bytes):
-            if len(keys) >= max_keys:
-                break
+            route_depth = len(digests)
+        starts = range(0, size, chunk_bytes)[:max(0, max_keys - len(digests))]
+        for start in starts:
             prev = sha256(prev + data[start:start + chunk_bytes]).digest()[:KEY_BYTES]
-            keys.append(prev.hex())
-            ends.append(total + min(start + chunk_bytes, size))
+            add_digest(prev)
+        if starts:
+            add_ends(range(total + chunk_bytes, total + size, chunk_bytes)[:len(starts)])
+            if len(ends) < len(digests):
+                ends.append(total + size)  # the message's last, shorter (or exact) chunk
         total += size
         if index == 0:
             anchor_end = total
+    keys = [digest.hex() for digest in digests]
     if len(messages) == 1:
         route_depth = 0
     return PrefixChain(tuple(keys), tuple(ends), total, anchor_end,
