@@ -130,7 +130,8 @@ class ChainOverlapScorer(KvOverlapScorer):
                 weight *= self.approximate_weight
             credits[match.backend] = _Credit(match, chain, weight)
         ctx.state["kv_credits"] = credits
-        ctx.state["kv_least_in_flight"] = min((b.in_flight for b in candidates), default=0)
+        ctx.state["kv_mean_in_flight"] = (sum(b.in_flight for b in candidates)
+                                          / max(len(candidates), 1))
         if not self.adaptive:  # the composite score and the CHWBL bound read the load
             ctx.state["kv_snapshot"] = _Snapshot((), candidates, now, self.guard_epsilon,
                                                  self.guard_floor)
@@ -151,12 +152,17 @@ class ChainOverlapScorer(KvOverlapScorer):
             return 0.0, tier, (f"overlap {credit.overlap:.3f} is below "
                                f"min_overlap_threshold {self.min_overlap}")
         if self.adaptive:
-            extra = max(0, backend.in_flight - ctx.state.get("kv_least_in_flight", 0))
-            extra_ms = extra * self.queue_ms
+            in_flight = backend.in_flight
+            extra = max(0.0, in_flight - ctx.state.get("kv_mean_in_flight", 0.0))
+            per_request = self.queue_ms
+            if backend.latency_ewma is not None:
+                per_request = max(per_request, backend.latency_ewma * 1000.0 / max(in_flight, 1))
+            extra_ms = extra * per_request
             saved_ms = credit.saved_tokens * self.prefill_ms_per_token
             if saved_ms <= extra_ms:
-                return 0.0, tier, (f"its {extra} extra in-flight cost ~{extra_ms:.0f} ms, "
-                                   f"more than the ~{saved_ms:.0f} ms of prefill it saves")
+                return 0.0, tier, (f"its queue ({extra:.1f} in flight over the mean) costs "
+                                   f"~{extra_ms:.0f} ms, more than the ~{saved_ms:.0f} ms of "
+                                   "prefill it saves")
             full_ms = max(credit.prompt_tokens * self.prefill_ms_per_token, 1e-9)
             net = min(1.0, (saved_ms - extra_ms) / full_ms)
             score = self.threshold + (1.0 - self.threshold) * backend.success_rate * net

@@ -65,9 +65,11 @@ class PrefixChain:
         total_bytes: canonical bytes of the whole prompt (beyond the last key too).
         anchor_end: bytes of the first message (the seed key's system prompt when the
             request has one); what a backend known only through the seed key is credited.
-        route_depth: index of the key that names the conversation: the first chunk of the
-            second message (the first message when there is only one). A fallback
-            strategy hashes it so that new conversations spread while each stays together.
+        route_depth: index of the key that names what the request shares beyond its first
+            message: the first chunk of the second message when that message fills a
+            whole chunk (a document in the user turn), else -1 (a short question: the
+            first message, the seed's key, is what is shared). A fallback strategy hashes
+            it so that new documents spread over the fleet while each stays together.
     """
 
     keys: tuple[str, ...]
@@ -78,10 +80,11 @@ class PrefixChain:
 
     @property
     def route_key(self) -> bytes | None:
-        """The conversation-naming key (see ``route_depth``) as bytes; None without keys."""
-        if not self.keys:
+        """The key named by ``route_depth`` as bytes; None when there is none (hash the
+        seed's key then)."""
+        if not 0 <= self.route_depth < len(self.keys):
             return None
-        return bytes.fromhex(self.keys[min(self.route_depth, len(self.keys) - 1)])
+        return bytes.fromhex(self.keys[self.route_depth])
 
 
 def chain_root(model: str, tools: Any = None) -> bytes:
@@ -167,13 +170,14 @@ def request_chain(
     digests: list[bytes] = []
     ends: list[int] = []
     add_digest, add_ends = digests.append, ends.extend
-    total = anchor_end = route_depth = 0
+    total = anchor_end = 0
+    route_depth = -1
     sha256 = hashlib.sha256
     prev = root
     for index, (role, text) in enumerate(messages):
         data = message_bytes(role, text)
         size = len(data)
-        if index == 1:
+        if index == 1 and size > chunk_bytes:
             route_depth = len(digests)
         starts = range(0, size, chunk_bytes)[:max(0, max_keys - len(digests))]
         for start in starts:
@@ -187,8 +191,6 @@ def request_chain(
         if index == 0:
             anchor_end = total
     keys = [digest.hex() for digest in digests]
-    if len(messages) == 1:
-        route_depth = 0
     return PrefixChain(tuple(keys), tuple(ends), total, anchor_end,
-                       min(route_depth, max(len(keys) - 1, 0)))
+                       route_depth if route_depth < len(keys) else -1)
 

@@ -176,8 +176,10 @@ class RouterService:
                                       max_keys=chain_settings.max_keys)
                 if chain is not None:
                     ctx.state["chain"] = chain
-                    # the fallback strategy hashes the conversation, not the system prompt
-                    ctx.state["route_key"] = chain.route_key
+                    # the fallback strategy hashes a document in the user turn, if any
+                    route_key = chain.route_key
+                    if route_key is not None:
+                        ctx.state["route_key"] = route_key
 
     def _select(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend:
         """The pipeline's choice; with ``kv_cache_index.approximate`` the request's chain

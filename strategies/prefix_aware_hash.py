@@ -14,9 +14,9 @@ once per ``select``:
   * ``fallback``: no prefix key; model-name hash, no bound.
 
 Behind the KV scorer with ``kv_cache_index.match: chain`` the ring position comes from
-``ctx.state["route_key"]`` (the chain key that names the conversation, see
-:attr:`continuum.prefix_chain.PrefixChain.route_key`) instead of the system-prompt key, so
-that new conversations and documents behind one system prompt spread over the fleet.
+``ctx.state["route_key"]`` when the request has one (the chain key of a document in the
+user turn, see :attr:`continuum.prefix_chain.PrefixChain.route_key`) instead of the
+system-prompt key, so that new documents behind one system prompt spread over the fleet.
 """
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ class ResponseCacheConfig:
 class LoadGuardConfig:
     """``kv_cache_index.scoring.load_guard``: keep KV-aware routing from piling onto a
     busy holder. ``adaptive`` (with ``match: chain``): a holder qualifies while the prefill
-    its match saves is worth more than the queue it has beyond the least busy candidate;
+    its match saves is worth more than its queue beyond the candidates' mean;
     ``bound``: while it is under the CHWBL bound (the only mode of ``match: seed``)."""
 
     enabled: bool = setting(True, doc="guard KV-aware routing against load",
@@ -245,8 +245,9 @@ class LoadGuardConfig:
         min=0.001, max=100000.0, restart=True,
     )
     queue_ms_per_request: float = setting(
-        50.0, doc="adaptive: what each in-flight request beyond the least busy candidate's "
-        "adds to a new request's wait (ms)", min=0.0, max=100000.0, restart=True,
+        10.0, doc="adaptive: least cost of each in-flight request beyond the candidates' "
+        "mean (ms); a backend's latency EWMA / its in-flight count when higher",
+        min=0.0, max=100000.0, restart=True,
     )
     load_factor_epsilon: float = setting(
         0.25, doc="bound = max(floor, ceil((1 + epsilon) * (in_flight_total + 1) / N))",

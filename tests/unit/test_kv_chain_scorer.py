@@ -79,14 +79,22 @@ def test_adaptive_guard_weighs_saved_prefill_against_extra_queue() -> None:
         "prefill_ms_per_1k_tokens": 100, "queue_ms_per_request": 20}})
     backends = make_backends(3)
     saved_ms = ctx.state["chain"].ends[-1] // 5 * 0.1  # tokens held * 0.1 ms
-    backends[1].in_flight = int(saved_ms // 20) - 1  # its queue costs less than it saves
+    # in flight beyond the mean (n - n/3) at 20 ms each: below, then above the saving
+    below = int(saved_ms / 20 * 1.5) - 1
+    backends[1].in_flight = below
+    assert (below - below / 3) * 20 < saved_ms
     assert pick(scorer, backends, ctx) == ("b1", "scorer")
-    backends[1].in_flight = int(saved_ms // 20) + 1  # now more
+    backends[1].in_flight = below + 3
     ctx2 = request(HISTORY + "Next?")
     assert pick(scorer, backends, ctx2)[1] == "scorer_fallback"
     scorer.prepare(ctx2, backends)
     row = {r["backend"]: r for r in scorer.explain(ctx2, backends)}["b1"]
     assert row["score"] == 0.0 and "more than the" in row["why"]
+    # a saturated backend's own latency sets the price of its queue: 2 s over 4 in flight
+    backends[1].in_flight = 4
+    assert pick(scorer, backends, request(HISTORY + "Next?")) == ("b1", "scorer")
+    backends[1].latency_ewma = 2.0
+    assert pick(scorer, backends, request(HISTORY + "Next?"))[1] == "scorer_fallback"
     # the old guard stays available: with 2 in flight b1 is under the CHWBL floor of 4
     bound = scorer_for(index, scoring={"load_guard": {"mode": "bound"}})
     backends[1].in_flight = 2
@@ -99,11 +107,11 @@ def test_a_busier_holder_of_more_beats_an_idle_holder_of_less_until_it_costs_mor
     hold(index, "b0", ctx, 2)  # system prompt: ~230 tokens
     hold(index, "b1", ctx, len(ctx.state["chain"].keys))  # everything: ~690 tokens
     scorer = scorer_for(index, scoring={"min_overlap_threshold": 0.0, "load_guard": {
-            "prefill_ms_per_1k_tokens": 100, "queue_ms_per_request": 10}})
+        "prefill_ms_per_1k_tokens": 100, "queue_ms_per_request": 10}})
     backends = make_backends(2)
-    backends[1].in_flight = 2  # 20 ms of queue for ~46 ms more prefill saved
+    backends[1].in_flight = 4  # 2 over the mean: 20 ms of queue for ~46 ms more saved
     assert pick(scorer, backends, ctx) == ("b1", "scorer")
-    backends[1].in_flight = 6  # 60 ms of queue: the idle holder of the prompt wins
+    backends[1].in_flight = 12  # 6 over the mean: 60 ms, the idle holder of the prompt wins
     assert pick(scorer, backends, request(HISTORY + "Next?")) == ("b0", "scorer")
 
 

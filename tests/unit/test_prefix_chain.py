@@ -35,7 +35,7 @@ def test_key_i_is_the_hash_of_key_i_minus_1_and_chunk_i() -> None:
     assert len(chain.keys) == 2 + 3  # 156 bytes -> 2 chunks, 305 bytes -> 3 chunks
     assert chain.ends == (128, 156, 156 + 128, 156 + 256, 156 + 305)
     assert chain.anchor_end == 156 and chain.total_bytes == 156 + 305
-    assert chain.route_depth == 2  # the first chunk of the second message
+    assert chain.route_depth == 2  # the second message fills a chunk: its first one
 
 
 def test_requests_share_exactly_the_keys_of_their_shared_prefix() -> None:
@@ -47,7 +47,9 @@ def test_requests_share_exactly_the_keys_of_their_shared_prefix() -> None:
     shared = next(i for i, (x, y) in enumerate(zip(a.keys, b.keys, strict=False)) if x != y)
     assert shared == len(a.keys) - 1  # everything but the chunk holding the question
     assert a.keys[0] == other.keys[0] and a.keys[1] != other.keys[1]
-    assert a.route_key == b.route_key != other.route_key
+    assert a.route_key == b.route_key != other.route_key  # the documents name the route
+    short = request_chain(body(("system", SYSTEM), ("user", "A short question?")), "m")
+    assert short is not None and short.route_key is None  # the seed's key decides
 
 
 def test_model_tools_role_and_message_boundaries_change_the_keys() -> None:
