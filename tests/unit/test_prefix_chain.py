@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
+
 from continuum.prefix_chain import (
     KEY_BYTES,
     chain_root,
@@ -96,3 +98,17 @@ def test_an_incomplete_last_message_makes_only_its_full_chunks() -> None:
                                                (1, 305)]
     request = request_chain(body(*messages), "m", chunk_bytes=128)
     assert request is not None and [k for k, _, _ in full] == list(request.keys)
+
+
+def test_the_consumer_reads_the_chain_field_and_refuses_malformed_ones() -> None:
+    from continuum.kv_consumer import MalformedRecord, parse_chain
+
+    assert parse_chain({"prefix_hash": "ab"}) == []
+    assert parse_chain({"chain": {"cache_created": [["0A1b", 16]],
+                                  "cache_evicted": [["ff", 0]]}}) == [
+        ("cache_created", [("0a1b", 16)]), ("cache_evicted", [("ff", 0)])]
+    for bad in ([["ab", 1]], {"cache_cleared": []}, {"cache_exploded": []},
+                {"cache_created": [["xyz", 1]]}, {"cache_created": [["ab", -1]]},
+                {"cache_created": [["ab", True]]}, {"cache_created": [["ab"]]}):
+        with pytest.raises(MalformedRecord, match="chain"):
+            parse_chain({"chain": bad})
