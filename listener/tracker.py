@@ -25,6 +25,11 @@ tier. :meth:`BlockTracker.drain` turns state changes since the last drain into e
 GPU copy left but an offloaded one, or its count changed), ``cache_evicted`` (the last
 referencing block was removed or pruned). Changes inside one batch net out, so a block that
 moves GPU → CPU within a batch yields one ``cache_offloaded``.
+
+Chain keys (:mod:`listener.chain`) are held the same way: each is counted in the tier
+bucket of every block its end lies in (``Block.chain``), so it is held while one of those
+blocks is, and :meth:`BlockTracker.drain` attaches each changed key, as
+``(event type, key, tokens)``, to an event of the prefix it was found under.
 """
 
 from __future__ import annotations
