@@ -568,33 +568,16 @@ class RedisKvIndex(KvCacheIndex):
         pipe.execute()
 
     def _remove_backend(self, backend: str, client: redis.Redis) -> None:
-        backend_key, cursor = self.backend_key(backend), 0
-        while True:
-            # Removing members ZSCAN has returned is safe: the rest are still returned.
-            cursor, members = client.zscan(backend_key, cursor, count=SCAN_COUNT)
-            if members:
-                pipe = client.pipeline(transaction=False)
-                for member, _ in members:
-                    name = member.decode() if isinstance(member, bytes) else str(member)
-                    key = self.prefix_key(name)
-                    pipe.zrem(key, backend)
-                    pipe.hdel(key + ":tier", backend)
-                pipe.zrem(backend_key, *(member for member, _ in members))
-                pipe.execute()
-            if cursor == 0:
-                break
-        chain_key, cursor = self.chain_backend_key(backend), 0
-        while True:
-            cursor, members = client.zscan(chain_key, cursor, count=SCAN_COUNT)
-            if members:
-                pipe = client.pipeline(transaction=False)
-                for member, _ in members:
-                    name = member.decode() if isinstance(member, bytes) else str(member)
-                    pipe.hdel(self.chain_key(name), backend)
-                pipe.zrem(chain_key, *(member for member, _ in members))
-                pipe.execute()
-            if cursor == 0:
-                return
+        def seed_entry(pipe: Any, name: str) -> None:
+            key = self.prefix_key(name)
+            pipe.zrem(key, backend)
+            pipe.hdel(key + ":tier", backend)
+
+        def chain_entry(pipe: Any, name: str) -> None:
+            pipe.hdel(self.chain_key(name), backend)
+
+        _drain_set(client, self.backend_key(backend), seed_entry)
+        _drain_set(client, self.chain_backend_key(backend), chain_entry)
 
     def _clear_redis(self) -> int:
         removed, cursor = 0, 0
@@ -626,3 +609,20 @@ class RedisKvIndex(KvCacheIndex):
         if isinstance(replies[-1], Exception):
             raise replies[-1]
         return sum(size for size in replies[:-1] if isinstance(size, int))
+
+
+def _drain_set(client: redis.Redis, set_key: str, drop: Callable[[Any, str], None]) -> None:
+    """Empty the sorted set ``set_key``, calling ``drop(pipeline, member)`` for each member
+    in pipelined batches (removing members ZSCAN has returned is safe: the rest are still
+    returned)."""
+    cursor = 0
+    while True:
+        cursor, members = client.zscan(set_key, cursor, count=SCAN_COUNT)
+        if members:
+            pipe = client.pipeline(transaction=False)
+            for member, _ in members:
+                drop(pipe, member.decode() if isinstance(member, bytes) else str(member))
+            pipe.zrem(set_key, *(member for member, _ in members))
+            pipe.execute()
+        if cursor == 0:
+            return

@@ -312,11 +312,8 @@ def rag(
         model: model name of every request.
     """
     rng = random.Random(seed)
-    docs = []
-    for d in range(documents):
-        title = f"Document {d + 1}: notes on the {rng.choice(_LOWER)} {rng.choice(_LOWER)}."
-        body = text_of(rng, rng.randint(*document_tokens), title)
-        docs.append("Answer the question using only the document below.\n\n" + body)
+    docs = ["Answer the question using only the document below.\n\n" + body
+            for body in _documents(rng, documents, document_tokens)]
     sessions = _one_question_each(
         rng, docs, questions, ("rag", "rag", "doc"), faq_size=faq_size,
         repeat_fraction=repeat_fraction, popularity_skew=popularity_skew, rate=rate,
@@ -394,10 +391,7 @@ def rag_user_documents(
         model: model name of every request.
     """
     rng = random.Random(seed)
-    docs = []
-    for d in range(documents):
-        title = f"Document {d + 1}: notes on the {rng.choice(_LOWER)} {rng.choice(_LOWER)}."
-        docs.append(text_of(rng, rng.randint(*document_tokens), title))
+    docs = _documents(rng, documents, document_tokens)
     arrivals = poisson_arrivals(rng, questions, rate)
     sessions = []
     for n in range(questions):
@@ -456,6 +450,15 @@ def agent(
                             tuple(steps), think_seconds=_think(rng, think_seconds),
                             temperature=temperature, model=model))
     return Workload("agent", seed, tuple(made))
+
+
+def _documents(rng: random.Random, count: int, tokens: tuple[int, int]) -> list[str]:
+    """``count`` titled documents of ``tokens[0]``..``tokens[1]`` tokens each."""
+    docs = []
+    for d in range(count):
+        title = f"Document {d + 1}: notes on the {rng.choice(_LOWER)} {rng.choice(_LOWER)}."
+        docs.append(text_of(rng, rng.randint(*tokens), title))
+    return docs
 
 
 def _prompt_pool(

@@ -151,27 +151,38 @@ def _redis_roundtrip(number: int, repeat: int) -> dict[str, float]:
         return out
 
 
-def _redis_kv_query(number: int, repeat: int) -> dict[str, float]:
+@contextlib.contextmanager
+def _redis_kv_index() -> Iterator[Any]:
+    """A ``RedisKvIndex`` on a throwaway redis-server (None when none is installed)."""
     from continuum.config import parse_config
     from continuum.redis_link import RedisLink
     from stores.kv_redis import RedisKvIndex
 
     with _redis_server() as port:
         if port is None:
-            return {}
+            yield None
+            return
         config = parse_config({"response_cache": {"redis": {
             "url": f"redis://127.0.0.1:{port}/0"}}, "kv_cache_index": {"backend": "redis"}})
         link = RedisLink(config.response_cache.redis)
         index = RedisKvIndex.from_config(config, redis=link)
+        try:
+            yield index
+        finally:
+            index.close()
+            link.close()
+
+
+def _redis_kv_query(number: int, repeat: int) -> dict[str, float]:
+    with _redis_kv_index() as index:
+        if index is None:
+            return {}
         prefix = "ab" * 32
         for i in range(3):
             index.apply(f"vllm-{i}", "cache_created", prefix, 512 * (i + 1))
         n = max(number // 50, 200)
-        out = {"redis_query_hit_3_holders": measure(lambda: index.query_backends(prefix), n,
-                                                    repeat)}
-        index.close()
-        link.close()
-        return out
+        return {"redis_query_hit_3_holders": measure(lambda: index.query_backends(prefix), n,
+                                                     repeat)}
 
 
 def tier2(number: int, repeat: int) -> dict[str, float]:
@@ -298,22 +309,16 @@ def chain(number: int, repeat: int) -> dict[str, float]:
 
 
 def _redis_chain_query(number: int, repeat: int) -> dict[str, float]:
-    from continuum.config import parse_config
     from continuum.interfaces import CACHE_CREATED
-    from continuum.redis_link import RedisLink
-    from stores.kv_redis import RedisKvIndex
 
-    with _redis_server() as port:
-        if port is None:
+    with _redis_kv_index() as index:
+        if index is None:
             return {}
-        config = parse_config({"response_cache": {"redis": {
-            "url": f"redis://127.0.0.1:{port}/0"}}, "kv_cache_index": {"backend": "redis"}})
-        link = RedisLink(config.response_cache.redis)
-        index = RedisKvIndex.from_config(config, redis=link)
         keys = [f"{i:016x}" for i in range(128)]
         for b in range(4):
             index.apply_chain(f"vllm-{b}", CACHE_CREATED,
                               [(k, 64 * (i + 1)) for i, k in enumerate(keys[:32 * (b + 1)])])
+        link = index.link
         trips = []
         execute = link.execute
 
@@ -321,7 +326,7 @@ def _redis_chain_query(number: int, repeat: int) -> dict[str, float]:
             trips.append(operation)
             return execute(operation, command)
 
-        link.execute = counting  # type: ignore[method-assign]
+        link.execute = counting
         out: dict[str, float] = {}
         n = max(number // 50, 200)
         for length in (16, 128):
@@ -330,8 +335,6 @@ def _redis_chain_query(number: int, repeat: int) -> dict[str, float]:
             out[f"redis_query_chain_{length}_keys"] = measure(
                 lambda length=length: index.query_chain(keys[:length], "ab" * 32), n, repeat)
             out[f"redis_query_chain_{length}_round_trips"] = len(trips) / (n * repeat)
-        index.close()
-        link.close()
         return out
 
 
