@@ -16,7 +16,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: main() must monkey-patch before these are imported
+    from continuum.errors import ConfigIssue
+    from listener.config import ListenerConfig
 
 __all__ = ["build_parser", "defaults_text", "main"]
 
@@ -44,7 +48,7 @@ def defaults_text() -> str:
     return render_defaults(ListenerConfig)
 
 
-def _load(path: str) -> tuple[Any, list[Any], list[Any]]:
+def _load(path: str) -> tuple[ListenerConfig | None, list[ConfigIssue], list[ConfigIssue]]:
     """(config or None, errors, warnings) of a config file, every check included."""
     from listener.app import listener_issues
     from listener.config import check_listener_file
