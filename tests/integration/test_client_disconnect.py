@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 import requests
 
 from tests.conftest import Router, Upstream, metric_value
+from tests.integration.pipeline import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -40,15 +40,6 @@ def _backend(router: Router, name: str) -> dict[str, Any]:
     return next(row for row in rows if row["name"] == name)  # type: ignore[no-any-return]
 
 
-def _wait(what: str, done: Callable[[], bool], timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if done():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _count(router: Router, status: str) -> float:
     return metric_value(router.metrics(), "continuum_requests_total", backend="a",
                         status=status)
@@ -68,8 +59,8 @@ def test_disconnects_leave_backend_health_alone_but_upstream_failures_count(
     # The backend does answer, so these are real successes with real latencies.
     for _ in range(REQUEST_ABORTS):
         _post_raw(router, {"model": "m", "messages": MSG, "x_test": {"hang": 0.2}}).close()
-    _wait("the abandoned requests to finish upstream",
-          lambda: _count(router, "200") == REQUEST_ABORTS)
+    wait_for(lambda: _count(router, "200") == REQUEST_ABORTS,
+             "the abandoned requests to finish upstream")
     before = _backend(router, "a")
     assert before["success_rate"] == 1.0 and before["latency_ewma_ms"] is not None
 
@@ -83,11 +74,11 @@ def test_disconnects_leave_backend_health_alone_but_upstream_failures_count(
             assert chunk, "router closed the stream before the first event"
             received += chunk
         sock.close()
-    _wait("the router to notice every disconnect",
-          lambda: _count(router, "499") == STREAM_ABORTS)
-    _wait("in-flight to drop to 0", lambda: _backend(router, "a")["in_flight"] == 0)
-    _wait("the upstream to see the streams go",  # the router closed them upstream
-          lambda: a.stats()["streams_aborted"] == STREAM_ABORTS)
+    wait_for(lambda: _count(router, "499") == STREAM_ABORTS,
+             "the router to notice every disconnect")
+    wait_for(lambda: _backend(router, "a")["in_flight"] == 0, "in-flight to drop to 0")
+    wait_for(lambda: a.stats()["streams_aborted"] == STREAM_ABORTS,  # closed upstream too
+             "the upstream to see the streams go")
 
     after = _backend(router, "a")
     assert after["success_rate"] == 1.0
@@ -102,6 +93,7 @@ def test_disconnects_leave_backend_health_alone_but_upstream_failures_count(
             "model": "m", "messages": MSG, "stream": True,
             "x_test": {"chunks": 5, "break_after": 1}})
         assert b"broke" in resp.content
-    _wait("the broken streams to be recorded", lambda: _count(router, "502") == BROKEN_STREAMS)
+    wait_for(lambda: _count(router, "502") == BROKEN_STREAMS,
+             "the broken streams to be recorded")
     rate = _backend(router, "a")["success_rate"]
     assert rate == round(REQUEST_ABORTS / (REQUEST_ABORTS + BROKEN_STREAMS), 4)
