@@ -14,6 +14,12 @@ Lifecycle of one dispatch:
   * Streaming: :meth:`Forwarder.relay` yields upstream chunks as they arrive; its ``finally``
     closes the upstream connection and releases the lease on every exit, including the
     client going away (the WSGI server then closes the generator).
+
+Outcomes: a lease is released with ``ok`` True (the backend answered), False (it failed:
+unreachable, timed out, a 5xx or a broken stream) or None (the client went away first,
+status 499). Only True and False are samples of the backend's success rate and latency;
+a disconnect says nothing about the backend, so it must not lower the rate the KV scorer
+weighs, nor put a truncated duration into the latency EWMA.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ PASS_HEADERS = (
     "anthropic-ratelimit-requests-remaining", "anthropic-ratelimit-tokens-remaining",
 )
 
+#: Status recorded for a request whose client went away before it finished (nginx's 499).
+CLIENT_CLOSED = 499
+
 
 class Lease:
     """One in-flight slot on a backend; :meth:`release` is idempotent."""
@@ -63,15 +72,21 @@ class Lease:
         backend.in_flight += 1
         metrics.child(metrics.in_flight, backend.name).inc()
 
-    def release(self, status: int, ok: bool) -> None:
-        """Give the slot back and record the outcome (once)."""
+    def release(self, status: int, ok: bool | None) -> None:
+        """Give the slot back and record the outcome (once).
+
+        ``ok`` None: the client went away before the backend finished, which is no verdict
+        on the backend; the request is counted in the metrics (with ``status``) but not in
+        the backend's success window or latency EWMA.
+        """
         if self.released:
             return
         self.released = True
         backend, metrics = self.backend, self.metrics
         backend.in_flight -= 1
         elapsed = time.perf_counter() - self.started
-        backend.record(ok, elapsed if ok else None)
+        if ok is not None:
+            backend.record(ok, elapsed if ok else None)
         metrics.child(metrics.in_flight, backend.name).dec()
         metrics.child(metrics.requests, self.endpoint, backend.name, str(status)).inc()
         metrics.child(metrics.duration, self.endpoint, backend.name).observe(elapsed)
@@ -297,12 +312,14 @@ class Forwarder:
             log.warning("stream from %s broke: %s", upstream.backend.name, exc)
             yield error_event(f"upstream stream from backend '{upstream.backend.name}' broke")
         finally:
+            ok: bool | None = complete and status < 500
             if not complete:
                 # Unread data on this connection makes it unusable: close it so the backend
                 # sees the client go away and stops generating.
                 response.close()
-                status = 499 if status < 400 else status
-            lease.release(status, ok=complete and status < 500)
+                if status < 400:  # neither finished nor broken: the client went away
+                    status, ok = CLIENT_CLOSED, None
+            lease.release(status, ok)
 
 
 def openai_error_event(message: str) -> bytes:

@@ -14,6 +14,7 @@ from continuum.backends import Backend, BackendPool
 from continuum.cache_salt import make_salt
 from continuum.config import restart_required
 from continuum.config.fields import keep_restart_fields, walk
+from continuum.errors import RequestError
 from continuum.health import HealthMonitor
 from continuum.kv_consumer import KvEventConsumerManager
 from continuum.kv_scorer import KvOverlapScorer
@@ -92,6 +93,7 @@ class RouterService:
         self._kept_links: list[RedisLink] = []
         kv = config.kv_cache_index
         self._salt_secret = kv.cache_salt.resolved() if kv.cache_salt.enabled else None
+        self._salt_per_tenant = self._salt_secret is not None and kv.cache_salt.per_tenant
         self._salted_backends = frozenset(s.backend_name for s in kv.event_sources)
         self.redis = RedisLink(config.response_cache.redis, metrics) if self._needs_redis(
             config) else None
@@ -174,6 +176,8 @@ class RouterService:
     ) -> ProxyResult:
         """Answer ``ctx`` from the response cache, or send it to the backend the pipeline
         picks (storing the answer when it is cacheable)."""
+        if self._salt_per_tenant and "cache_salt" in ctx.body:
+            self._refuse_client_salt(ctx)
         cache = self.response_cache
         if forward_headers:
             ctx.state["forward_headers"] = forward_headers
@@ -220,15 +224,26 @@ class RouterService:
             cache.store_body(ctx, upstream.status, content_type, data)
         return ProxyResult(upstream.status, headers, body=data)
 
+    def _refuse_client_salt(self, ctx: RequestContext) -> None:
+        """With per-tenant salts, a client's own ``cache_salt`` would let tenants that pick
+        the same value share an engine's prefix cache again: refused for any model a salted
+        backend serves (whichever backend the request would have gone to)."""
+        serving = self.pool.serving(ctx.model, ctx.protocol)
+        if any(b.name in self._salted_backends for b in serving):
+            raise RequestError("'cache_salt' is issued by the router per tenant for this "
+                               "model; remove it from the request", param="cache_salt")
+
     def _salted_body(self, ctx: RequestContext, secret: bytes) -> Callable[[Backend], bytes]:
         """Per-backend body carrying the router-issued ``cache_salt`` for backends with a
-        KV event source (a client's own ``cache_salt`` is never replaced)."""
+        KV event source (a client's own ``cache_salt`` is never replaced; with per-tenant
+        salts it is refused before this)."""
         prefix_hash = ctx.prefix_hash or ""
+        tenant = ctx.tenant if self._salt_per_tenant else None
 
         def body_for(backend: Backend) -> bytes:
             if backend.name not in self._salted_backends:
                 return ctx.raw
-            salt = make_salt(secret, backend.name, prefix_hash)
+            salt = make_salt(secret, backend.name, prefix_hash, tenant)
             return json.dumps({**ctx.body, "cache_salt": salt}).encode()
 
         return body_for

@@ -327,6 +327,9 @@ class CacheSaltConfig:
                                  secret=True, restart=True)
     secret_env: str | None = setting(None, doc="environment variable holding the secret",
                                      restart=True)
+    per_tenant: bool = setting(False, doc="bind salts to the client's tenant too: tenants "
+                               "never share engine prefix caches (lower hit rate); a client's "
+                               "own cache_salt is refused (400)", restart=True)
 
     def resolved(self) -> bytes | None:
         value = from_env(self.secret, self.secret_env)
@@ -338,6 +341,8 @@ class CacheSaltConfig:
         elif self.enabled and self.resolved() is None:
             issues.error(join(path, "secret"), "cache_salt.enabled needs secret or secret_env "
                          "(set and non-empty)")
+        if self.per_tenant and not self.enabled:
+            issues.warn(join(path, "per_tenant"), "has no effect without cache_salt.enabled")
 
 
 @dataclass(frozen=True)
@@ -501,6 +506,13 @@ class RouterConfig:
         if kv.enabled and not self.prefix_routing.enabled:
             issues.warn("kv_cache_index.enabled",
                         "the KV scorer only runs with prefix_routing.enabled: true")
+        if kv.cache_salt.enabled and kv.cache_salt.per_tenant:
+            if not self.prefix_routing.enabled:
+                issues.warn("kv_cache_index.cache_salt.per_tenant", "salts are only issued "
+                            "with prefix_routing.enabled: true; tenants are not isolated")
+            elif not self.auth.keys:
+                issues.warn("kv_cache_index.cache_salt.per_tenant", "no auth.keys: requests "
+                            "carry no tenant, so every request gets the same salt")
         if self.selection_strategy == "PrefixAwareHash" and not self.prefix_routing.enabled:
             issues.warn(
                 "selection_strategy",

@@ -148,3 +148,22 @@ def test_cli_defaults_prints_table() -> None:
     res = _cli("config", "defaults")
     assert res.returncode == 0
     assert res.stdout == defaults_text()
+
+
+def test_per_tenant_salts_default_off_and_warn_when_they_cannot_isolate() -> None:
+    assert parse_config({"backends": [BACKEND]}).kv_cache_index.cache_salt.per_tenant is False
+    assert "per_tenant: false" in defaults_text()
+    salt = {"enabled": True, "secret": "s", "per_tenant": True}
+    keys = {"keys": [{"key": "sk-1", "tenant": "acme"}]}
+    cases = [
+        ({"cache_salt": {"per_tenant": True}}, {}, True, "kv_cache_index.cache_salt.per_tenant"),
+        ({"cache_salt": salt}, keys, False, "kv_cache_index.cache_salt.per_tenant"),
+        ({"cache_salt": salt}, {}, True, "kv_cache_index.cache_salt.per_tenant"),
+        ({"cache_salt": salt}, keys, True, None),
+    ]
+    for kv, auth, prefix_routing, warned in cases:
+        result = check_config({"backends": [BACKEND], "kv_cache_index": kv, "auth": auth,
+                               "prefix_routing": {"enabled": prefix_routing},
+                               "admin": {"token": "t"}})
+        assert result.config is not None and not result.errors
+        assert [w.path for w in result.warnings] == ([warned] if warned else []), kv

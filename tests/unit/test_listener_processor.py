@@ -201,6 +201,28 @@ def test_router_issued_salts_attribute_without_detokenize(profile: str) -> None:
     assert stats["salt_rejected"] == 0
 
 
+@pytest.mark.parametrize("profile", ["vllm-0.33", "sglang-0.5.22", "trtllm"])
+def test_per_tenant_salts_attribute_like_shared_ones(profile: str) -> None:
+    """``cache_salt.per_tenant``: each tenant's salt keeps the engine from reusing another
+    tenant's blocks, and the listener still attributes both chains to the prefix key."""
+    setup = Setup(profile, require_salt=True)
+    body = BODIES["system"]
+    ids = tuple(setup.engine.chat_prompt(body["messages"]))
+    for tenant, reuses in (("acme", False), ("globex", False), ("acme", True)):
+        salt = make_salt(SECRET, BACKEND, router_key(body), tenant)
+        cached = setup.engine.start(GenerationRequest(
+            model=MODEL, prompt_ids=ids, max_tokens=3, temperature=0.0,
+            cache_salt=salt)).run().cached_tokens
+        assert (cached > 0) is reuses, tenant  # a tenant reuses its own blocks only
+        for batch in setup.sink.take():
+            setup.processor.handle_batch(batch)
+    created = [e for e in setup.out if e.type == CACHE_CREATED]
+    assert created and {e.prefix_hash for e in created} == {router_key(body)}
+    stats = setup.processor.stats()
+    assert stats["salt_rejected"] == 0 and stats["unattributed_chains"] == 0
+    assert setup.detokenize_calls() == 0
+
+
 def test_salts_of_vllm_ride_in_block_0_extra_keys() -> None:
     setup = Setup("vllm-0.33", salts=True)
     body = BODIES["system"]
