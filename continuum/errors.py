@@ -121,6 +121,18 @@ class UpstreamTimeoutError(ContinuumError, TimeoutError):
         self.backend = backend
 
 
+class UpstreamResponseTooLargeError(ContinuumError, ValueError):
+    """A non-streamed backend answer exceeds ``server.max_upstream_response_bytes`` (502)."""
+
+    status = 502
+    error_type = "bad_gateway"
+    code = "upstream_response_too_large"
+
+    def __init__(self, message: str, *, backend: str) -> None:
+        super().__init__(message, backend=backend)
+        self.backend = backend
+
+
 class StoreError(ContinuumError, RuntimeError):
     """A cache store or KV index failed; callers treat it as a miss, never as a 500."""
 

@@ -87,6 +87,8 @@ class RouterService:
             metrics,
             retry_connect_errors=config.pool.retry_connect_errors,
             on_result=self.health.observe,
+            max_response_bytes=config.server.max_upstream_response_bytes,
+            max_stream_seconds=config.server.max_stream_duration_seconds,
         )
         self.auth = ClientAuth(config.auth)
         self._kept_links: list[RedisLink] = []
@@ -314,6 +316,8 @@ class RouterService:
         for backend in self.pool:
             backend.set_ewma_alpha(new.pool.latency_ewma_alpha)
         self.forwarder.retry_connect_errors = new.pool.retry_connect_errors
+        self.forwarder.max_response_bytes = new.server.max_upstream_response_bytes
+        self.forwarder.max_stream_seconds = new.server.max_stream_duration_seconds
         self._reload_response_cache(old, new)
         self.auth = ClientAuth(new.auth)
         return report

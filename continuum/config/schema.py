@@ -31,6 +31,14 @@ class ServerConfig:
         10 * 1024 * 1024, doc="largest accepted request body; larger gets 413",
         min=1024, max=1024**3,
     )
+    max_upstream_response_bytes: int = setting(
+        64 * 1024 * 1024, doc="largest non-streamed backend answer read; larger gets 502",
+        min=1024, max=16 * 1024**3,
+    )
+    max_stream_duration_seconds: float = setting(
+        0.0, doc="longest a streamed answer is relayed before it ends with an SSE error "
+        "event; 0 = unlimited", min=0, max=7 * 86400, duration=True,
+    )
     log_level: str = setting(
         "info", doc="log level", choices=("debug", "info", "warning", "error")
     )
