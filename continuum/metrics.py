@@ -144,7 +144,7 @@ class RouterMetrics:
         )
         self.redis_errors = Counter(
             "continuum_cache_redis_errors_total",
-            "Redis failures by kind (connection, timeout, other)",
+            "Redis failures by kind (connection, timeout, protocol, other)",
             ["kind"],
             registry=r,
         )
