@@ -108,7 +108,7 @@ class Listener:
                     self.sources.append(TrtllmSource(source, processor))
                 else:
                     self.sources.append(ZmqSource(source, processor, context=self.context,
-                                                  zap=self.zap))
+                                                  zap=self.zap, limits=config.limits))
         except BaseException:
             self.context.destroy(linger=0)
             raise

@@ -24,7 +24,7 @@ TEMPLATES = ("auto", "chatml", "llama3")
 
 @dataclass(frozen=True)
 class LimitsConfig:
-    """``limits``: memory bounds of the block-chain tracker, per source."""
+    """``limits``: memory bounds of the block-chain tracker and the ZMQ input, per source."""
 
     max_chain_tokens: int = setting(
         16384, doc="longest token chain rebuilt for /detokenize; longer chains stay "
@@ -35,6 +35,12 @@ class LimitsConfig:
     max_retained_tokens: int = setting(
         16777216, doc="token ids kept (4 bytes each; 64 MiB by default), oldest pruned first",
         min=1, max=1_000_000_000)
+    max_message_bytes: int = setting(
+        8 * 1024 * 1024, doc="largest ZMQ message part accepted (ZMQ_MAXMSGSIZE); a larger "
+        "one drops the publisher's connection, which reconnects", min=65536, max=1024**3)
+    max_sequence_streams: int = setting(
+        1024, doc="(topic, rank) sequence counters kept; least recently used dropped first",
+        min=1, max=1_000_000)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,10 @@ SOURCE_COUNTERS: dict[str, tuple[str, str]] = {
                             "Publisher connections refused by allowed_publishers"),
     "processor_errors": ("processor_errors", "Batches the processor failed on"),
     "polls": ("polls", "trtllm-serve /kv_cache_events polls"),
+    "publisher_disconnects": ("publisher_disconnects", "ZMQ publisher connections dropped "
+                              "(a message over limits.max_message_bytes drops one too)"),
+    "pruned_streams": ("pruned_sequence_streams", "(topic, rank) sequence counters dropped "
+                       "beyond limits.max_sequence_streams"),
 }
 #: Processor ``stats()`` keys exported as gauges (values held now); every other key counts
 #: since start and is exported as a counter.
