@@ -113,8 +113,9 @@ class RouterService:
             return
         index_cls = cast("type[KvCacheIndex]", self.registry.load(KV_INDEXES, kv.backend))
         self.kv_index = index_cls.from_config(config, metrics=self.metrics, redis=self.redis)
-        self.kv_consumers = KvEventConsumerManager(kv.event_sources, self.kv_index,
-                                                   self.metrics.registry)
+        self.kv_consumers = KvEventConsumerManager(
+            kv.event_sources, self.kv_index, self.metrics.registry,
+            tokens={s.backend_name: kv.source_token(s) for s in kv.event_sources})
         if config.prefix_routing.enabled:
             self.kv_scorer = KvOverlapScorer(self.kv_index, kv.scoring, self.metrics)
             self.pipeline.scorers = (*self.pipeline.scorers, self.kv_scorer)

@@ -259,12 +259,14 @@ class WebSocketTransport:
 
     @classmethod
     def open(cls, url: str, last_event_id: str | None, connect_timeout: float,
-             read_timeout: float | None) -> WebSocketTransport:
-        """Connect, passing the resume point as ``?last_event_id=<id>``."""
+             read_timeout: float | None,
+             headers: Mapping[str, str] | None = None) -> WebSocketTransport:
+        """Connect, passing the resume point as ``?last_event_id=<id>`` and ``headers``
+        (such as ``Authorization``) with the handshake."""
         query = {"last_event_id": last_event_id} if last_event_id else None
         return cls(WebSocketClient.connect(url, query=query, connect_timeout=connect_timeout,
                                            read_timeout=read_timeout,
-                                           socket_options=KEEPALIVE_OPTIONS))
+                                           socket_options=KEEPALIVE_OPTIONS, headers=headers))
 
     @property
     def high_water(self) -> int:
