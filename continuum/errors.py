@@ -109,24 +109,19 @@ class UpstreamConnectError(ContinuumError, ConnectionError):
         self.backend = backend
 
 
+class UpstreamResponseTooLargeError(UpstreamConnectError):
+    """A non-streamed backend answer exceeds ``server.max_upstream_response_bytes`` (502);
+    it was cut off, not read whole."""
+
+    code = "upstream_response_too_large"
+
+
 class UpstreamTimeoutError(ContinuumError, TimeoutError):
     """The backend did not answer within its timeout (504)."""
 
     status = 504
     error_type = "gateway_timeout"
     code = "upstream_timeout"
-
-    def __init__(self, message: str, *, backend: str) -> None:
-        super().__init__(message, backend=backend)
-        self.backend = backend
-
-
-class UpstreamResponseTooLargeError(ContinuumError, ValueError):
-    """A non-streamed backend answer exceeds ``server.max_upstream_response_bytes`` (502)."""
-
-    status = 502
-    error_type = "bad_gateway"
-    code = "upstream_response_too_large"
 
     def __init__(self, message: str, *, backend: str) -> None:
         super().__init__(message, backend=backend)
