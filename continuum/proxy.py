@@ -16,7 +16,8 @@ Lifecycle of one dispatch:
     closes the upstream connection and releases the lease on every exit, including the
     client going away (the WSGI server then closes the generator). With
     ``server.max_stream_duration_seconds`` a stream still running past it ends with the
-    same SSE error event as a broken one.
+    same SSE error event as a broken one (checked as pieces arrive: a silent backend is
+    already bounded by its ``request_timeout_ms``).
 """
 
 from __future__ import annotations
