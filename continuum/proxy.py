@@ -336,7 +336,6 @@ class Forwarder:
                 status = 499 if status < 400 else status
             lease.release(status, ok=complete and status < 500)
 
-
     def _stream_too_long(self, upstream: Upstream) -> int:
         """Count a stream cut at ``max_stream_seconds``; its status for the metrics (504)."""
         self.metrics.child(self.metrics.upstream_errors, upstream.backend.name,

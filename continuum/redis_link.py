@@ -10,7 +10,7 @@ States and transitions:
     ========  ======================================  ========
     online    command ok                              online
     online    connection error or timeout             fallback
-    online    other Redis error (error reply, …)       online
+    online    other Redis error (error reply, …)      online
     online    unusable reply (too deep, malformed)    online
     fallback  background probe (PING) ok              online
     fallback  background probe fails                  fallback
@@ -107,22 +107,15 @@ class RedisLink:
             raise StoreError(f"Redis {operation} failed: {exc}", store="redis",
                              kind="other") from None
         except Exception as exc:  # the parser or a reply callback choked on the reply
-            raise self.bad_reply(operation, exc) from None
+            # redis-py drops a connection whose read failed: no half-read reply is reused.
+            self._count("protocol")
+            log.debug("Redis %s: unusable reply (%s)", operation, type(exc).__name__)
+            raise StoreError(f"Redis {operation}: unusable reply ({type(exc).__name__})",
+                             store="redis", kind="protocol") from None
         finally:
             if self.metrics is not None:
                 self.metrics.child(self.metrics.redis_latency, operation).observe(
                     time.perf_counter() - started)
-
-    def bad_reply(self, operation: str, exc: Exception) -> StoreError:
-        """Count a reply that could not be used (kind ``protocol``) and return the error to
-        raise; for stores that find a reply unusable after :meth:`execute` returned it.
-
-        redis-py drops a connection whose read failed, so no half-read reply is reused.
-        """
-        self._count("protocol")
-        log.warning("Redis %s: unusable reply (%s)", operation, type(exc).__name__)
-        return StoreError(f"Redis {operation}: unusable reply ({type(exc).__name__})",
-                          store="redis", kind="protocol")
 
     def _count(self, kind: str) -> None:
         self.errors[kind] += 1
