@@ -38,6 +38,8 @@ def parse_duration(value: Any) -> float:
 
 def format_duration(seconds: float) -> str:
     """300.0 → ``"5m"``: the inverse of :func:`parse_duration` for round values."""
+    if seconds == 0:
+        return "0s"
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
         if seconds >= size and seconds % size == 0:
             return f"{int(seconds // size)}{unit}"
