@@ -109,6 +109,13 @@ class UpstreamConnectError(ContinuumError, ConnectionError):
         self.backend = backend
 
 
+class UpstreamResponseTooLargeError(UpstreamConnectError):
+    """A non-streamed backend answer exceeds ``server.max_upstream_response_bytes`` (502);
+    it was cut off, not read whole."""
+
+    code = "upstream_response_too_large"
+
+
 class UpstreamTimeoutError(ContinuumError, TimeoutError):
     """The backend did not answer within its timeout (504)."""
 

@@ -52,7 +52,7 @@ import logging
 import re
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -190,9 +190,11 @@ class SourceConsumer:
     """The reconnecting reader of one listener stream (see the module's transition table)."""
 
     def __init__(self, source: KvEventSourceConfig, index: KvCacheIndex, metrics: KvConsumerMetrics,
-                 clock: Clock, *, connect_timeout: float, read_timeout: float | None) -> None:
+                 clock: Clock, *, connect_timeout: float, read_timeout: float | None,
+                 token: str | None = None) -> None:
         self.backend: str = source.backend_name
         self.endpoint: str = source.endpoint or ""
+        self._token = token  # the listener's bearer token; never in stats or logs
         self.backoff = Backoff(source.reconnect_interval_ms)
         self.index = index
         self.metrics = metrics
@@ -272,7 +274,7 @@ class SourceConsumer:
         transport = None
         try:
             transport = open_transport(self.endpoint, self.last_event_id,
-                                       self.connect_timeout, self.read_timeout)
+                                       self.connect_timeout, self.read_timeout, self._token)
             with self._lock:
                 stopping = self.state == STOPPED
                 self._closer = None if stopping else transport.shutdown
@@ -385,17 +387,23 @@ class KvEventConsumerManager:
         connect_timeout: Seconds to open a connection.
         read_timeout: Seconds a stream may stay silent; None (default) relies on TCP
             keepalive instead, so quiet but healthy streams are not churned.
+        tokens: The listener's bearer token by backend name (from
+            :meth:`~continuum.config.KvCacheIndexConfig.source_token`); none sent when
+            absent.
     """
 
     def __init__(self, sources: Sequence[KvEventSourceConfig], index: KvCacheIndex,
                  registry: CollectorRegistry | None = None, clock: Clock | None = None, *,
                  spawn: Spawn | None = None, connect_timeout: float = 5.0,
-                 read_timeout: float | None = None) -> None:
+                 read_timeout: float | None = None,
+                 tokens: Mapping[str, str | None] | None = None) -> None:
         self.metrics = KvConsumerMetrics.for_registry(registry or CollectorRegistry())
         self.spawn = spawn
+        tokens = tokens or {}
         self.consumers = [
             SourceConsumer(source, index, self.metrics, clock or SystemClock(),
-                           connect_timeout=connect_timeout, read_timeout=read_timeout)
+                           connect_timeout=connect_timeout, read_timeout=read_timeout,
+                           token=tokens.get(source.backend_name))
             for source in sources if source.endpoint
         ]
         self._handles: list[Any] = []

@@ -133,6 +133,10 @@ class KvOverlapScorer(BackendScorer):
             log.debug("KV index query failed (%s); scoring as empty", exc.kind)
             self.query_errors += 1
             holdings = ()
+        except Exception as exc:  # an index bug: route without the index, never a 500
+            log.warning("KV index query failed (%s); scoring as empty", type(exc).__name__)
+            self.query_errors += 1
+            holdings = ()
         self.query_count += 1
         if self.metrics is not None:
             self.metrics.kv_query_latency.observe(time.perf_counter() - started)

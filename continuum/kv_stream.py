@@ -104,8 +104,11 @@ class Transport(Protocol):
 
 
 def open_transport(endpoint: str, last_event_id: str | None, connect_timeout: float,
-                   read_timeout: float | None) -> Transport:
-    """Connect to ``endpoint`` resuming after ``last_event_id`` (header or query parameter)."""
+                   read_timeout: float | None, token: str | None = None) -> Transport:
+    """Connect to ``endpoint`` resuming after ``last_event_id`` (header or query parameter),
+    sending ``Authorization: Bearer <token>`` when the listener wants a token."""
+    headers = {"Authorization": f"Bearer {token}"} if token else None
     if urlsplit(endpoint).scheme in ("ws", "wss"):
-        return WebSocketTransport.open(endpoint, last_event_id, connect_timeout, read_timeout)
-    return SseTransport.open(endpoint, last_event_id, connect_timeout, read_timeout)
+        return WebSocketTransport.open(endpoint, last_event_id, connect_timeout, read_timeout,
+                                       headers)
+    return SseTransport.open(endpoint, last_event_id, connect_timeout, read_timeout, headers)

@@ -10,10 +10,14 @@ Lifecycle of one dispatch:
   * :meth:`Forwarder.open` picks a backend, takes an in-flight :class:`Lease`, and opens the
     upstream request. A connect failure before any byte was sent releases the lease and is
     retried once on the next candidate.
-  * Non-streaming: the body is read, the lease released, the result returned.
+  * Non-streaming: the body is read (at most ``server.max_upstream_response_bytes``; a
+    larger one is cut off and answered 502), the lease released, the result returned.
   * Streaming: :meth:`Forwarder.relay` yields upstream chunks as they arrive; its ``finally``
     closes the upstream connection and releases the lease on every exit, including the
-    client going away (the WSGI server then closes the generator).
+    client going away (the WSGI server then closes the generator). With
+    ``server.max_stream_duration_seconds`` a stream still running past it ends with the
+    same SSE error event as a broken one (checked as pieces arrive: a silent backend is
+    already bounded by its ``request_timeout_ms``).
 
 Outcomes: a lease is released with ``ok`` True (the backend answered), False (it failed:
 unreachable, timed out, a 5xx or a broken stream) or None (the client went away first,
@@ -38,6 +42,7 @@ from continuum.errors import (
     ModelNotFoundError,
     NoHealthyBackendError,
     UpstreamConnectError,
+    UpstreamResponseTooLargeError,
     UpstreamTimeoutError,
 )
 
@@ -128,10 +133,16 @@ class Forwarder:
         retry_connect_errors: bool = True,
         on_result: PassiveHealth | None = None,
         maxsize: int = 64,
+        max_response_bytes: int | None = None,
+        max_stream_seconds: float = 0.0,
     ) -> None:
         self.pool = pool
         self.metrics = metrics
         self.retry_connect_errors = retry_connect_errors
+        #: Largest non-streamed body read (None: unlimited).
+        self.max_response_bytes = max_response_bytes
+        #: Longest a stream is relayed, in seconds (0: unlimited).
+        self.max_stream_seconds = max_stream_seconds
         self.on_result = on_result
         self._pools: dict[str, upstream_http.ConnectionPool] = {}
         self._maxsize = maxsize
@@ -269,10 +280,20 @@ class Forwarder:
         Raises:
             UpstreamTimeoutError: the body stalled past the read timeout.
             UpstreamConnectError: the backend dropped the connection mid-body.
+            UpstreamResponseTooLargeError: the body is over ``max_response_bytes`` (it is
+                not read further; the connection is closed).
         """
         response, lease = upstream.response, upstream.lease
         try:
-            data = response.read()  # pools or closes the connection, also on errors
+            # pools or closes the connection, also on errors
+            data = response.read(self.max_response_bytes)
+        except upstream_http.BodyTooLarge as exc:
+            self._failed(lease, "too_large")
+            log.warning("response of %s cut off: %s", upstream.backend.name, exc)
+            raise UpstreamResponseTooLargeError(
+                "upstream response exceeded server.max_upstream_response_bytes",
+                backend=upstream.backend.name,
+            ) from None
         except upstream_http.ReadTimeout:
             self._failed(lease, "timeout")
             raise UpstreamTimeoutError(
@@ -300,10 +321,21 @@ class Forwarder:
         response, lease = upstream.response, upstream.lease
         complete = False
         status = response.status
+        limit = self.max_stream_seconds
         try:
             # Decoded body bytes (chunked framing removed) as they arrive, several records
             # per piece when several were already received.
-            yield from response.stream()
+            if limit <= 0:
+                yield from response.stream()
+            else:
+                deadline = lease.started + limit
+                for piece in response.stream():
+                    yield piece
+                    if time.perf_counter() > deadline:
+                        status = self._stream_too_long(upstream)
+                        yield error_event(
+                            "upstream stream exceeded server.max_stream_duration_seconds")
+                        return
             complete = upstream.completed = True
         except (upstream_http.HTTPClientError, OSError) as exc:
             kind = "timeout" if isinstance(exc, upstream_http.ReadTimeout) else "stream"
@@ -320,6 +352,14 @@ class Forwarder:
                 if status < 400:  # neither finished nor broken: the client went away
                     status, ok = CLIENT_CLOSED, None
             lease.release(status, ok)
+
+    def _stream_too_long(self, upstream: Upstream) -> int:
+        """Count a stream cut at ``max_stream_seconds``; its status for the metrics (504)."""
+        self.metrics.child(self.metrics.upstream_errors, upstream.backend.name,
+                           "stream_duration").inc()
+        log.warning("stream from %s cut after %.0f s (server.max_stream_duration_seconds)",
+                    upstream.backend.name, self.max_stream_seconds)
+        return 504
 
 
 def openai_error_event(message: str) -> bytes:

@@ -10,7 +10,8 @@ States and transitions:
     ========  ======================================  ========
     online    command ok                              online
     online    connection error or timeout             fallback
-    online    other Redis error (bad reply, …)        online
+    online    other Redis error (error reply, …)      online
+    online    unusable reply (too deep, malformed)    online
     fallback  background probe (PING) ok              online
     fallback  background probe fails                  fallback
     ========  ======================================  ========
@@ -18,7 +19,10 @@ States and transitions:
 Invariants: while in ``fallback`` no command is sent to Redis (callers get a
 :class:`~continuum.errors.StoreError` of kind ``fallback`` at once and use their in-memory
 fallback, or treat it as a miss); only the probe greenlet talks to Redis then, every
-``probe_interval_seconds``; listeners hear every transition.
+``probe_interval_seconds``; listeners hear every transition. Whatever a command raises (short
+of the greenlet being killed) reaches the caller as a ``StoreError``: a reply that cannot be
+parsed or used — nested deeper than the parser's recursion, say — is kind ``protocol``, so a
+misbehaving server costs a cache miss, never a 500.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ class RedisLink:
         self.pool = redis.BlockingConnectionPool.from_url(url, **kwargs)
         self.client = redis.Redis(connection_pool=self.pool)
         self.fallback_active = False
-        self.errors = {"connection": 0, "timeout": 0, "other": 0}
+        self.errors = {"connection": 0, "timeout": 0, "protocol": 0, "other": 0}
         self._listeners: list[weakref.WeakMethod[Listener]] = []
         self._greenlet: Any = None
         self._publish_state()
@@ -81,7 +85,8 @@ class RedisLink:
 
         Raises:
             StoreError: Redis is in fallback (kind ``fallback``), unreachable
-                (``connection``), too slow (``timeout``) or answered an error (``other``).
+                (``connection``), too slow (``timeout``), answered an error (``other``) or
+                something that could not be read or used (``protocol``).
         """
         if self.fallback_active:
             raise StoreError("Redis is unavailable (fallback active)", store="redis",
@@ -101,6 +106,12 @@ class RedisLink:
             self._count("other")
             raise StoreError(f"Redis {operation} failed: {exc}", store="redis",
                              kind="other") from None
+        except Exception as exc:  # the parser or a reply callback choked on the reply
+            # redis-py drops a connection whose read failed: no half-read reply is reused.
+            self._count("protocol")
+            log.debug("Redis %s: unusable reply (%s)", operation, type(exc).__name__)
+            raise StoreError(f"Redis {operation}: unusable reply ({type(exc).__name__})",
+                             store="redis", kind="protocol") from None
         finally:
             if self.metrics is not None:
                 self.metrics.child(self.metrics.redis_latency, operation).observe(
@@ -140,7 +151,7 @@ class RedisLink:
         """PING Redis directly (even in fallback); leave fallback when it answers."""
         try:
             ok = bool(self.client.ping())
-        except redis.RedisError as exc:
+        except Exception as exc:  # a Redis error or an unusable reply alike
             log.debug("Redis probe failed: %s", exc)
             ok = False
         if ok and self.fallback_active:

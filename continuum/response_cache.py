@@ -137,6 +137,9 @@ class ResponseCache:
         except StoreError as exc:
             log.debug("cache get failed (%s): treated as a miss", exc.kind)
             value = None
+        except Exception as exc:  # a store bug is a miss too, never a 500
+            log.warning("cache get failed (%s): treated as a miss", type(exc).__name__)
+            value = None
         entry = None if value is None else decode_entry(value)
         expected = "sse" if ctx.stream else "body"
         if entry is None or entry.kind != expected:
@@ -152,14 +155,15 @@ class ResponseCache:
     def _delete(self, key: str) -> None:
         try:
             self.store.delete(key)
-        except StoreError:
-            pass
+        except Exception:  # StoreError or a store bug: the entry is replaced or expires
+            log.debug("cache delete failed", exc_info=True)
 
     def _store(self, key: str, value: bytes) -> None:
         try:
             self.store.set(key, value, self.config.ttl)
-        except StoreError as exc:
-            log.debug("cache set failed (%s); response not cached", exc.kind)
+        except Exception as exc:  # StoreError or a store bug: the answer is still served
+            log.debug("cache set failed (%s); response not cached",
+                      exc.kind if isinstance(exc, StoreError) else type(exc).__name__)
             self.metrics.child(self.metrics.response_cache_stores, "error").inc()
             return
         self.metrics.child(self.metrics.response_cache_stores, "stored").inc()
@@ -250,7 +254,8 @@ class ResponseCache:
             doc["redis"] = {
                 "connections": extra.get("connections", {"active": 0, "idle": 0}),
                 "fallback_active": bool(extra.get("fallback_active", False)),
-                "errors": extra.get("errors", {"connection": 0, "timeout": 0, "other": 0}),
+                "errors": extra.get("errors", {"connection": 0, "timeout": 0, "protocol": 0,
+                                              "other": 0}),
             }
         return doc
 

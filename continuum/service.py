@@ -88,6 +88,8 @@ class RouterService:
             metrics,
             retry_connect_errors=config.pool.retry_connect_errors,
             on_result=self.health.observe,
+            max_response_bytes=config.server.max_upstream_response_bytes,
+            max_stream_seconds=config.server.max_stream_duration_seconds,
         )
         self.auth = ClientAuth(config.auth)
         self._kept_links: list[RedisLink] = []
@@ -113,8 +115,9 @@ class RouterService:
             return
         index_cls = cast("type[KvCacheIndex]", self.registry.load(KV_INDEXES, kv.backend))
         self.kv_index = index_cls.from_config(config, metrics=self.metrics, redis=self.redis)
-        self.kv_consumers = KvEventConsumerManager(kv.event_sources, self.kv_index,
-                                                   self.metrics.registry)
+        self.kv_consumers = KvEventConsumerManager(
+            kv.event_sources, self.kv_index, self.metrics.registry,
+            tokens={s.backend_name: kv.source_token(s) for s in kv.event_sources})
         if config.prefix_routing.enabled:
             self.kv_scorer = KvOverlapScorer(self.kv_index, kv.scoring, self.metrics)
             self.pipeline.scorers = (*self.pipeline.scorers, self.kv_scorer)
@@ -329,6 +332,8 @@ class RouterService:
         for backend in self.pool:
             backend.set_ewma_alpha(new.pool.latency_ewma_alpha)
         self.forwarder.retry_connect_errors = new.pool.retry_connect_errors
+        self.forwarder.max_response_bytes = new.server.max_upstream_response_bytes
+        self.forwarder.max_stream_seconds = new.server.max_stream_duration_seconds
         self._reload_response_cache(old, new)
         self.auth = ClientAuth(new.auth)
         return report

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,8 +242,10 @@ class SseTransport:
 
     @classmethod
     def open(cls, url: str, last_event_id: str | None, connect_timeout: float,
-             read_timeout: float | None) -> SseTransport:
-        """Connect, sending ``Last-Event-ID`` when resuming.
+             read_timeout: float | None,
+             headers: Mapping[str, str] | None = None) -> SseTransport:
+        """Connect, sending ``Last-Event-ID`` when resuming and ``headers`` (such as
+        ``Authorization``) always.
 
         Raises:
             StreamOpenError: a status other than 200 or a non-``text/event-stream`` body.
@@ -253,11 +255,11 @@ class SseTransport:
         adapter = _KeepAliveAdapter()
         session.mount("http://", adapter)
         session.mount("https://", adapter)
-        headers = {"Accept": "text/event-stream", "Cache-Control": "no-cache"}
+        sent = {"Accept": "text/event-stream", "Cache-Control": "no-cache", **(headers or {})}
         if last_event_id:
-            headers["Last-Event-ID"] = last_event_id
+            sent["Last-Event-ID"] = last_event_id
         try:
-            response = session.get(url, headers=headers, stream=True,
+            response = session.get(url, headers=sent, stream=True,
                                    timeout=(connect_timeout, read_timeout))
         except BaseException:
             session.close()

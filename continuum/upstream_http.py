@@ -13,7 +13,8 @@ gevent (monkey-patched ``socket``/``ssl``) every blocking call yields to the hub
   or until close). The connection goes back to the pool only after the whole body was read.
 
 Errors: :class:`ConnectError` (:class:`ConnectTimeout`), :class:`ReadTimeout` (covers a stalled
-send too) and :class:`ProtocolError` (malformed or over-limit answer, EOF or reset mid-message).
+send too) and :class:`ProtocolError` (malformed or over-limit answer, EOF or reset mid-message;
+:class:`BodyTooLarge` when :meth:`Response.read` was given a ``limit`` and the body exceeds it).
 """
 
 from __future__ import annotations
@@ -54,6 +55,19 @@ class ReadTimeout(HTTPClientError):
 
 class ProtocolError(HTTPClientError):
     """A malformed or over-limit response, or the connection ended before the message did."""
+
+
+class BodyTooLarge(ProtocolError):
+    """The body is larger than the ``limit`` given to :meth:`Response.read`.
+
+    Raised before the body is read when ``Content-Length`` already says so, otherwise as soon
+    as the bytes received go over the limit (at most one receive buffer past it); the
+    connection is closed either way.
+    """
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"response body exceeds {limit} bytes")
+        self.limit = limit
 
 
 class _Stale(Exception):
@@ -128,15 +142,37 @@ class Response:
         if left == 0:
             self._finish()
 
-    def read(self) -> bytes:
-        """The whole (rest of the) body; the connection is then pooled or closed."""
+    def read(self, limit: int | None = None) -> bytes:
+        """The whole (rest of the) body; the connection is then pooled or closed.
+
+        Args:
+            limit: Largest body accepted, in bytes (None: no limit).
+
+        Raises:
+            BodyTooLarge: the body is over ``limit`` (the connection is closed; at most
+                ``limit`` plus one receive buffer was read).
+        """
         conn, left = self._conn, self._left
+        if limit is not None and left is not None and left > limit:
+            self.close()
+            raise BodyTooLarge(limit)
         if conn is not None and left is not None and len(conn.buf) - conn.pos >= left:
             data = conn.take(left)  # the common case: the body came with the head
             self._left = 0
             self._finish()
             return data
-        return b"".join(self.stream())
+        if limit is None:
+            return b"".join(self.stream())
+        parts: list[bytes] = []
+        size = 0
+        pieces = self.stream()
+        for piece in pieces:
+            size += len(piece)
+            if size > limit:
+                pieces.close()  # closes the connection: the rest is never read
+                raise BodyTooLarge(limit)
+            parts.append(piece)
+        return b"".join(parts)
 
     def stream(self) -> Generator[bytes, None, None]:
         """Yield body bytes as they arrive, all that is buffered at once (chunked: decoded).

@@ -7,8 +7,10 @@ fails the connection on protocol violations (masked or RSV-flagged server frames
 or fragmented control frames, stray continuations). No extensions, no subprotocols.
 
 Like the SSE parser, it refuses to buffer without bound: a message whose payload would go
-over ``max_message`` bytes raises :class:`~continuum.sse.StreamOverflowError` before the
-payload is read. Plain :mod:`socket`/:mod:`ssl` is used, so under gevent's monkey patching
+over ``max_message`` bytes, or that takes more than ``max_frames`` frames (control frames
+between its fragments included: empty continuation frames cost memory and time but no
+payload bytes), raises :class:`~continuum.sse.StreamOverflowError` before the payload is
+read. Plain :mod:`socket`/:mod:`ssl` is used, so under gevent's monkey patching
 every read yields to the hub.
 """
 
@@ -30,6 +32,8 @@ from continuum.sse import KEEPALIVE_OPTIONS, MAX_SSE_BUFFER_SIZE, StreamOverflow
 
 WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 MAX_HANDSHAKE_SIZE = 16 * 1024
+#: Frames one message may take; listener events are one frame, a fragmenting proxy a few.
+MAX_MESSAGE_FRAMES = 1024
 
 OP_CONTINUATION, OP_TEXT, OP_BINARY = 0x0, 0x1, 0x2
 OP_CLOSE, OP_PING, OP_PONG = 0x8, 0x9, 0xA
@@ -82,10 +86,12 @@ class WebSocketClient:
     """
 
     def __init__(self, sock: socket.socket, *, buffered: bytes = b"",
-                 max_message: int = MAX_SSE_BUFFER_SIZE) -> None:
+                 max_message: int = MAX_SSE_BUFFER_SIZE,
+                 max_frames: int = MAX_MESSAGE_FRAMES) -> None:
         self._sock = sock
         self._buf = bytearray(buffered)
         self.max_message = max_message
+        self.max_frames = max_frames
         self.close_code: int | None = None
         self.high_water = 0
         self._close_sent = False
@@ -101,8 +107,10 @@ class WebSocketClient:
         ssl_context: ssl.SSLContext | None = None,
         socket_options: tuple[tuple[int, int, int], ...] = (),
         max_message: int = MAX_SSE_BUFFER_SIZE,
+        headers: Mapping[str, str] | None = None,
     ) -> WebSocketClient:
-        """Open ``url`` (``ws://`` or ``wss://``), adding ``query`` to its query string.
+        """Open ``url`` (``ws://`` or ``wss://``), adding ``query`` to its query string and
+        ``headers`` to the handshake request.
 
         Raises:
             WebSocketError: the server did not complete a valid RFC 6455 handshake.
@@ -127,9 +135,13 @@ class WebSocketClient:
                 sock = context.wrap_socket(sock, server_hostname=parts.hostname)
             key = base64.b64encode(os.urandom(16)).decode("ascii")
             host = parts.netloc.rpartition("@")[2]
+            pairs = list((headers or {}).items())
+            if any(ch in f"{name}{value}" for name, value in pairs for ch in "\r\n"):
+                raise WebSocketError("CR or LF inside a handshake header")
+            extra_headers = "".join(f"{name}: {value}\r\n" for name, value in pairs)
             request = (f"GET {target} HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\n"
                        f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
-                       "Sec-WebSocket-Version: 13\r\n\r\n")
+                       f"Sec-WebSocket-Version: 13\r\n{extra_headers}\r\n")
             sock.sendall(request.encode("ascii"))
             head, rest = _read_handshake(sock)
             _check_handshake(head, key)
@@ -146,14 +158,22 @@ class WebSocketClient:
         validation then rejects the message as malformed instead of the whole connection.
 
         Raises:
-            StreamOverflowError: the message is larger than ``max_message``.
+            StreamOverflowError: the message is larger than ``max_message`` or takes more
+                than ``max_frames`` frames.
             WebSocketError: protocol violation, or the connection ended without a close.
         """
         parts: list[bytes] = []
         size = 0
+        frames = 0
         in_message = False
         while True:
             fin, opcode, length = self._frame_header()
+            if in_message:
+                frames += 1
+                if frames >= self.max_frames:
+                    raise StreamOverflowError(
+                        f"WebSocket message over {self.max_frames} frames", what="frames",
+                        size=frames + 1, limit=self.max_frames)
             if opcode >= OP_CLOSE:
                 if not fin or length > 125:
                     raise WebSocketError("fragmented or oversized control frame")
@@ -239,12 +259,14 @@ class WebSocketTransport:
 
     @classmethod
     def open(cls, url: str, last_event_id: str | None, connect_timeout: float,
-             read_timeout: float | None) -> WebSocketTransport:
-        """Connect, passing the resume point as ``?last_event_id=<id>``."""
+             read_timeout: float | None,
+             headers: Mapping[str, str] | None = None) -> WebSocketTransport:
+        """Connect, passing the resume point as ``?last_event_id=<id>`` and ``headers``
+        (such as ``Authorization``) with the handshake."""
         query = {"last_event_id": last_event_id} if last_event_id else None
         return cls(WebSocketClient.connect(url, query=query, connect_timeout=connect_timeout,
                                            read_timeout=read_timeout,
-                                           socket_options=KEEPALIVE_OPTIONS))
+                                           socket_options=KEEPALIVE_OPTIONS, headers=headers))
 
     @property
     def high_water(self) -> int:

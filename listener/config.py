@@ -14,7 +14,15 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from continuum.config.fields import Issues, build_section, from_env, join, setting
+from continuum.config.fields import (
+    Issues,
+    build_section,
+    check_secret_source,
+    from_env,
+    join,
+    secret_from_file_or_env,
+    setting,
+)
 from continuum.errors import ConfigIssue
 
 SOURCE_NAME = r"[A-Za-z0-9_-]{1,64}"
@@ -24,7 +32,7 @@ TEMPLATES = ("auto", "chatml", "llama3")
 
 @dataclass(frozen=True)
 class LimitsConfig:
-    """``limits``: memory bounds of the block-chain tracker, per source."""
+    """``limits``: memory bounds of the block-chain tracker and the ZMQ input, per source."""
 
     max_chain_tokens: int = setting(
         16384, doc="longest token chain rebuilt for /detokenize; longer chains stay "
@@ -35,6 +43,12 @@ class LimitsConfig:
     max_retained_tokens: int = setting(
         16777216, doc="token ids kept (4 bytes each; 64 MiB by default), oldest pruned first",
         min=1, max=1_000_000_000)
+    max_message_bytes: int = setting(
+        8 * 1024 * 1024, doc="largest ZMQ message part accepted (ZMQ_MAXMSGSIZE); a larger "
+        "one drops the publisher's connection, which reconnects", min=65536, max=1024**3)
+    max_sequence_streams: int = setting(
+        1024, doc="(topic, rank) sequence counters kept; least recently used dropped first",
+        min=1, max=1_000_000)
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,28 @@ class DetokenizeConfig:
     max_concurrent: int = setting(4, doc="calls in flight per source", min=1, max=256)
     cache_entries: int = setting(4096, doc="recovered chain texts remembered per source",
                                  min=0, max=10_000_000)
+    max_response_bytes: int = setting(
+        4 * 1024 * 1024, doc="largest /tokenize or /detokenize reply read; a larger one is a "
+        "failed call", min=1024, max=1024**3)
+
+
+@dataclass(frozen=True)
+class EventsAuthConfig:
+    """``events_auth``: the bearer token ``/events`` requires (the router's
+    ``kv_cache_index.listener_token_file``/``_env``); none set: the streams are open."""
+
+    token: str | None = setting(None, doc="never inline (an error): use token_file or "
+                                "token_env", secret=True)
+    token_file: str | None = setting(None, doc="file holding the token")
+    token_env: str | None = setting(None, doc="environment variable holding the token")
+
+    def resolved(self) -> str | None:
+        """The token, read now (None: /events is open)."""
+        return secret_from_file_or_env(self.token_file, self.token_env)
+
+    def check(self, path: str, issues: Issues) -> None:
+        check_secret_source(path, issues, "token", inline=self.token, file=self.token_file,
+                            env_name=self.token_env)
 
 
 @dataclass(frozen=True)
@@ -146,6 +182,11 @@ class ListenerConfig:
     subscriber_queue: int = setting(
         10000, doc="events queued for one slow subscriber before it is closed with "
         "buffer_overflow", min=1, max=10_000_000)
+    max_subscribers: int = setting(
+        256, doc="open /events subscriptions per backend; more are refused with 503",
+        min=1, max=100_000)
+    events_auth: EventsAuthConfig = setting(default_factory=EventsAuthConfig,
+                                            doc="bearer token for /events")
     log_level: str = setting("info", doc="log level",
                              choices=("debug", "info", "warning", "error"))
     limits: LimitsConfig = setting(default_factory=LimitsConfig, doc="tracker memory limits")

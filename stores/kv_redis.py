@@ -33,8 +33,9 @@ field is reported GpuHot), then orders ties by name.
 Fallback: while the link is in fallback, ``apply``/``query_backends``/``clear`` use an
 in-memory :class:`~stores.kv_memory.InMemoryKvIndex` with the same settings; both link
 transitions empty it (what it holds Redis never saw; the listener streams rebuild the
-index). Other Redis errors (an error reply) are raised as ``StoreError``: the consumer
-counts the event as dropped, the scorer treats the query as empty.
+index). Other Redis errors (an error reply, or a reply that cannot be parsed or has the wrong
+shape) are raised as ``StoreError``: the consumer counts the event as dropped, the scorer
+treats the query as empty.
 """
 
 from __future__ import annotations
@@ -256,13 +257,23 @@ class RedisKvIndex(KvCacheIndex):
             return self._fallback.query_backends(prefix_hash)
         key = self.prefix_key(prefix_hash)
         try:
-            ranked, tiers = self._link.execute("kv_query", partial(_query, key, key + ":tier"))
+            # Parsed inside execute(): a reply of the wrong shape is a StoreError too.
+            holdings = self._link.execute("kv_query", partial(self._holdings, key))
         except StoreError as exc:
             if exc.kind not in UNREACHABLE:
                 raise
             return self._fallback.query_backends(prefix_hash)
-        if not ranked:
+        if not holdings:
             return EMPTY
+        with self._counts_lock:
+            self._hits += 1
+        return holdings
+
+    def _holdings(self, key: str, client: redis.Redis) -> tuple[KvHolding, ...]:
+        """Query ``key`` and its tiers; the unexpired holders, ranked."""
+        ranked, tiers = _query(key, key + ":tier", client)
+        if not ranked:
+            return ()
         cutoff = self._clock() - self.entry_ttl_seconds
         holdings = []
         for member, score in ranked:
@@ -270,11 +281,7 @@ class RedisKvIndex(KvCacheIndex):
             if updated_at and updated_at <= cutoff:
                 continue  # the key is fresh, this backend's entry is not
             holdings.append(KvHolding(member.decode(), int(score), tier, updated_at))
-        if not holdings:
-            return EMPTY
         holdings.sort(key=rank_key)
-        with self._counts_lock:
-            self._hits += 1
         return tuple(holdings)
 
     def clear(self) -> int:
@@ -378,7 +385,7 @@ class RedisKvIndex(KvCacheIndex):
         while True:
             cursor, keys = self._link.execute("kv_scan", partial(self._scan_step, cursor))
             # The prefix check is a second line of defence against unlinking a foreign key.
-            mine = [k for k in keys if k.startswith(prefix)]
+            mine = [k for k in keys if isinstance(k, bytes) and k.startswith(prefix)]
             if mine:
                 removed += self._link.execute("kv_clear", partial(self._unlink_batch, mine))
             if cursor == 0:

@@ -255,7 +255,8 @@ class RedisCacheStore(CacheStore):
             cursor, keys = self._run("scan", partial(_scan_step, cursor, self._pattern))
             # MATCH is exact for an escaped prefix; the check is a second line of defence
             # against ever unlinking a key that is not ours.
-            mine = [k for k in keys if _as_bytes(k).startswith(prefix)]
+            mine = [k for k in keys
+                    if isinstance(k, (bytes, str)) and _as_bytes(k).startswith(prefix)]
             if mine:
                 removed += int(self._run("clear", partial(_unlink_all, mine)))
             if cursor == 0:

@@ -14,6 +14,7 @@ import re
 import types
 import typing
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Union
 
 from continuum.errors import ConfigIssue
@@ -37,6 +38,8 @@ def parse_duration(value: Any) -> float:
 
 def format_duration(seconds: float) -> str:
     """300.0 → ``"5m"``: the inverse of :func:`parse_duration` for round values."""
+    if seconds == 0:
+        return "0s"
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
         if seconds >= size and seconds % size == 0:
             return f"{int(seconds // size)}{unit}"
@@ -105,6 +108,59 @@ def from_env(literal: str | None, env_name: str | None) -> str | None:
     if env_name:
         return os.environ.get(env_name) or None
     return None
+
+
+def secret_from_file_or_env(file: str | None, env_name: str | None) -> str | None:
+    """A secret read now from ``file`` (surrounding whitespace stripped) or from the
+    environment variable ``env_name``; None when neither is set, or it is unreadable or
+    empty (:func:`check_secret_source` reports those at config load)."""
+    if file:
+        try:
+            return Path(file).read_text(encoding="utf-8").strip() or None
+        except (OSError, UnicodeDecodeError):
+            return None
+    if env_name:
+        return os.environ.get(env_name, "").strip() or None
+    return None
+
+
+def check_secret_source(path: str, issues: Issues, key: str, *, inline: str | None,
+                        file: str | None, env_name: str | None) -> None:
+    """Errors for a secret that may only come from ``<key>_file`` or ``<key>_env``.
+
+    ``<key>`` itself (``inline``) is refused: a secret written into the config file ends up
+    in backups, diffs and ``config`` output. Also refused: both sources at once, a file
+    that cannot be read or is empty, an unset variable, and a value that cannot travel in
+    an HTTP header (whitespace, control or non-ASCII characters).
+    """
+    file_key, env_key = f"{key}_file", f"{key}_env"
+    if inline is not None:
+        issues.error(join(path, key), f"is never read from the config file: put the secret "
+                     f"in a file ({file_key}) or an environment variable ({env_key})")
+    if file is not None and env_name is not None:
+        issues.error(join(path, env_key), f"set either {file_key} or {env_key}, not both")
+        return
+    if file is not None:
+        where = join(path, file_key)
+        try:
+            value = Path(file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            issues.error(where, f"cannot read the file: {exc.strerror or exc}", file)
+            return
+        except UnicodeDecodeError:
+            issues.error(where, "the file is not UTF-8 text", file)
+            return
+    elif env_name is not None:
+        where, value = join(path, env_key), os.environ.get(env_name, "").strip()
+        if not value:
+            issues.error(where, "environment variable is not set or empty", env_name)
+            return
+    else:
+        return
+    if not value:
+        issues.error(where, "the file is empty", file)
+    elif not (value.isascii() and value.isprintable()) or any(ch.isspace() for ch in value):
+        issues.error(where, "the secret must be printable ASCII without spaces")
 
 
 def join(path: str, key: str) -> str:

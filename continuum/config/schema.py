@@ -9,7 +9,14 @@ import os
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from continuum.config.fields import Issues, from_env, join, setting
+from continuum.config.fields import (
+    Issues,
+    check_secret_source,
+    from_env,
+    join,
+    secret_from_file_or_env,
+    setting,
+)
 
 NAME_PATTERN = r"[A-Za-z0-9_-]{1,64}"
 BACKEND_TYPES = ("openai", "anthropic")
@@ -30,6 +37,14 @@ class ServerConfig:
     max_body_bytes: int = setting(
         10 * 1024 * 1024, doc="largest accepted request body; larger gets 413",
         min=1024, max=1024**3,
+    )
+    max_upstream_response_bytes: int = setting(
+        64 * 1024 * 1024, doc="largest non-streamed backend answer read; larger gets 502",
+        min=1024, max=16 * 1024**3,
+    )
+    max_stream_duration_seconds: float = setting(
+        0.0, doc="longest a streamed answer is relayed before it ends with an SSE error "
+        "event; 0 = unlimited", min=0, max=7 * 86400, duration=True,
     )
     log_level: str = setting(
         "info", doc="log level", choices=("debug", "info", "warning", "error")
@@ -299,8 +314,21 @@ class KvEventSourceConfig:
         5000, doc="first reconnect delay; doubles up to max(this, 60 s)", min=10,
         max=3_600_000, restart=True,
     )
+    token: str | None = setting(None, doc="never inline (an error): use token_file or "
+                                "token_env", secret=True, restart=True)
+    token_file: str | None = setting(
+        None, doc="file holding the listener's bearer token for this stream (overrides "
+        "kv_cache_index.listener_token_*)", restart=True)
+    token_env: str | None = setting(None, doc="environment variable holding that token",
+                                    restart=True)
+
+    def resolved_token(self) -> str | None:
+        """This stream's bearer token, read now (None: use the index-wide one)."""
+        return secret_from_file_or_env(self.token_file, self.token_env)
 
     def check(self, path: str, issues: Issues) -> None:
+        check_secret_source(path, issues, "token", inline=self.token, file=self.token_file,
+                            env_name=self.token_env)
         if self.transport == "event_bus":
             issues.error(join(path, "transport"),
                          "push mode (event_bus) is not supported by this router yet; pull "
@@ -372,8 +400,23 @@ class KvCacheIndexConfig:
     )
     cache_salt: CacheSaltConfig = setting(default_factory=CacheSaltConfig,
                                           doc="router-issued cache salts")
+    listener_token: str | None = setting(
+        None, doc="never inline (an error): use listener_token_file or listener_token_env",
+        secret=True, restart=True)
+    listener_token_file: str | None = setting(
+        None, doc="file holding the bearer token sent to every listener stream",
+        restart=True)
+    listener_token_env: str | None = setting(
+        None, doc="environment variable holding that token", restart=True)
+
+    def source_token(self, source: KvEventSourceConfig) -> str | None:
+        """The bearer token for ``source``'s stream: its own, else the index-wide one."""
+        return source.resolved_token() or secret_from_file_or_env(
+            self.listener_token_file, self.listener_token_env)
 
     def check(self, path: str, issues: Issues) -> None:
+        check_secret_source(path, issues, "listener_token", inline=self.listener_token,
+                            file=self.listener_token_file, env_name=self.listener_token_env)
         if set(self.redis_key_prefix) & _GLOB_CHARS or not self.redis_key_prefix:
             issues.error(join(path, "redis_key_prefix"),
                          "must be non-empty and free of glob characters", self.redis_key_prefix)

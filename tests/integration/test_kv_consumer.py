@@ -26,6 +26,7 @@ import socketserver
 import struct
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -679,6 +680,62 @@ def test_ws_fragmented_message_over_the_cap_is_dropped(
     assert server.resume_ids == [None, "1"]
     assert run.consumer.events_dropped == 1
     assert 600 * 1024 <= run.consumer.buffer_high_water <= MAX_SSE_BUFFER_SIZE + 1
+
+
+def test_ws_message_of_endless_empty_continuations_is_dropped(
+        servers: list[ScriptedServer], run_consumer: Callable[..., Running]) -> None:
+    """Zero-length continuation frames carry no payload bytes; the frame cap stops them."""
+    def empties(server: ScriptedServer, sock: socket.socket, number: int, start: int) -> None:
+        sock.sendall(ws_frame(OP_TEXT, server.records[start][1]))
+        sock.sendall(ws_frame(OP_TEXT, b"{", fin=False))
+        empty = ws_frame(OP_CONT, b"", fin=False) * 65536  # 128 KiB of frames per send
+        sent = 0
+        while sent < 4_000_000:  # 8 MB on the wire unless the client leaves first
+            sock.sendall(empty)
+            sent += 65536
+        server.notes.append(sent)
+
+    server = ws_server(servers, 3, [empties], ws_hold)
+    run = run_consumer(f"ws://127.0.0.1:{server.port}/events/b1")
+    wait_until(lambda: len(run.index.log) == 3, "three events")
+    assert run.index.ids() == [1, 2, 3]
+    assert server.resume_ids == [None, "1"]
+    assert run.consumer.events_dropped == 1
+    assert run.metric("continuum_kv_event_dropped_total") == 1
+    assert server.notes == []  # the client left before the flood was through
+
+
+def test_ws_client_frame_cap_bounds_memory() -> None:
+    """The client itself: a message of a million empty continuations is refused after
+    ``max_frames`` frames, with next to no memory."""
+    from continuum.sse import StreamOverflowError
+    from continuum.websocket import MAX_MESSAGE_FRAMES, WebSocketClient
+
+    ours, theirs = socket.socketpair()
+    flood = ws_frame(OP_TEXT, b"{", fin=False) + ws_frame(OP_CONT, b"", fin=False) * 1_000_000
+
+    def send() -> None:
+        try:
+            theirs.sendall(flood + ws_frame(OP_CONT, b"}"))
+        except OSError:
+            pass  # the client closed its end
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    client = WebSocketClient(ours)
+    tracemalloc.start()
+    try:
+        with pytest.raises(StreamOverflowError) as caught:
+            client.recv()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        ours.close()
+        sender.join(DEADLINE)
+        theirs.close()
+    assert caught.value.what == "frames"
+    assert caught.value.size == MAX_MESSAGE_FRAMES + 1
+    assert peak < 512 * 1024, peak
 
 
 GEVENT_SCRIPT = """

@@ -324,5 +324,5 @@ def test_stats_never_talk_to_redis(links: Links) -> None:
     stats = links.index(links.link(f"redis://127.0.0.1:{free_port()}/0")).stats()
     assert stats["backend"] == "redis"
     assert (stats["prefix_count"], stats["entry_count"]) == (-1, -1)
-    assert stats["errors"] == {"connection": 0, "timeout": 0, "other": 0}
+    assert stats["errors"] == {"connection": 0, "timeout": 0, "protocol": 0, "other": 0}
     assert stats["fallback_active"] is False

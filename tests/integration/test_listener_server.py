@@ -62,9 +62,11 @@ def wait_until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> No
 class Reader:
     """One SSE subscription read by the router's client in a thread."""
 
-    def __init__(self, url: str, last_event_id: str | None = None) -> None:
+    def __init__(self, url: str, last_event_id: str | None = None,
+                 token: str | None = None) -> None:
         self.url = url
         self.last_event_id = last_event_id
+        self.headers = {"Authorization": f"Bearer {token}"} if token else None
         self.records: queue.Queue[Record] = queue.Queue()
         self.got: list[Record] = []
         self.error: BaseException | None = None
@@ -76,7 +78,8 @@ class Reader:
 
     def _run(self) -> None:
         try:
-            self.transport = SseTransport.open(self.url, self.last_event_id, 5.0, 60.0)
+            self.transport = SseTransport.open(self.url, self.last_event_id, 5.0, 60.0,
+                                               self.headers)
             self.opened.set()
             for event, data, record_id in self.transport.records():
                 self.records.put((record_id, event, json.loads(data) if data else None))
@@ -137,32 +140,36 @@ class Served:
     """The listener app on a real socket, served in this thread by gevent."""
 
     def __init__(self, ctx: Any, *, history: int = 50, queue_size: int = 5,
-                 keepalive: float = 0.2) -> None:
+                 keepalive: float = 0.2, token: str | None = None,
+                 max_subscribers: int = 256) -> None:
         self.hub = EventHub(["vllm-1", "vllm-2"], history_size=history,
-                            subscriber_queue=queue_size, epoch="abc")
+                            subscriber_queue=queue_size, epoch="abc",
+                            max_subscribers=max_subscribers)
+        self.token = token
         self.zap = ZapAuthenticator(ctx)
         self.sources = [ZmqSource(SourceConfig(
             backend_name=name, engine="vllm", model="m", zmq_endpoint="tcp://127.0.0.1:1",
             detokenize_endpoint="http://127.0.0.1:9/detokenize",
             allowed_publishers=("127.0.0.1",)), StubProcessor(), context=ctx, zap=self.zap)
             for name in self.hub.backends]
-        self.server = make_server(create_app(self.hub, self.sources, keepalive=keepalive),
-                                  "127.0.0.1:0")
+        self.server = make_server(create_app(self.hub, self.sources, keepalive=keepalive,
+                                             token=token), "127.0.0.1:0")
         self.server.start()
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         self.readers: list[Reader] = []
 
     def read(self, backend: str = "vllm-1", last_event_id: str | None = None,
              query: str = "") -> Reader:
-        reader = Reader(f"{self.url}/events/{backend}{query}", last_event_id)
+        reader = Reader(f"{self.url}/events/{backend}{query}", last_event_id, self.token)
         self.readers.append(reader)
         return reader
 
-    def get(self, path: str) -> requests.Response:
+    def get(self, path: str, headers: dict[str, str] | None = None) -> requests.Response:
         """A plain GET from a thread (the server needs this thread's loop meanwhile)."""
         result: list[Any] = []
         thread = threading.Thread(
-            target=lambda: result.append(requests.get(self.url + path, timeout=10)),
+            target=lambda: result.append(requests.get(self.url + path, timeout=10,
+                                                      headers=headers)),
             daemon=True)
         thread.start()
         wait_until(lambda: not thread.is_alive(), f"GET {path}")
@@ -179,14 +186,27 @@ class Served:
 
 
 @pytest.fixture
-def served() -> Iterator[Served]:
+def served_with() -> Iterator[Callable[..., Served]]:
+    """Factory: the listener app with the given options (one per test)."""
     ctx = zmq.Context()
-    app = Served(ctx)
+    apps: list[Served] = []
+
+    def make(**options: Any) -> Served:
+        app = Served(ctx, **options)
+        apps.append(app)
+        return app
+
     try:
-        yield app
+        yield make
     finally:
-        app.close()
+        for app in apps:
+            app.close()
         ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def served(served_with: Callable[..., Served]) -> Served:
+    return served_with()
 
 
 def created(n: int, tokens: int = 16) -> PrefixEvent:
@@ -312,6 +332,65 @@ def test_health_and_metrics(served: Served) -> None:
     assert "# TYPE continuum_kv_listener_processor_tracked_blocks gauge" in text
 
 
+def test_events_need_the_bearer_token_and_the_router_sends_it(
+        served_with: Callable[..., Served]) -> None:
+    served = served_with(token="s3cret-token")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-token"},
+                    {"Authorization": "Bearer s3cret-token2"}):
+        for path in ("/events/vllm-1", "/events/nope"):  # 401 first: names stay hidden
+            resp = served.get(path, headers)
+            assert resp.status_code == 401, (path, headers)
+            assert resp.headers["WWW-Authenticate"] == "Bearer"
+            assert resp.json()["error"]["type"] == "authentication_error"
+    assert served.get("/health").status_code == 200  # counts only: stays open
+    served.hub.publish("vllm-1", created(1))
+
+    def consumer(token: str | None) -> KvEventConsumerManager:
+        source = KvEventSourceConfig(backend_name="vllm-1", reconnect_interval_ms=20,
+                                     endpoint=served.url + "/events/vllm-1")
+        return KvEventConsumerManager([source], InMemoryKvIndex(), connect_timeout=2.0,
+                                      tokens={"vllm-1": token})
+
+    refused, accepted = consumer("wrong"), consumer("s3cret-token")
+    try:
+        refused.start()
+        accepted.start()
+        wait_until(lambda: len(accepted.consumers[0].index) == 1, "the snapshot's prefix")
+        served.hub.publish("vllm-1", created(2))
+        wait_until(lambda: len(accepted.consumers[0].index) == 2, "a live event")
+        wait_until(lambda: refused.consumers[0].reconnect_count >= 2, "refused reconnects")
+        assert refused.consumers[0].events_received == 0
+        assert not refused.consumers[0].connected and accepted.consumers[0].connected
+    finally:
+        refused.stop(timeout=10)
+        accepted.stop(timeout=10)
+    text = served.get("/metrics").text
+    unauthorized = [line for line in text.splitlines()
+                    if line.startswith("continuum_kv_listener_unauthorized_requests_total ")]
+    assert len(unauthorized) == 1 and float(unauthorized[0].split()[1]) >= 8 + 2
+
+
+def test_subscriber_cap_answers_503(served_with: Callable[..., Served]) -> None:
+    served = served_with(token="t0k", max_subscribers=2)
+    one, two = served.read(), served.read()
+    wait_until(lambda: served.hub.subscribers("vllm-1") == 2, "two subscriptions")
+    over = served.get("/events/vllm-1", {"Authorization": "Bearer t0k"})
+    assert over.status_code == 503
+    assert over.json()["error"] == {
+        "message": "too many subscribers for backend 'vllm-1' (max_subscribers: 2)",
+        "type": "service_unavailable"}
+    assert over.headers["Retry-After"] == "5"
+    other = served.read("vllm-2")  # the cap is per backend
+    other.take(1)
+    one.close()
+    wait_until(lambda: served.hub.subscribers("vllm-1") == 1, "a freed place")
+    three = served.read()
+    assert three.take(1)[0][1] == CACHE_CLEARED
+    assert served.hub.subscribers("vllm-1") == 2 and two.error is None
+    assert 'continuum_kv_listener_subscriptions_refused_total{backend="vllm-1"} 1.0' in \
+        served.get("/metrics").text
+
+
 def test_listen_addresses() -> None:
     assert parse_listen("127.0.0.1:7817") == ("127.0.0.1", 7817)
     assert parse_listen("[::1]:7817") == ("::1", 7817)
@@ -422,6 +501,30 @@ def test_sigterm_sends_draining_and_exits_zero(tmp_path: Path) -> None:
     finally:
         reader.close()
         listener.proc.stop(signal.SIGKILL)
+
+
+def test_listener_process_wires_token_and_subscriber_cap(tmp_path: Path) -> None:
+    token_file = tmp_path / "listener.token"
+    token_file.write_text("proc-s3cret\n")
+    config = listener_config(free_port(), free_port(), free_port())
+    config.update(events_auth={"token_file": str(token_file)}, max_subscribers=1)
+    listener = ListenerProcess(tmp_path, config)
+    url = listener.url + "/events/vllm-1"
+    manager = KvEventConsumerManager(
+        [KvEventSourceConfig(backend_name="vllm-1", endpoint=url, reconnect_interval_ms=50)],
+        InMemoryKvIndex(), connect_timeout=2.0, tokens={"vllm-1": "proc-s3cret"})
+    try:
+        assert requests.get(url, timeout=5).status_code == 401
+        manager.start()
+        wait_until(lambda: listener.health()["sources"]["vllm-1"]["subscribers"] == 1,
+                   "the router's subscription")
+        assert manager.consumers[0].connected
+        over = requests.get(url, timeout=5, headers={"Authorization": "Bearer proc-s3cret"})
+        assert over.status_code == 503 and "max_subscribers: 1" in over.text
+    finally:
+        manager.stop(timeout=10)
+        listener.proc.stop()
+    assert "proc-s3cret" not in listener.proc.output()
 
 
 def chat(sim_url: str, n: int) -> None:

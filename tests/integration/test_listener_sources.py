@@ -28,9 +28,10 @@ from continuum.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvE
 from continuum.sim.hashing import block_hash_chain, hasher_for
 from continuum.sim.kv_publish import ZmqKvPublisher
 from continuum.sim.kv_wire import encode_zmq_payload
-from listener.config import ListenerConfig, SourceConfig
+from listener.config import LimitsConfig, ListenerConfig, SourceConfig
 from listener.hub import EventHub
 from listener.model import CACHE_CLEARED, CACHE_CREATED, CACHE_EVICTED, Emit, PrefixEvent
+from listener.server import ListenerCollector
 from listener.sources_trtllm import TrtllmSource
 from listener.sources_zmq import (
     ZapAuthenticator,
@@ -749,3 +750,66 @@ def test_start_up_replay_rebuilds_an_idle_engine(
     finally:
         source.stop()
         pub.close()
+
+
+# -- bounded input ---------------------------------------------------------------------------
+
+
+def test_oversize_message_is_dropped_and_the_source_keeps_working(
+        ctx: Any, zap: ZapAuthenticator, hub: EventHub) -> None:
+    """``limits.max_message_bytes`` is the SUB socket's ZMQ_MAXMSGSIZE: libzmq refuses the
+    big part from its length header and drops that connection; the engine reconnects and
+    the next normal batch is applied (after the gap the lost one leaves)."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    processor = StubProcessor(hub.publisher(BACKEND))
+    limits = LimitsConfig(max_message_bytes=65536)
+    source = ZmqSource(zmq_config(endpoint), processor, context=ctx, zap=zap, limits=limits)
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    try:
+        source.start()
+        pub.connect(endpoint)
+        _publish_until(pub, lambda: bool(processor.batches))
+        wait_until(lambda: bool(processor.batches), "a first batch")
+        gevent.sleep(0.1)
+        last = processor.seqs()[-1]
+        gaps = source.stats.sequence_gaps
+        # a valid batch of 1 MiB: 300 000 token ids in one BlockStored
+        big = [BlockStored((777,), None, tuple(range(1_000_000, 1_300_000)), 16, medium="GPU")]
+        oversize = frames(last + 1, big)
+        assert len(oversize[2]) > 1024 * 1024
+        pub.send_multipart(oversize)
+        wait_until(lambda: source.stats.publisher_disconnects >= 1, "the dropped connection")
+        n = last + 2
+        while n < last + 300 and processor.seqs()[-1] == last:  # the engine reconnects
+            pub.send_multipart(frames(n, stored(n)))
+            n += 1
+            gevent.sleep(0.02)
+        wait_until(lambda: processor.seqs()[-1] > last, "a batch after the oversize one")
+        assert 777 not in {h for e in processor.stored() for h in e.block_hashes}
+        assert source.stats.decode_errors == 0
+        assert source.stats.sequence_gaps == gaps + 1  # the lost batch is a gap
+        metrics = ListenerCollector(hub, [source])
+        exported = {m.name: m.samples[0].value for m in metrics.collect()
+                    if m.name.endswith("publisher_disconnects")}
+        assert exported == {"continuum_kv_listener_publisher_disconnects": 1.0}
+    finally:
+        pub.close(linger=0)
+        source.stop()
+
+
+def test_sequence_table_keeps_the_most_recently_used_streams(
+        ctx: Any, zap: ZapAuthenticator, hub: EventHub) -> None:
+    processor = StubProcessor(hub.publisher(BACKEND))
+    source = ZmqSource(zmq_config("tcp://127.0.0.1:1"), processor, context=ctx, zap=zap,
+                       limits=LimitsConfig(max_sequence_streams=8))
+    source.handle_frames(frames(0, stored(1), topic=b"real"))
+    for i in range(2000):  # a publisher inventing topics
+        source.handle_frames(frames(0, stored(2), topic=b"fake-%d" % i))
+        if i % 5 == 0:  # the real stream keeps publishing, so it stays recent
+            source.handle_frames(frames(1 + i // 5, stored(1), topic=b"real"))
+    assert source.health()["sequence_streams"] == 8
+    assert source.stats.pruned_streams == 2001 - 8
+    gaps, restarts = source.stats.sequence_gaps, source.stats.restarts
+    source.handle_frames(frames(1 + 2000 // 5, stored(1), topic=b"real"))
+    assert (source.stats.sequence_gaps, source.stats.restarts) == (gaps, restarts)

@@ -181,7 +181,7 @@ def test_error_reply_is_a_store_error_not_a_fallback(redis_server: RedisServer,
         store.get("list")
     assert caught.value.kind == "other"
     assert caught.value.store == "redis"
-    assert link.errors == {"connection": 0, "timeout": 0, "other": 1}
+    assert link.errors == {"connection": 0, "timeout": 0, "protocol": 0, "other": 1}
     assert link.fallback_active is False
     assert store.clear() == 1
 
@@ -296,7 +296,7 @@ def test_stats_never_talk_to_redis(links: Links) -> None:
     assert stats.entries == -1
     assert stats.capacity is None
     assert stats.extra is not None
-    assert stats.extra["errors"] == {"connection": 0, "timeout": 0, "other": 0}
+    assert stats.extra["errors"] == {"connection": 0, "timeout": 0, "protocol": 0, "other": 0}
     assert stats.extra["connections"] == {"active": 0, "idle": 0}
 
 
