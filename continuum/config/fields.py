@@ -16,6 +16,7 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import Any, Union
 
+from continuum.config.addresses import redact_url
 from continuum.errors import ConfigIssue
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
@@ -54,6 +55,7 @@ def setting(
     duration: bool = False,
     restart: bool = False,
     secret: bool = False,
+    credentials: bool = False,
     default_factory: Callable[[], Any] | None = None,
 ) -> Any:
     """Declare one config key.
@@ -66,7 +68,9 @@ def setting(
         pattern: regular expression a string must match in full.
         duration: accept ``"30s"``/``"5m"`` strings; stored as float seconds.
         restart: changing this key on hot reload needs a restart.
-        secret: never printed.
+        secret: never printed (errors show ``<redacted str>``; left out of ``repr``).
+        credentials: a URL whose ``user:password@`` part (and password-like query
+            parameters) are secret: printed only through :func:`redact_url`.
     """
     meta = {
         "doc": doc,
@@ -77,10 +81,35 @@ def setting(
         "duration": duration,
         "restart": restart,
         "secret": secret,
+        "credentials": credentials,
     }
+    shown = not (secret or credentials)
     if default_factory is not None:
-        return dataclasses.field(default_factory=default_factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+        return dataclasses.field(default_factory=default_factory, metadata=meta, repr=shown)
+    return dataclasses.field(default=default, metadata=meta, repr=shown)
+
+
+class Redacted:
+    """Stands in for a secret value wherever it would be printed: only its type shows."""
+
+    __slots__ = ("kind",)
+
+    def __init__(self, value: Any) -> None:
+        self.kind = type(value).__name__
+
+    def __repr__(self) -> str:
+        return f"<redacted {self.kind}>"
+
+
+def redacted(value: Any, meta: dict[str, Any] | None) -> Any:
+    """``value`` as it may be printed, per its field's ``secret``/``credentials`` flags."""
+    if value is None or not meta or isinstance(value, Redacted):
+        return value
+    if meta.get("secret"):
+        return Redacted(value)
+    if meta.get("credentials") and isinstance(value, str):
+        return redact_url(value)
+    return value
 
 
 class Issues:
@@ -89,6 +118,12 @@ class Issues:
     def __init__(self) -> None:
         self.errors: list[ConfigIssue] = []
         self.warnings: list[ConfigIssue] = []
+
+    def redact(self, root: type) -> None:
+        """Hide the value of every issue whose key path is a secret field of ``root`` (or a
+        URL with credentials), whichever ``check`` or reader recorded it."""
+        for issue in (*self.errors, *self.warnings):
+            issue.value = redacted(issue.value, meta_at(root, issue.path))
 
     def error(self, path: str, message: str, value: Any = None) -> None:
         self.errors.append(ConfigIssue(path, message, value))
@@ -109,6 +144,25 @@ def from_env(literal: str | None, env_name: str | None) -> str | None:
 
 def join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
+
+
+_INDEX = re.compile(r"\[\d+\]")
+
+
+def meta_at(root: type, path: str) -> dict[str, Any] | None:
+    """The field metadata of key path ``path`` (``backends[0].api_key``) in config class
+    ``root``, or None when the path names no field."""
+    cls: type | None = root
+    meta: dict[str, Any] | None = None
+    for name in _INDEX.sub("", path).split("."):
+        if cls is None:
+            return None
+        found = {f.name: f for f in dataclasses.fields(cls)}.get(name)
+        if found is None:
+            return None
+        meta = dict(found.metadata)
+        cls = _section_type(cls, name)
+    return meta
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
@@ -136,6 +190,15 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 
 
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+
+
+def describe_type(value: Any) -> str:
+    """``"a string"``, ``"a list"`` …: what a value is, without printing it."""
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
 
 
 def _coerce_scalar(tp: Any, value: Any, meta: dict[str, Any]) -> Any:
@@ -188,7 +251,7 @@ def build_section(cls: type, data: Any, path: str, issues: Issues) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        issues.error(path or "<root>", "expected a mapping", data)
+        issues.error(path or "<root>", f"expected a mapping (got {describe_type(data)})")
         data = {}
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
@@ -231,7 +294,7 @@ def read_value(tp: Any, value: Any, path: str, meta: dict[str, Any], issues: Iss
     if origin in (tuple, list):
         (item_type, *_rest) = typing.get_args(tp)
         if not isinstance(value, list):
-            issues.error(path, "expected a list", value)
+            issues.error(path, f"expected a list (got {describe_type(value)})")
             return ()
         return tuple(
             read_value(item_type, item, f"{path}[{i}]", meta, issues)
@@ -240,11 +303,11 @@ def read_value(tp: Any, value: Any, path: str, meta: dict[str, Any], issues: Iss
     try:
         coerced = _coerce_scalar(tp, value, meta)
     except ValueError as exc:
-        issues.error(path, str(exc), value)
+        issues.error(path, str(exc), redacted(value, meta))
         return None
     problem = _check_constraints(coerced, meta)
     if problem:
-        issues.error(path, problem, value)
+        issues.error(path, problem, redacted(value, meta))
     return coerced
 
 
@@ -279,6 +342,9 @@ def walk(section: Any, path: str = "") -> Iterator[tuple[str, dataclasses.Field[
 
 
 def _render(value: Any, meta: dict[str, Any]) -> str:
+    value = redacted(value, meta)
+    if isinstance(value, Redacted):
+        return '"<redacted>"'
     if meta.get("duration") and isinstance(value, float):
         return f'"{format_duration(value)}"'
     if value is None:
@@ -301,6 +367,10 @@ def _limits(meta: dict[str, Any]) -> str:
         parts.append("one of " + "|".join(str(c) for c in meta["choices"]))
     if meta.get("pattern") is not None:
         parts.append(f"matches {meta['pattern'].pattern}")
+    if meta.get("secret"):
+        parts.append("secret: never printed")
+    elif meta.get("credentials"):
+        parts.append("a password in it is never printed")
     if meta.get("restart"):
         parts.append("restart to change")
     return f" [{'; '.join(parts)}]" if parts else ""
