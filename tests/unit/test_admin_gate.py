@@ -10,7 +10,6 @@ import falcon
 import falcon.testing
 import pytest
 
-from continuum.admin import AdminResource
 from continuum.app import create_app
 from continuum.config import parse_config
 from continuum.registry import PluginRegistry
@@ -31,16 +30,6 @@ def _client(admin: dict[str, Any] | None = None) -> falcon.testing.TestClient:
     return falcon.testing.TestClient(create_app(config, registry=PluginRegistry()))
 
 
-class _Probe(AdminResource):
-    """An admin resource added after the fact: the gate must cover it with no code of its own."""
-
-    calls = 0
-
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        type(self).calls += 1
-        resp.media = {"ok": True}
-
-
 def test_without_a_token_every_admin_endpoint_answers_403() -> None:
     client = _client()
     assert client.app.service.config.admin.resolved_token() is None  # type: ignore[attr-defined]
@@ -58,6 +47,17 @@ def test_without_a_token_every_admin_endpoint_answers_403() -> None:
 
 
 def test_the_gate_guards_any_admin_resource_before_its_responder() -> None:
+    from continuum.admin import AdminResource
+
+    class _Probe(AdminResource):
+        """Added after the fact: the gate must cover it with no code of its own."""
+
+        calls = 0
+
+        def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+            type(self).calls += 1
+            resp.media = {"ok": True}
+
     client = _client()
     client.app.add_route("/admin/probe", _Probe(client.app.service))  # type: ignore[attr-defined]
     _Probe.calls = 0

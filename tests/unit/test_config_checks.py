@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from continuum.config import check_config, check_config_file
-from continuum.config.addresses import redact_url
 from continuum.errors import ConfigIssue
 from listener.config import check_listener_config, check_listener_file
 
@@ -264,4 +263,6 @@ def test_location_falls_back_to_nearest_ancestor() -> None:
     ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1"),
 ])
 def test_redact_url(url: str, shown: str) -> None:
+    from continuum.config.addresses import redact_url
+
     assert redact_url(url) == shown

@@ -157,19 +157,15 @@ def test_no_planted_secret_is_ever_printed(tmp_path: Path,
     out.append(_run("-m", "listener.cli", "--print-defaults"))
 
     # Errors as the library raises them.
+    refused_files = []
     for name in ("bad.yaml", "broken.yaml", "dup.yaml", "section.yaml"):
-        with pytest.raises(ConfigError) as err:
+        try:
             load_config(tmp_path / name)
-        out += [str(err.value), repr(err.value.issues)]
+        except ConfigError as exc:
+            out += [str(exc), repr(exc.issues)]
+            refused_files.append(name)
     result = check_config_file(tmp_path / "bad.yaml")
     out.append("\n".join(issue.render(result.source) for issue in result.errors))
-    # Every error path above was really driven (a message naming each secret field).
-    bad_paths = {issue.path for issue in result.errors}
-    assert {"backends[0].url", "backends[0].api_key", "backends[1].url",
-            "backends[1].api_key", "backends[2].url", "backends[2].api_key",
-            "response_cache.redis.url", "auth.keys[0].key", "auth.keys[1].key",
-            "kv_cache_index.cache_salt.secret", "kv_cache_index.event_sources[0].endpoint",
-            "admin.token"} <= bad_paths, bad_paths
 
     # The running app: admin views, reload refused, watcher log, reload applied.
     path = tmp_path / "router.yaml"
@@ -196,7 +192,7 @@ def test_no_planted_secret_is_ever_printed(tmp_path: Path,
 
     path.write_text(BAD)
     refused = client.simulate_post("/admin/config/reload", headers=headers)
-    assert refused.status_code == 400 and len(refused.json["errors"]) >= 12
+    assert refused.status_code == 400
     out.append(refused.text)
     path.write_text(BAD + "\n# touched\n")
     assert reloader.check() is None  # the watcher logs the refusal
@@ -217,5 +213,14 @@ def test_no_planted_secret_is_ever_printed(tmp_path: Path,
     assert "config change ignored" in caplog.text  # the watcher's log was captured
 
     assert _leaks(out) == []
-    # Not vacuous: every plant was in a file that the outputs above came from.
+    # Not vacuous: every error path was really driven (a message naming each secret
+    # field), every bad file refused, and every plant was in a file the outputs came from.
+    assert refused_files == ["bad.yaml", "broken.yaml", "dup.yaml", "section.yaml"]
+    assert len(refused.json["errors"]) == len(result.errors)
+    bad_paths = {issue.path for issue in result.errors}
+    assert {"backends[0].url", "backends[0].api_key", "backends[1].url",
+            "backends[1].api_key", "backends[2].url", "backends[2].api_key",
+            "response_cache.redis.url", "auth.keys[0].key", "auth.keys[1].key",
+            "kv_cache_index.cache_salt.secret", "kv_cache_index.event_sources[0].endpoint",
+            "admin.token"} <= bad_paths, bad_paths
     assert len(_leaks([*files.values(), _good("2")])) == len(PLANTS) + len(NUMBER_PLANTS)
