@@ -50,7 +50,8 @@ class SaltConfig:
     """``cache_salt``: verify router-issued salts (the router's kv_cache_index.cache_salt)."""
 
     secret: str | None = setting(None, doc="shared HMAC secret", secret=True)
-    secret_env: str | None = setting(None, doc="environment variable holding the secret")
+    secret_env: str | None = setting(None, doc="environment variable holding the secret",
+                                     env_var=True)
 
     def resolved(self) -> bytes | None:
         value = from_env(self.secret, self.secret_env)

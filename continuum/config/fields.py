@@ -56,6 +56,7 @@ def setting(
     restart: bool = False,
     secret: bool = False,
     credentials: bool = False,
+    env_var: bool = False,
     default_factory: Callable[[], Any] | None = None,
 ) -> Any:
     """Declare one config key.
@@ -71,6 +72,8 @@ def setting(
         secret: never printed (errors show ``<redacted str>``; left out of ``repr``).
         credentials: a URL whose ``user:password@`` part (and password-like query
             parameters) are secret: printed only through :func:`redact_url`.
+        env_var: names an environment variable holding a secret; printed only when it
+            looks like a variable name (a secret pasted here by mistake is not).
     """
     meta = {
         "doc": doc,
@@ -82,11 +85,15 @@ def setting(
         "restart": restart,
         "secret": secret,
         "credentials": credentials,
+        "env_var": env_var,
     }
     shown = not (secret or credentials)
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=meta, repr=shown)
     return dataclasses.field(default=default, metadata=meta, repr=shown)
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 
 class Redacted:
@@ -109,6 +116,8 @@ def redacted(value: Any, meta: dict[str, Any] | None) -> Any:
         return Redacted(value)
     if meta.get("credentials") and isinstance(value, str):
         return redact_url(value)
+    if meta.get("env_var") and not (isinstance(value, str) and _ENV_NAME.fullmatch(value)):
+        return Redacted(value)
     return value
 
 

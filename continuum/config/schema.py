@@ -58,7 +58,8 @@ class BackendConfig:
     )
     weight: int = setting(1, doc="relative weight for weighted strategies", min=1, max=10000)
     api_key: str | None = setting(None, doc="API key sent upstream", secret=True)
-    api_key_env: str | None = setting(None, doc="environment variable holding the API key")
+    api_key_env: str | None = setting(None, doc="environment variable holding the API key",
+                                      env_var=True)
     connect_timeout_ms: int = setting(
         3000, doc="TCP connect timeout", min=10, max=600000
     )
@@ -326,7 +327,7 @@ class CacheSaltConfig:
     secret: str | None = setting(None, doc="HMAC secret shared with the listener",
                                  secret=True, restart=True)
     secret_env: str | None = setting(None, doc="environment variable holding the secret",
-                                     restart=True)
+                                     restart=True, env_var=True)
 
     def resolved(self) -> bytes | None:
         value = from_env(self.secret, self.secret_env)
@@ -386,7 +387,8 @@ class ClientKeyConfig:
     """``auth.keys[]``: one client API key and the tenant it belongs to."""
 
     key: str | None = setting(None, doc="the key clients send", secret=True)
-    key_env: str | None = setting(None, doc="environment variable holding the key")
+    key_env: str | None = setting(None, doc="environment variable holding the key",
+                                  env_var=True)
     tenant: str | None = setting(None, doc="tenant id (isolates cached responses)",
                                  pattern=NAME_PATTERN)
     tenant_env: str | None = setting(None, doc="environment variable holding the tenant id")
@@ -426,7 +428,8 @@ class AdminConfig:
     development opt-out)."""
 
     token: str | None = setting(None, doc="bearer token required by /admin", secret=True)
-    token_env: str | None = setting(None, doc="environment variable holding the token")
+    token_env: str | None = setting(None, doc="environment variable holding the token",
+                                    env_var=True)
     allow_unauthenticated: bool = setting(
         False, doc="open /admin without a token: local development only (warned at every "
         "start)",

@@ -38,7 +38,8 @@ PLANTS = {
         "endpoint-pw", "api-key-2", "admin-token-2", "client-key-2", "salt-2", "redis-pw-2",
         "backend-pw-2", "endpoint-pw-2", "yaml-broken", "dup-key", "section",
         "listener-salt", "trtllm-pw", "detok-pw", "backend-pw-3", "listener-detok-ok",
-        "redis-query"])
+        "redis-query", "pasted-api-key", "pasted-client-key", "pasted-salt", "pasted-token",
+        "pasted-listener-salt"])
 }
 NUMBER_PLANTS = {"api-key-int": "8675309123456", "admin-token-int": "3141592653589",
                  "client-key-int": "2718281828459"}
@@ -96,6 +97,15 @@ BROKEN_YAML = f'backends: []\nadmin:\n  token: "{P["yaml-broken"]}\n  other: [\n
 DUPLICATE = f'admin:\n  token: "{P["dup-key"]}"\n  token: "{P["dup-key"]}"\n'
 SECTION_AS_STRING = f'admin: "{P["section"]}"\nauth: ["{P["section"]}"]\n'
 
+# Secrets pasted where the name of an environment variable belongs.
+PASTED = f"""
+backends: [{{name: a, url: "http://127.0.0.1:9", api_key_env: "{P['pasted-api-key']}"}}]
+auth: {{keys: [{{key_env: "{P['pasted-client-key']}", tenant: t}}]}}
+kv_cache_index: {{cache_salt: {{enabled: true, secret_env: "{P['pasted-salt']}"}}}}
+admin: {{token_env: "{P['pasted-token']}"}}
+"""
+LISTENER_PASTED = f'cache_salt: {{secret_env: "{P["pasted-listener-salt"]}"}}\n'
+
 LISTENER_BAD = f"""
 cache_salt: {{secret: ["{P['listener-salt']}"]}}
 sources:
@@ -142,23 +152,25 @@ def test_no_planted_secret_is_ever_printed(tmp_path: Path,
     caplog.set_level(logging.DEBUG)
     out: list[str] = []
     files = {"good.yaml": _good("1"), "bad.yaml": BAD, "broken.yaml": BROKEN_YAML,
-             "dup.yaml": DUPLICATE, "section.yaml": SECTION_AS_STRING,
-             "listener-bad.yaml": LISTENER_BAD, "listener-good.yaml": LISTENER_GOOD}
+             "dup.yaml": DUPLICATE, "section.yaml": SECTION_AS_STRING, "pasted.yaml": PASTED,
+             "listener-bad.yaml": LISTENER_BAD, "listener-good.yaml": LISTENER_GOOD,
+             "listener-pasted.yaml": LISTENER_PASTED}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
 
     # The CLIs.
-    for name in ("good.yaml", "bad.yaml", "broken.yaml", "dup.yaml", "section.yaml"):
+    for name in ("good.yaml", "bad.yaml", "broken.yaml", "dup.yaml", "section.yaml",
+                 "pasted.yaml"):
         out.append(_run("-m", "continuum.cli", "config", "validate", str(tmp_path / name)))
     out.append(_run("-m", "continuum.cli", "config", "defaults"))
     out.append(_run("-m", "continuum.cli", "serve", "--config", str(tmp_path / "bad.yaml")))
-    for name in ("listener-bad.yaml", "listener-good.yaml"):
+    for name in ("listener-bad.yaml", "listener-good.yaml", "listener-pasted.yaml"):
         out.append(_run("-m", "listener.cli", "--config", str(tmp_path / name), "--check"))
     out.append(_run("-m", "listener.cli", "--print-defaults"))
 
     # Errors as the library raises them.
     refused_files = []
-    for name in ("bad.yaml", "broken.yaml", "dup.yaml", "section.yaml"):
+    for name in ("bad.yaml", "broken.yaml", "dup.yaml", "section.yaml", "pasted.yaml"):
         try:
             load_config(tmp_path / name)
         except ConfigError as exc:
@@ -196,7 +208,7 @@ def test_no_planted_secret_is_ever_printed(tmp_path: Path,
     out.append(refused.text)
     path.write_text(BAD + "\n# touched\n")
     assert reloader.check() is None  # the watcher logs the refusal
-    for name in ("broken.yaml", "dup.yaml", "section.yaml"):
+    for name in ("broken.yaml", "dup.yaml", "section.yaml", "pasted.yaml"):
         path.write_text(files[name])
         out.append(client.simulate_post("/admin/config/reload", headers=headers).text)
 
@@ -215,7 +227,8 @@ def test_no_planted_secret_is_ever_printed(tmp_path: Path,
     assert _leaks(out) == []
     # Not vacuous: every error path was really driven (a message naming each secret
     # field), every bad file refused, and every plant was in a file the outputs came from.
-    assert refused_files == ["bad.yaml", "broken.yaml", "dup.yaml", "section.yaml"]
+    assert refused_files == ["bad.yaml", "broken.yaml", "dup.yaml", "section.yaml",
+                             "pasted.yaml"]
     assert len(refused.json["errors"]) == len(result.errors)
     bad_paths = {issue.path for issue in result.errors}
     assert {"backends[0].url", "backends[0].api_key", "backends[1].url",
