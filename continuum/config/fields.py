@@ -109,7 +109,8 @@ class Redacted:
 
 
 def redacted(value: Any, meta: dict[str, Any] | None) -> Any:
-    """``value`` as it may be printed, per its field's ``secret``/``credentials`` flags."""
+    """``value`` as it may be printed, per its field's ``secret``, ``credentials`` and
+    ``env_var`` flags (``meta``: the field's metadata, or None for no field)."""
     if value is None or not meta or isinstance(value, Redacted):
         return value
     if meta.get("secret"):
