@@ -1,10 +1,14 @@
 """``/admin`` endpoints: views of the router's state and a few controls, behind a token.
 
-State is per gunicorn worker (see the README): each answer carries ``worker_pid``.
+Access is decided in one place, :class:`AdminGate`, a Falcon middleware that runs before
+any admin responder: a valid bearer token when one is configured, else 403 for everyone
+unless ``admin.allow_unauthenticated`` opts out. State is per gunicorn worker (see the
+README): each answer carries ``worker_pid``.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 from typing import Any
@@ -13,15 +17,69 @@ import falcon
 
 from continuum import request as rq
 from continuum.app import read_body
-from continuum.errors import ConfigError, ContinuumError, RequestError, StoreError
+from continuum.config.addresses import redact_url
+from continuum.errors import (
+    AuthenticationError,
+    ConfigError,
+    ContinuumError,
+    RequestError,
+    StoreError,
+)
 from continuum.reload import ConfigReloader
 from continuum.service import RouterService
 
 
-class _AdminResource:
-    def __init__(self, service: RouterService, auth: Any) -> None:
+class AdminDisabledError(ContinuumError, PermissionError):
+    """No admin token is configured, so every admin endpoint is closed (403)."""
+
+    status = 403
+    error_type = "permission_error"
+    code = "admin_token_not_configured"
+
+
+class AdminGate:
+    """Falcon middleware: the only place ``/admin`` access is decided.
+
+    It guards every resource derived from :class:`AdminResource`, whatever the path or
+    method, before the responder runs (so a refused request never reads its body). The
+    token is read from the live config on each request, so a reload rotates it.
+    """
+
+    def __init__(self, service: RouterService) -> None:
         self.service = service
-        self.auth = auth
+
+    def process_resource(self, req: falcon.Request, resp: falcon.Response,
+                         resource: object, params: dict[str, Any]) -> None:
+        """Raise unless ``req`` may use ``resource``.
+
+        Raises:
+            AuthenticationError: a token is configured and the request lacks it (401).
+            AdminDisabledError: no token and no ``allow_unauthenticated`` (403).
+        """
+        if not isinstance(resource, AdminResource):
+            return
+        admin = self.service.config.admin
+        token = admin.resolved_token()
+        if token:
+            header = req.get_header("Authorization") or ""
+            scheme, _, given = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    given.strip().encode(), token.encode()):
+                raise AuthenticationError("admin endpoints require a valid bearer token: "
+                                          "send 'Authorization: Bearer <admin.token>'")
+        elif not admin.allow_unauthenticated:
+            raise AdminDisabledError(
+                "admin endpoints are disabled because no admin token is configured: set "
+                "admin.token (or admin.token_env, naming an environment variable) in the "
+                "config and send 'Authorization: Bearer <token>'; for local development "
+                "only, admin.allow_unauthenticated: true opens them without a token")
+
+
+class AdminResource:
+    """Base of every ``/admin`` resource; :class:`AdminGate` guards them all."""
+
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
 
     def _send(self, resp: falcon.Response, doc: dict[str, Any], status: int = 200) -> None:
         resp.status = status
@@ -29,11 +87,10 @@ class _AdminResource:
         resp.data = json.dumps({**doc, "worker_pid": os.getpid()}, indent=2).encode()
 
 
-class StrategiesResource(_AdminResource):
+class StrategiesResource(AdminResource):
     """``GET /admin/strategies``: available and loaded plugins with their distributions."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self.auth.check(req)
         registry = self.service.registry
         loaded = [
             {"group": p.group, "name": p.name, "distribution": p.distribution,
@@ -47,15 +104,14 @@ class StrategiesResource(_AdminResource):
         })
 
 
-class BackendsResource(_AdminResource):
+class BackendsResource(AdminResource):
     """``GET /admin/backends``: health, in-flight, latency and success rate per backend."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self.auth.check(req)
         backends = [
             {
                 "name": b.name,
-                "url": b.url,
+                "url": redact_url(b.url),
                 "type": b.config.type,
                 "enabled": b.config.enabled,
                 "internal": b.config.internal,
@@ -73,11 +129,10 @@ class BackendsResource(_AdminResource):
         self._send(resp, {"backends": backends})
 
 
-class PrefixRoutingStatsResource(_AdminResource):
+class PrefixRoutingStatsResource(AdminResource):
     """``GET /admin/prefix-routing/stats``: the seed's response shape."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self.auth.check(req)
         service = self.service
         settings = service.config.prefix_routing
         stats = service.strategy.stats() if service.config.selection_strategy == \
@@ -102,7 +157,7 @@ class PrefixRoutingStatsResource(_AdminResource):
         })
 
 
-class ExplainResource(_AdminResource):
+class ExplainResource(AdminResource):
     """``POST /admin/routing/explain``: how a request body would be routed, sending nothing.
 
     The body is the request as a client would send it; ``?endpoint=anthropic`` reads it as
@@ -110,22 +165,20 @@ class ExplainResource(_AdminResource):
     """
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self.auth.check(req)
         endpoint = rq.ANTHROPIC_MESSAGES if req.get_param("endpoint") == "anthropic" else rq.CHAT
         raw = read_body(req, self.service.config.server.max_body_bytes)
         ctx = rq.parse_request(raw, endpoint)
         self._send(resp, self.service.explain(ctx))
 
 
-class ConfigReloadResource(_AdminResource):
+class ConfigReloadResource(AdminResource):
     """``POST /admin/config/reload``: re-read the config file in every worker."""
 
-    def __init__(self, service: RouterService, auth: Any, reloader: ConfigReloader | None):
-        super().__init__(service, auth)
+    def __init__(self, service: RouterService, reloader: ConfigReloader | None) -> None:
+        super().__init__(service)
         self.reloader = reloader
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self.auth.check(req)
         if self.reloader is None:
             raise _NoConfigFile("this router was not started from a config file")
         try:
@@ -137,19 +190,17 @@ class ConfigReloadResource(_AdminResource):
         self._send(resp, {"success": True, **report.as_dict()})
 
 
-class ResponseCacheStatsResource(_AdminResource):
+class ResponseCacheStatsResource(AdminResource):
     """``GET /admin/response-cache/stats``: the seed's response shape."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self.auth.check(req)
         self._send(resp, self.service.response_cache.stats())
 
 
-class ResponseCacheInvalidateResource(_AdminResource):
+class ResponseCacheInvalidateResource(AdminResource):
     """``POST /admin/response-cache/invalidate`` with ``{"clear_all": true}``."""
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self.auth.check(req)
         raw = read_body(req, 65536)
         try:
             body = json.loads(raw or b"{}")
@@ -166,11 +217,10 @@ class ResponseCacheInvalidateResource(_AdminResource):
         self._send(resp, {"success": True, "action": "clear_all", "cleared_entries": cleared})
 
 
-class KvIndexStatsResource(_AdminResource):
+class KvIndexStatsResource(AdminResource):
     """``GET /admin/kv-index/stats``: the seed's response shape."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self.auth.check(req)
         service = self.service
         kv = service.config.kv_cache_index
         scoring = kv.scoring
@@ -210,11 +260,10 @@ class KvIndexStatsResource(_AdminResource):
         })
 
 
-class KvIndexBackendsResource(_AdminResource):
+class KvIndexBackendsResource(AdminResource):
     """``GET /admin/kv-index/backends``: per-backend event statistics."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self.auth.check(req)
         consumers = self.service.kv_consumers
         sources = consumers.stats() if consumers is not None else []
         self._send(resp, {
@@ -237,11 +286,10 @@ class KvIndexBackendsResource(_AdminResource):
         })
 
 
-class KvIndexClearResource(_AdminResource):
+class KvIndexClearResource(AdminResource):
     """``POST /admin/kv-index/clear``: drop every entry; events rebuild the index."""
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self.auth.check(req)
         index = self.service.kv_index
         if index is None:
             self._send(resp, {"success": False, "error": "KV cache index is not enabled"})
@@ -263,21 +311,19 @@ class _NoConfigFile(ContinuumError):
 
 
 def add_routes(
-    app: falcon.App[Any, Any], service: RouterService, auth: Any,
-    reloader: ConfigReloader | None = None,
+    app: falcon.App[Any, Any], service: RouterService, reloader: ConfigReloader | None = None,
 ) -> None:
-    """Mount every admin resource on ``app``."""
-    app.add_route("/admin/strategies", StrategiesResource(service, auth))
-    app.add_route("/admin/backends", BackendsResource(service, auth))
-    app.add_route("/admin/prefix-routing/stats", PrefixRoutingStatsResource(service, auth))
-    app.add_route("/admin/routing/explain", ExplainResource(service, auth))
-    app.add_route("/admin/config/reload", ConfigReloadResource(service, auth, reloader))
-    app.add_route("/admin/response-cache/stats", ResponseCacheStatsResource(service, auth))
-    app.add_route("/admin/response-cache/invalidate",
-                  ResponseCacheInvalidateResource(service, auth))
-    app.add_route("/admin/kv-index/stats", KvIndexStatsResource(service, auth))
-    app.add_route("/admin/kv-index/backends", KvIndexBackendsResource(service, auth))
-    app.add_route("/admin/kv-index/clear", KvIndexClearResource(service, auth))
+    """Mount every admin resource on ``app`` (which must also carry :class:`AdminGate`)."""
+    app.add_route("/admin/strategies", StrategiesResource(service))
+    app.add_route("/admin/backends", BackendsResource(service))
+    app.add_route("/admin/prefix-routing/stats", PrefixRoutingStatsResource(service))
+    app.add_route("/admin/routing/explain", ExplainResource(service))
+    app.add_route("/admin/config/reload", ConfigReloadResource(service, reloader))
+    app.add_route("/admin/response-cache/stats", ResponseCacheStatsResource(service))
+    app.add_route("/admin/response-cache/invalidate", ResponseCacheInvalidateResource(service))
+    app.add_route("/admin/kv-index/stats", KvIndexStatsResource(service))
+    app.add_route("/admin/kv-index/backends", KvIndexBackendsResource(service))
+    app.add_route("/admin/kv-index/clear", KvIndexClearResource(service))
 
 
-__all__ = ["RequestError", "add_routes"]
+__all__ = ["AdminDisabledError", "AdminGate", "AdminResource", "RequestError", "add_routes"]

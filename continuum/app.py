@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
@@ -18,7 +17,6 @@ from continuum import anthropic
 from continuum import request as rq
 from continuum.config import CONFIG_ENV, RouterConfig, check_config_file
 from continuum.errors import (
-    AuthenticationError,
     ConfigError,
     ConfigIssue,
     ContinuumError,
@@ -175,25 +173,6 @@ class MetricsResource:
         resp.data = self.metrics.exposition()
 
 
-class AdminAuth:
-    """Bearer-token check for ``/admin`` (constant-time compare); open when no token is set.
-
-    The token is read from the live config on every check, so a reload can rotate it.
-    """
-
-    def __init__(self, service: RouterService) -> None:
-        self.service = service
-
-    def check(self, req: falcon.Request) -> None:
-        token = self.service.config.admin.resolved_token()
-        if not token:
-            return
-        header = req.get_header("Authorization") or ""
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
-            raise AuthenticationError("admin endpoints require a valid bearer token")
-
-
 class RouterApp(falcon.App):  # type: ignore[type-arg]
     """The Falcon app, with the worker's :class:`RouterService` at ``.service``."""
 
@@ -214,7 +193,7 @@ def create_app(
     registry = registry or PluginRegistry()
     metrics = metrics or RouterMetrics()
     service = service or RouterService(config, registry=registry, metrics=metrics)
-    app = RouterApp(media_type=JSON)
+    app = RouterApp(media_type=JSON, middleware=[admin.AdminGate(service)])
     app.req_options.strip_url_path_trailing_slash = True
     app.add_error_handler(Exception, _handle_unexpected)
     app.add_error_handler(ContinuumError, _handle_continuum_error)
@@ -229,7 +208,7 @@ def create_app(
     )
     app.add_route("/health", HealthResource(service))
     app.add_route("/metrics", MetricsResource(metrics))
-    admin.add_routes(app, service, AdminAuth(service), reloader)
+    admin.add_routes(app, service, reloader)
     app.service = service
     return app
 

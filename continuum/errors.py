@@ -33,18 +33,22 @@ class ConfigError(ContinuumError, ValueError):
 
 
 class ConfigIssue:
-    """One problem (or warning) in a config file, located by its dotted key path."""
+    """One problem (or warning) in a config file, located by its dotted key path and, when
+    read from a file, by ``location`` (``"line:column"`` of the key)."""
 
-    __slots__ = ("message", "path", "value")
+    __slots__ = ("location", "message", "path", "value")
 
-    def __init__(self, path: str, message: str, value: Any = None) -> None:
+    def __init__(self, path: str, message: str, value: Any = None,
+                 location: str | None = None) -> None:
         self.path = path
         self.message = message
         self.value = value
+        self.location = location
 
     def render(self, source: str) -> str:
+        where = f"{source}:{self.location}" if self.location else source
         suffix = "" if self.value is None else f" (got {self.value!r})"
-        return f"{source}: {self.path}: {self.message}{suffix}"
+        return f"{where}: {self.path}: {self.message}{suffix}"
 
     def __repr__(self) -> str:
         return f"ConfigIssue({self.path!r}, {self.message!r}, {self.value!r})"

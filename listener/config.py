@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-import yaml
-
+from continuum.config.addresses import check_host_port, check_url, port_problem
 from continuum.config.fields import (
     Issues,
     build_section,
@@ -23,7 +20,8 @@ from continuum.config.fields import (
     secret_from_file_or_env,
     setting,
 )
-from continuum.errors import ConfigIssue
+from continuum.config.loader import read_yaml
+from continuum.errors import ConfigError, ConfigIssue
 
 SOURCE_NAME = r"[A-Za-z0-9_-]{1,64}"
 ENGINES = ("vllm", "sglang", "trtllm")
@@ -88,7 +86,8 @@ class SaltConfig:
     """``cache_salt``: verify router-issued salts (the router's kv_cache_index.cache_salt)."""
 
     secret: str | None = setting(None, doc="shared HMAC secret", secret=True)
-    secret_env: str | None = setting(None, doc="environment variable holding the secret")
+    secret_env: str | None = setting(None, doc="environment variable holding the secret",
+                                     env_var=True)
 
     def resolved(self) -> bytes | None:
         value = from_env(self.secret, self.secret_env)
@@ -110,16 +109,19 @@ class SourceConfig:
                                 pattern=SOURCE_NAME)
     engine: str = setting(doc="engine kind", choices=ENGINES)
     model: str = setting(doc="model name the router sees (part of every prefix key)")
-    zmq_endpoint: str | None = setting(None, doc="vLLM/SGLang KV event PUB endpoint")
+    zmq_endpoint: str | None = setting(None, doc="vLLM/SGLang KV event PUB endpoint",
+                                       credentials=True)
     zmq_mode: str = setting("bind", doc="bind (engines connect to us) or connect",
                             choices=("bind", "connect"))
     zmq_topic: str = setting("", doc="topic filter (engines default to the empty topic)")
     replay_endpoint: str | None = setting(
         None, doc="the engine's ROUTER replay endpoint, asked at start and after a "
-        "sequence gap")
+        "sequence gap", credentials=True)
     detokenize_endpoint: str | None = setting(
-        None, doc="the engine's /detokenize URL (its /tokenize is derived from it)")
-    trtllm_endpoint: str | None = setting(None, doc="trtllm-serve's /kv_cache_events URL")
+        None, doc="the engine's /detokenize URL (its /tokenize is derived from it)",
+        credentials=True)
+    trtllm_endpoint: str | None = setting(None, doc="trtllm-serve's /kv_cache_events URL",
+                                          credentials=True)
     trtllm_poll_interval_ms: int = setting(100, doc="poll interval of /kv_cache_events",
                                            min=10, max=60000)
     allowed_publishers: tuple[str, ...] = setting(
@@ -147,11 +149,9 @@ class SourceConfig:
             if not self.trtllm_endpoint:
                 issues.error(join(path, "trtllm_endpoint"), "is required for engine: trtllm")
             else:
-                parts = urlsplit(self.trtllm_endpoint)
-                if parts.scheme not in ("http", "https") or not parts.hostname:
-                    issues.error(join(path, "trtllm_endpoint"), "must be an http(s) URL",
-                                 self.trtllm_endpoint)
-                elif parts.hostname not in self.allowed_publishers:
+                parts = check_url(join(path, "trtllm_endpoint"), self.trtllm_endpoint, issues,
+                                  ("http", "https"), "an http(s) URL")
+                if parts is not None and parts.hostname not in self.allowed_publishers:
                     issues.error(join(path, "trtllm_endpoint"),
                                  "host is not in allowed_publishers", parts.hostname)
             if self.require_salt is False:
@@ -163,13 +163,29 @@ class SourceConfig:
             elif not self.zmq_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
                 issues.error(join(path, "zmq_endpoint"), "must be a tcp://, ipc:// or "
                              "inproc:// endpoint", self.zmq_endpoint)
+            else:
+                check_tcp_port(join(path, "zmq_endpoint"), self.zmq_endpoint, issues)
+            if self.replay_endpoint:
+                check_tcp_port(join(path, "replay_endpoint"), self.replay_endpoint, issues)
             if not self.salt_required and not self.detokenize_endpoint:
                 issues.error(join(path, "detokenize_endpoint"),
                              "is required unless require_salt: true")
-        for name in ("detokenize_endpoint",):
-            value = getattr(self, name)
-            if value and urlsplit(value).scheme not in ("http", "https"):
-                issues.error(join(path, name), "must be an http(s) URL", value)
+        if self.detokenize_endpoint:
+            check_url(join(path, "detokenize_endpoint"), self.detokenize_endpoint, issues,
+                      ("http", "https"), "an http(s) URL")
+
+
+def check_tcp_port(path: str, endpoint: str, issues: Issues) -> None:
+    """A ``tcp://host:port`` ZMQ endpoint's host has no spaces and its port is 0 to 65535
+    or ZMQ's wildcard (``*``, ``!``); other transports are left to ZMQ."""
+    if not endpoint.startswith("tcp://"):
+        return
+    address = endpoint[len("tcp://"):].rsplit(";", 1)[-1]  # "source;destination"
+    host, _, port = address.rpartition(":")
+    if not host or any(ch.isspace() for ch in host):
+        issues.error(path, "must be tcp://host:port (the host without spaces)", endpoint)
+    elif port not in ("*", "!") and (problem := port_problem(port, 0)):
+        issues.error(path, problem, endpoint)
 
 
 @dataclass(frozen=True)
@@ -197,9 +213,7 @@ class ListenerConfig:
     sources: tuple[SourceConfig, ...] = setting(default_factory=tuple, doc="engines")
 
     def check(self, path: str, issues: Issues) -> None:
-        host, _, port = self.listen.rpartition(":")
-        if not host or not port.isdigit():
-            issues.error("listen", "must be host:port", self.listen)
+        check_host_port("listen", self.listen, issues, lowest_port=0)  # 0: any free port
         seen: set[str] = set()
         for i, source in enumerate(self.sources):
             if source is None:
@@ -219,6 +233,7 @@ def check_listener_config(data: Any, source: str = "<config>") -> tuple[
     """Read a parsed YAML document: (config or None, errors, warnings)."""
     issues = Issues()
     config = build_section(ListenerConfig, data, "", issues)
+    issues.redact(ListenerConfig)
     return (None if issues.errors else config), issues.errors, issues.warnings
 
 
@@ -227,9 +242,12 @@ def check_listener_file(path: str | os.PathLike[str]) -> tuple[
     """Read and check a listener config file: (config or None, errors, warnings).
 
     ``listener.app.listener_issues`` adds the checks that need the sources' code (the
-    CLI runs both)."""
+    CLI runs both). Every issue carries the ``line:column`` of its key; duplicate keys
+    are errors."""
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        return None, [ConfigIssue("<file>", f"cannot read: {exc}")], []
-    return check_listener_config(data, str(path))
+        doc = read_yaml(path)
+    except ConfigError as exc:
+        return None, exc.issues, []
+    config, errors, warnings = check_listener_config(doc.data, str(path))
+    errors = doc.annotate(errors, warnings)
+    return (None if errors else config), errors, warnings

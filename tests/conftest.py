@@ -125,6 +125,9 @@ class Router:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = dict(config)
+        # /admin is closed without a token; tests that call it on 127.0.0.1 use the
+        # development opt-out unless their config sets admin itself.
+        config.setdefault("admin", {"allow_unauthenticated": True})
         config.setdefault("server", {})
         config["server"] = {**config["server"], "bind": f"127.0.0.1:{self.port}",
                             "workers": workers}

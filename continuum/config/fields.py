@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Union
 
+from continuum.config.addresses import redact_url
 from continuum.errors import ConfigIssue
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
@@ -57,6 +58,8 @@ def setting(
     duration: bool = False,
     restart: bool = False,
     secret: bool = False,
+    credentials: bool = False,
+    env_var: bool = False,
     default_factory: Callable[[], Any] | None = None,
 ) -> Any:
     """Declare one config key.
@@ -69,7 +72,11 @@ def setting(
         pattern: regular expression a string must match in full.
         duration: accept ``"30s"``/``"5m"`` strings; stored as float seconds.
         restart: changing this key on hot reload needs a restart.
-        secret: never printed.
+        secret: never printed (errors show ``<redacted str>``; left out of ``repr``).
+        credentials: a URL whose ``user:password@`` part (and password-like query
+            parameters) are secret: printed only through :func:`redact_url`.
+        env_var: names an environment variable holding a secret; printed only when it
+            looks like a variable name (a secret pasted here by mistake is not).
     """
     meta = {
         "doc": doc,
@@ -80,10 +87,42 @@ def setting(
         "duration": duration,
         "restart": restart,
         "secret": secret,
+        "credentials": credentials,
+        "env_var": env_var,
     }
+    shown = not (secret or credentials)
     if default_factory is not None:
-        return dataclasses.field(default_factory=default_factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+        return dataclasses.field(default_factory=default_factory, metadata=meta, repr=shown)
+    return dataclasses.field(default=default, metadata=meta, repr=shown)
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+
+class Redacted:
+    """Stands in for a secret value wherever it would be printed: only its type shows."""
+
+    __slots__ = ("kind",)
+
+    def __init__(self, value: Any) -> None:
+        self.kind = type(value).__name__
+
+    def __repr__(self) -> str:
+        return f"<redacted {self.kind}>"
+
+
+def redacted(value: Any, meta: dict[str, Any] | None) -> Any:
+    """``value`` as it may be printed, per its field's ``secret``, ``credentials`` and
+    ``env_var`` flags (``meta``: the field's metadata, or None for no field)."""
+    if value is None or not meta or isinstance(value, Redacted):
+        return value
+    if meta.get("secret"):
+        return Redacted(value)
+    if meta.get("credentials") and isinstance(value, str):
+        return redact_url(value)
+    if meta.get("env_var") and not (isinstance(value, str) and _ENV_NAME.fullmatch(value)):
+        return Redacted(value)
+    return value
 
 
 class Issues:
@@ -92,6 +131,12 @@ class Issues:
     def __init__(self) -> None:
         self.errors: list[ConfigIssue] = []
         self.warnings: list[ConfigIssue] = []
+
+    def redact(self, root: type) -> None:
+        """Hide the value of every issue whose key path is a secret field of ``root`` (or a
+        URL with credentials), whichever ``check`` or reader recorded it."""
+        for issue in (*self.errors, *self.warnings):
+            issue.value = redacted(issue.value, meta_at(root, issue.path))
 
     def error(self, path: str, message: str, value: Any = None) -> None:
         self.errors.append(ConfigIssue(path, message, value))
@@ -167,6 +212,25 @@ def join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+_INDEX = re.compile(r"\[\d+\]")
+
+
+def meta_at(root: type, path: str) -> dict[str, Any] | None:
+    """The field metadata of key path ``path`` (``backends[0].api_key``) in config class
+    ``root``, or None when the path names no field."""
+    cls: type | None = root
+    meta: dict[str, Any] | None = None
+    for name in _INDEX.sub("", path).split("."):
+        if cls is None:
+            return None
+        found = {f.name: f for f in dataclasses.fields(cls)}.get(name)
+        if found is None:
+            return None
+        meta = dict(found.metadata)
+        cls = _section_type(cls, name)
+    return meta
+
+
 _HINTS: dict[type, dict[str, Any]] = {}
 
 
@@ -192,6 +256,15 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 
 
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+
+
+def describe_type(value: Any) -> str:
+    """``"a string"``, ``"a list"`` …: what a value is, without printing it."""
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
 
 
 def _coerce_scalar(tp: Any, value: Any, meta: dict[str, Any]) -> Any:
@@ -244,7 +317,7 @@ def build_section(cls: type, data: Any, path: str, issues: Issues) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        issues.error(path or "<root>", "expected a mapping", data)
+        issues.error(path or "<root>", f"expected a mapping (got {describe_type(data)})")
         data = {}
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
@@ -287,7 +360,7 @@ def read_value(tp: Any, value: Any, path: str, meta: dict[str, Any], issues: Iss
     if origin in (tuple, list):
         (item_type, *_rest) = typing.get_args(tp)
         if not isinstance(value, list):
-            issues.error(path, "expected a list", value)
+            issues.error(path, f"expected a list (got {describe_type(value)})")
             return ()
         return tuple(
             read_value(item_type, item, f"{path}[{i}]", meta, issues)
@@ -296,11 +369,11 @@ def read_value(tp: Any, value: Any, path: str, meta: dict[str, Any], issues: Iss
     try:
         coerced = _coerce_scalar(tp, value, meta)
     except ValueError as exc:
-        issues.error(path, str(exc), value)
+        issues.error(path, str(exc), redacted(value, meta))
         return None
     problem = _check_constraints(coerced, meta)
     if problem:
-        issues.error(path, problem, value)
+        issues.error(path, problem, redacted(value, meta))
     return coerced
 
 
@@ -335,6 +408,9 @@ def walk(section: Any, path: str = "") -> Iterator[tuple[str, dataclasses.Field[
 
 
 def _render(value: Any, meta: dict[str, Any]) -> str:
+    value = redacted(value, meta)
+    if isinstance(value, Redacted):
+        return '"<redacted>"'
     if meta.get("duration") and isinstance(value, float):
         return f'"{format_duration(value)}"'
     if value is None:
@@ -357,6 +433,10 @@ def _limits(meta: dict[str, Any]) -> str:
         parts.append("one of " + "|".join(str(c) for c in meta["choices"]))
     if meta.get("pattern") is not None:
         parts.append(f"matches {meta['pattern'].pattern}")
+    if meta.get("secret"):
+        parts.append("secret: never printed")
+    elif meta.get("credentials"):
+        parts.append("a password in it is never printed")
     if meta.get("restart"):
         parts.append("restart to change")
     return f" [{'; '.join(parts)}]" if parts else ""

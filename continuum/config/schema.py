@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
+from continuum.config.addresses import check_host_port, check_url
 from continuum.config.fields import (
     Issues,
     check_secret_source,
@@ -56,13 +56,16 @@ class ServerConfig:
         2.0, doc="how often the config file is checked", min=0.2, max=3600, restart=True
     )
 
+    def check(self, path: str, issues: Issues) -> None:
+        check_host_port(join(path, "bind"), self.bind, issues, unix=True)
+
 
 @dataclass(frozen=True)
 class BackendConfig:
     """``backends[]``: one upstream inference server."""
 
     name: str = setting(doc="unique backend name", pattern=NAME_PATTERN)
-    url: str = setting(doc="base URL, e.g. http://10.0.0.5:8000 (no /v1)")
+    url: str = setting(doc="base URL, e.g. http://10.0.0.5:8000 (no /v1)", credentials=True)
     type: str = setting("openai", doc="wire protocol of the backend", choices=BACKEND_TYPES)
     models: tuple[str, ...] = setting(
         default_factory=tuple,
@@ -70,7 +73,8 @@ class BackendConfig:
     )
     weight: int = setting(1, doc="relative weight for weighted strategies", min=1, max=10000)
     api_key: str | None = setting(None, doc="API key sent upstream", secret=True)
-    api_key_env: str | None = setting(None, doc="environment variable holding the API key")
+    api_key_env: str | None = setting(None, doc="environment variable holding the API key",
+                                      env_var=True)
     connect_timeout_ms: int = setting(
         3000, doc="TCP connect timeout", min=10, max=600000
     )
@@ -98,10 +102,9 @@ class BackendConfig:
         return from_env(self.api_key, self.api_key_env)
 
     def check(self, path: str, issues: Issues) -> None:
-        parts = urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            issues.error(join(path, "url"), "must be an http:// or https:// URL", self.url)
-        elif parts.path.rstrip("/").endswith("/v1"):
+        parts = check_url(join(path, "url"), self.url, issues, ("http", "https"),
+                          "an http:// or https:// URL")
+        if parts is not None and parts.path.rstrip("/").endswith("/v1"):
             issues.warn(
                 join(path, "url"), "ends in /v1; the router adds /v1/... itself", self.url
             )
@@ -185,6 +188,7 @@ class RedisConfig:
 
     url: str = setting(
         "redis://127.0.0.1:6379", doc="redis:// or rediss:// URL (db and password may be in it)",
+        credentials=True,
     )
     tls: bool = setting(False, doc="use TLS with a redis:// URL")
     pool_size: int = setting(8, doc="connections in the pool", min=1, max=1024)
@@ -208,10 +212,9 @@ class RedisConfig:
     )
 
     def check(self, path: str, issues: Issues) -> None:
-        parts = urlsplit(self.url)
-        if parts.scheme not in ("redis", "rediss", "unix"):
-            issues.error(join(path, "url"), "must be a redis://, rediss:// or unix:// URL",
-                         self.url)
+        what = "a redis://, rediss:// or unix:// URL"
+        check_url(join(path, "url"), self.url, issues, ("redis", "rediss", "unix"), what,
+                  host_required=not self.url.startswith("unix:"))
         if set(self.key_prefix) & _GLOB_CHARS:
             issues.error(join(path, "key_prefix"),
                          "must not contain glob characters (* ? [ ] \\)", self.key_prefix)
@@ -306,7 +309,7 @@ class KvEventSourceConfig:
                                 pattern=NAME_PATTERN, restart=True)
     endpoint: str | None = setting(
         None, doc="http(s):// SSE or ws(s):// URL of the listener's /events/<backend>",
-        restart=True,
+        restart=True, credentials=True,
     )
     transport: str = setting("sse", doc="sse (pull from the listener)",
                              choices=("sse", "event_bus"), restart=True)
@@ -337,10 +340,8 @@ class KvEventSourceConfig:
         if self.endpoint is None:
             issues.error(join(path, "endpoint"), "is required with transport: sse")
             return
-        parts = urlsplit(self.endpoint)
-        if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
-            issues.error(join(path, "endpoint"), "must be an http, https, ws or wss URL",
-                         self.endpoint)
+        check_url(join(path, "endpoint"), self.endpoint, issues,
+                  ("http", "https", "ws", "wss"), "an http, https, ws or wss URL")
 
 
 @dataclass(frozen=True)
@@ -354,7 +355,7 @@ class CacheSaltConfig:
     secret: str | None = setting(None, doc="HMAC secret shared with the listener",
                                  secret=True, restart=True)
     secret_env: str | None = setting(None, doc="environment variable holding the secret",
-                                     restart=True)
+                                     restart=True, env_var=True)
     per_tenant: bool = setting(False, doc="bind salts to the client's tenant too: tenants "
                                "never share engine prefix caches (lower hit rate); a client's "
                                "own cache_salt is refused (400)", restart=True)
@@ -434,7 +435,8 @@ class ClientKeyConfig:
     """``auth.keys[]``: one client API key and the tenant it belongs to."""
 
     key: str | None = setting(None, doc="the key clients send", secret=True)
-    key_env: str | None = setting(None, doc="environment variable holding the key")
+    key_env: str | None = setting(None, doc="environment variable holding the key",
+                                  env_var=True)
     tenant: str | None = setting(None, doc="tenant id (isolates cached responses)",
                                  pattern=NAME_PATTERN)
     tenant_env: str | None = setting(None, doc="environment variable holding the tenant id")
@@ -470,10 +472,16 @@ class AuthConfig:
 
 @dataclass(frozen=True)
 class AdminConfig:
-    """``admin``: the /admin endpoints."""
+    """``admin``: the /admin endpoints, closed unless a token is set (or the explicit
+    development opt-out)."""
 
     token: str | None = setting(None, doc="bearer token required by /admin", secret=True)
-    token_env: str | None = setting(None, doc="environment variable holding the token")
+    token_env: str | None = setting(None, doc="environment variable holding the token",
+                                    env_var=True)
+    allow_unauthenticated: bool = setting(
+        False, doc="open /admin without a token: local development only (warned at every "
+        "start)",
+    )
 
     def resolved_token(self) -> str | None:
         return from_env(self.token, self.token_env)
@@ -481,14 +489,23 @@ class AdminConfig:
     def check(self, path: str, issues: Issues) -> None:
         if self.token is not None and self.token_env is not None:
             issues.error(join(path, "token_env"), "set either token or token_env, not both")
-        if self.token_env is not None and self.token_env not in os.environ:
-            issues.warn(
-                join(path, "token_env"),
-                "environment variable is not set; /admin would be open",
-                self.token_env,
-            )
-        if self.token is None and self.token_env is None:
-            issues.warn(path or "admin", "no token: /admin endpoints are unauthenticated")
+        elif self.token is not None and not self.token.strip():
+            issues.error(join(path, "token"), "must not be empty: set a real token (or remove "
+                         "the key to disable /admin)")
+        elif self.token_env is not None and not (os.environ.get(self.token_env) or "").strip():
+            issues.error(join(path, "token_env"), "environment variable is not set (or is "
+                         "empty); export it before starting the router", self.token_env)
+        has_token = self.token is not None or self.token_env is not None
+        if self.allow_unauthenticated and has_token:
+            issues.error(join(path, "allow_unauthenticated"),
+                         "set either a token or allow_unauthenticated: true, not both")
+        elif self.allow_unauthenticated:
+            issues.warn(join(path, "allow_unauthenticated"),
+                        "every /admin endpoint is open to anyone who can reach the port "
+                        "(reload the config, clear the caches); for local development only")
+        elif not has_token:
+            issues.warn(path or "admin", "no token: every /admin endpoint answers 403; set "
+                        "admin.token or admin.token_env to use them")
 
 
 @dataclass(frozen=True)
