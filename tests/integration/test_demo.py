@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +153,22 @@ def test_follow_up_turns_hit_the_engine_cache(tmp_path: Path) -> None:
             assert current.prompt_tokens > previous.prompt_tokens + previous.completion_tokens
             assert current.cached_tokens >= previous.prompt_tokens - BLOCK_SIZE
             assert current.ttft is not None
+
+
+@pytest.mark.e2e
+def test_demo_reports_why_a_child_died_instead_of_timing_out() -> None:
+    """A router that cannot start (here: a worker class that does not exist, as when a
+    dependency of gunicorn's gevent worker is missing) is reported with its exit status
+    and its error at once, not after the start timeout as "timed out waiting"."""
+    env = {**os.environ, "GUNICORN_CMD_ARGS": "--worker-class continuum.no_such_module.Worker"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "continuum.cli", "demo", "--quick", "--strategies",
+         "RoundRobin"],
+        cwd=str(ROOT), capture_output=True, timeout=120, check=False, env=env,
+    )
+    stderr = proc.stderr.decode(errors="replace")
+    assert proc.returncode == 3, stderr
+    assert "the router (RoundRobin) exited with status " in stderr, stderr
+    assert "No module named 'continuum.no_such_module'" in stderr, stderr
+    assert "the end of router-roundrobin.log:" in stderr, stderr
+    assert "timed out" not in stderr, stderr
