@@ -112,7 +112,8 @@ class ExplainResource(_AdminResource):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         self.auth.check(req)
         endpoint = rq.ANTHROPIC_MESSAGES if req.get_param("endpoint") == "anthropic" else rq.CHAT
-        raw = read_body(req, self.service.config.server.max_body_bytes)
+        server = self.service.config.server
+        raw = read_body(req, server.max_body_bytes, server.client_body_timeout_seconds)
         ctx = rq.parse_request(raw, endpoint)
         self._send(resp, self.service.explain(ctx))
 
@@ -150,7 +151,7 @@ class ResponseCacheInvalidateResource(_AdminResource):
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         self.auth.check(req)
-        raw = read_body(req, 65536)
+        raw = read_body(req, 65536, self.service.config.server.client_body_timeout_seconds)
         try:
             body = json.loads(raw or b"{}")
         except ValueError:

@@ -31,6 +31,15 @@ class ServerConfig:
         10 * 1024 * 1024, doc="largest accepted request body; larger gets 413",
         min=1024, max=1024**3,
     )
+    client_header_timeout_seconds: float = setting(
+        10.0, doc="time a client has to send a request's whole header, from its first byte "
+        "(first request: from the connection); slower gets 408 and is closed",
+        min=1, max=3600, duration=True,
+    )
+    client_body_timeout_seconds: float = setting(
+        30.0, doc="time a client has to send a request's whole body; slower gets 408 and is "
+        "closed", min=1, max=3600, duration=True,
+    )
     log_level: str = setting(
         "info", doc="log level", choices=("debug", "info", "warning", "error")
     )
