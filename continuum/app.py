@@ -1,6 +1,6 @@
 """The WSGI application: thin Falcon resources over :class:`~continuum.service.RouterService`.
 
-``gunicorn -k gevent -c conf/gunicorn.conf.py 'continuum.app:get_app()'`` calls
+``gunicorn -c conf/gunicorn.conf.py 'continuum.app:get_app()'`` calls
 :func:`get_app` in each worker after the fork; it reads ``$CONTINUUM_CONFIG``.
 """
 
