@@ -56,11 +56,19 @@ control_socket = os.path.join(os.environ[RUNTIME_DIR_ENV], "gunicorn.ctl")
 
 def when_ready(server: Any) -> None:
     """Disable Nagle on the listening sockets; accepted sockets inherit it on Linux, so the
-    first streamed chunk is never held back waiting for an ACK."""
+    first streamed chunk is never held back waiting for an ACK. Warn when another worker
+    class (``-k gevent``) replaced the router's, which times out slow request headers."""
     for listener in server.LISTENERS:
         sock = getattr(listener, "sock", None)
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    from continuum.gunicorn_worker import WORKER_CLASS, GeventWorker
+
+    used = server.worker_class
+    if not issubclass(used, GeventWorker):
+        server.log.warning("worker class %s.%s has no client_header_timeout_seconds: slow "
+                           "clients can hold every connection; use %s (drop -k)",
+                           used.__module__, used.__qualname__, WORKER_CLASS)
 
 
 def child_exit(server: Any, worker: Any) -> None:

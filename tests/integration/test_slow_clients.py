@@ -204,3 +204,16 @@ def test_pipelined_requests_are_answered_without_waiting(
         responses = Responses(sock)
         for _ in range(3):
             assert responses.next().startswith(b"HTTP/1.1 200 ")
+
+
+def test_replacing_the_worker_class_is_warned_about(
+    upstreams: Any, router_factory: Any
+) -> None:
+    """``-k gevent`` (the old command line) brings back gunicorn's worker without the
+    header timeout: the master says so."""
+    router = router_factory(_config(upstreams("a")), env={"GUNICORN_CMD_ARGS": "-k gevent"})
+    log = router.proc.output()
+    assert ("worker class gunicorn.workers.ggevent.GeventWorker has no "
+            "client_header_timeout_seconds") in log, log
+    default = router_factory(_config(upstreams("b")))
+    assert "client_header_timeout_seconds" not in default.proc.output()
