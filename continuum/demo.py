@@ -453,8 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reported = exc.proc if isinstance(exc, ChildExited) else None
         for proc in children.exited():  # whatever else died is likely the cause
             if proc is not reported:
-                print(f"continuum-router demo: {children.started[proc.pid][0]}: process "
-                      f"{proc.pid} {children.exit_report(proc)}", file=sys.stderr)
+                print(f"continuum-router demo: {children.exit_report(proc)}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         print("continuum-router demo: interrupted", file=sys.stderr)

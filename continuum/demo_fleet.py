@@ -169,8 +169,8 @@ class Children:
         return "\n".join(self.log_text(log).splitlines()[-lines:])
 
     def exit_report(self, proc: subprocess.Popen[bytes]) -> str | None:
-        """How a child that is gone ended: its exit status or signal, how long it ran, the
-        last error its log names and the end of that log; None while it runs."""
+        """How a child that is gone ended: which one, its exit status or signal, how long
+        it ran, the last error its log names and the end of that log; None while it runs."""
         code = proc.poll()
         if code is None:
             return None
@@ -178,7 +178,8 @@ class Children:
         how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
         text = self.log_text(log) if log else ""
         errors = ERROR_LINE.findall(text)
-        report = f"{how} after {time.monotonic() - began:.1f}s"
+        name = log.removesuffix(".log") or "process"
+        report = f"{name} (pid {proc.pid}) {how} after {time.monotonic() - began:.1f}s"
         if errors:
             report += f" ({errors[-1].strip()})"
         if text:
@@ -269,7 +270,8 @@ def wait_until(
             pass
         if proc is not None and proc.poll() is not None:
             report = children.exit_report(proc) if children is not None else None
-            raise ChildExited(proc, f"{what} {report or f'exited with status {proc.returncode}'}")
+            raise ChildExited(proc, f"while waiting for {what}: "
+                              f"{report or f'pid {proc.pid} exited with {proc.returncode}'}")
         if time.monotonic() > deadline:
             break
         time.sleep(interval)
