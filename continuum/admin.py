@@ -166,7 +166,8 @@ class ExplainResource(AdminResource):
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         endpoint = rq.ANTHROPIC_MESSAGES if req.get_param("endpoint") == "anthropic" else rq.CHAT
-        raw = read_body(req, self.service.config.server.max_body_bytes)
+        server = self.service.config.server
+        raw = read_body(req, server.max_body_bytes, server.client_body_timeout_seconds)
         ctx = rq.parse_request(raw, endpoint)
         self._send(resp, self.service.explain(ctx))
 
@@ -201,7 +202,7 @@ class ResponseCacheInvalidateResource(AdminResource):
     """``POST /admin/response-cache/invalidate`` with ``{"clear_all": true}``."""
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        raw = read_body(req, 65536)
+        raw = read_body(req, 65536, self.service.config.server.client_body_timeout_seconds)
         try:
             body = json.loads(raw or b"{}")
         except ValueError:

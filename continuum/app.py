@@ -1,27 +1,31 @@
 """The WSGI application: thin Falcon resources over :class:`~continuum.service.RouterService`.
 
-``gunicorn -k gevent -c conf/gunicorn.conf.py 'continuum.app:get_app()'`` calls
+``gunicorn -c conf/gunicorn.conf.py 'continuum.app:get_app()'`` calls
 :func:`get_app` in each worker after the fork; it reads ``$CONTINUUM_CONFIG``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import socket
 from typing import Any
 
 import falcon
+import gevent
 
 from continuum import anthropic
 from continuum import request as rq
-from continuum.config import CONFIG_ENV, RouterConfig, check_config_file
+from continuum.config import CONFIG_ENV, RouterConfig, ServerConfig, check_config_file
 from continuum.errors import (
     ConfigError,
     ConfigIssue,
     ContinuumError,
     PayloadTooLargeError,
     RequestError,
+    RequestTimeoutError,
 )
 from continuum.metrics import CONTENT_TYPE, RouterMetrics
 from continuum.registry import PluginRegistry
@@ -86,17 +90,41 @@ def _serialize_http_error(
         resp.data = error_body(message, error_type, code)
 
 
-def read_body(req: falcon.Request, limit: int) -> bytes:
-    """Read the request body, refusing more than ``limit`` bytes."""
+def read_body(
+    req: falcon.Request, limit: int,
+    timeout: float = ServerConfig.client_body_timeout_seconds,
+) -> bytes:
+    """Read the request body, refusing more than ``limit`` bytes, and a client that takes
+    longer than ``timeout`` seconds to send it (408), which is then hung up on so that it
+    holds none of the worker's connections any longer."""
     length = req.content_length
     if length is not None and length > limit:
         raise PayloadTooLargeError(
             f"request body of {length} bytes exceeds the limit of {limit} bytes"
         )
-    data = req.bounded_stream.read(limit + 1)
+    timer = gevent.Timeout(timeout)
+    try:
+        with timer:
+            data = req.bounded_stream.read(limit + 1)
+    except gevent.Timeout as exc:
+        if exc is not timer:
+            raise
+        _stop_reading(req)
+        raise RequestTimeoutError(
+            f"request body not received within {timeout:g} s"
+        ) from None
     if len(data) > limit:
         raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
     return data
+
+
+def _stop_reading(req: falcon.Request) -> None:
+    """Shut the read side of the client's socket: gunicorn would otherwise drain the rest
+    of the body before the next request; now it sees the end, sends the 408 and closes."""
+    sock = req.env.get("gunicorn.socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RD)
 
 
 class ProxyResource:
@@ -111,7 +139,8 @@ class ProxyResource:
         service = self.service
         tenant = service.auth.tenant(req.get_header("Authorization"),
                                      req.get_header("x-api-key"))
-        raw = read_body(req, service.config.server.max_body_bytes)
+        server = service.config.server
+        raw = read_body(req, server.max_body_bytes, server.client_body_timeout_seconds)
         ctx = rq.parse_request(raw, self.endpoint, tenant=tenant,
                                request_id=req.get_header("X-Request-Id"))
         forward = None

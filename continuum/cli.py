@@ -25,7 +25,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             print(issue.render(result.source), file=sys.stderr)
         return 1
     os.environ[CONFIG_ENV] = os.path.abspath(config)
-    argv = ["gunicorn", "-c", "python:continuum.gunicorn_conf", "-k", "gevent"]
+    # The worker class (gevent, with header timeouts) and the per-instance control socket
+    # come from continuum.gunicorn_conf; "-k gevent" here would replace that worker.
+    argv = ["gunicorn", "-c", "python:continuum.gunicorn_conf"]
     if args.bind:
         argv += ["--bind", args.bind]
     if args.workers:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from continuum.demo_fleet import (
     MODEL,
     RUN_ENV,
+    ChildExited,
     Children,
     Fleet,
     FleetShape,
@@ -238,7 +239,8 @@ def run_scenario(
             router, target = start_router(children, http, config, scenario.name)
             token = config["admin"]["token"]
             if scenario.kv_events:
-                start = wait_router_index_ready(http, target, token)
+                start = wait_router_index_ready(http, target, token, proc=router,
+                                                children=children)
         if warmup is not None:
             done = replay(target, warmup, concurrency=1, max_seconds=60, timeout=30)
             if done.summary()["errors"]:
@@ -246,7 +248,8 @@ def run_scenario(
                 raise RuntimeError(f"warm-up failed: {done.error_samples()}\n{log}")
             if scenario.kv_events:
                 wait_until(lambda: kv_index_stats(http, target, token)["index"][
-                    "entry_count"] >= len(warmup.sessions), "the warm-up in the KV index", 10)
+                    "entry_count"] >= len(warmup.sessions), "the warm-up in the KV index", 10,
+                    router, children)
                 time.sleep(0.2)  # past the scorer's 100 ms snapshots
         if scenario.kv_events:
             measured_from = kv_index_stats(http, target, token)["routing_decisions"]
@@ -447,6 +450,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         # OSError: requests' errors, spawn failures
         print(f"continuum-router demo: {exc}", file=sys.stderr)
+        reported = exc.proc if isinstance(exc, ChildExited) else None
+        for proc in children.exited():  # whatever else died is likely the cause
+            if proc is not reported:
+                print(f"continuum-router demo: {children.exit_report(proc)}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         print("continuum-router demo: interrupted", file=sys.stderr)

@@ -121,6 +121,8 @@ class Children:
             self.env.pop(name, None)
         self.procs: list[tuple[subprocess.Popen[bytes], int]] = []
         self.pids: list[int] = []
+        #: PID -> (log name, start time): what :meth:`exit_report` tells about a child.
+        self.started: dict[int, tuple[str, float]] = {}
         self.preexec = _die_with_parent()
 
     def spawn(
@@ -135,6 +137,7 @@ class Children:
             )
         self.procs.append((proc, stop_signal))
         self.pids.append(proc.pid)
+        self.started[proc.pid] = (log, time.monotonic())
         return proc
 
     def stop(self, proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
@@ -164,6 +167,39 @@ class Children:
     def log_tail(self, log: str, lines: int = 20) -> str:
         """The end of a child's log, for error messages."""
         return "\n".join(self.log_text(log).splitlines()[-lines:])
+
+    def exit_report(self, proc: subprocess.Popen[bytes]) -> str | None:
+        """How a child that is gone ended: which one, its exit status or signal, how long
+        it ran, the last error its log names and the end of that log; None while it runs."""
+        code = proc.poll()
+        if code is None:
+            return None
+        log, began = self.started.get(proc.pid, ("", time.monotonic()))
+        how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
+        text = self.log_text(log) if log else ""
+        errors = ERROR_LINE.findall(text)
+        name = log.removesuffix(".log") or "process"
+        report = f"{name} (pid {proc.pid}) {how} after {time.monotonic() - began:.1f}s"
+        if errors:
+            report += f" ({errors[-1].strip()})"
+        if text:
+            report += f"; the end of {log}:\n" + self.log_tail(log)
+        return report
+
+    def exited(self) -> list[subprocess.Popen[bytes]]:
+        """The children that ended although the demo did not stop them."""
+        return [proc for proc, _ in self.procs if proc.poll() is not None]
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+#: A line of a log that names an exception (``ModuleNotFoundError: No module named 'x'``).
+ERROR_LINE = re.compile(r"^\s*((?:[A-Za-z_]\w*\.)*\w*(?:Error|Exception)\b.*)$", re.MULTILINE)
 
 
 def _die_with_parent() -> Callable[[], None] | None:
@@ -210,13 +246,21 @@ def free_port_block(count: int, attempts: int = 200) -> int:
     raise RuntimeError(f"found no {count} consecutive free ports on 127.0.0.1")
 
 
+class ChildExited(RuntimeError):
+    """A child the demo waited on ended; the message says how (:meth:`Children.exit_report`)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], message: str) -> None:
+        super().__init__(message)
+        self.proc = proc
+
+
 def wait_until(
     condition: Callable[[], bool], what: str, timeout: float,
     proc: subprocess.Popen[bytes] | None = None, children: Children | None = None,
     log: str = "", interval: float = 0.05,
 ) -> None:
-    """Poll ``condition`` until it holds; RuntimeError naming ``what`` (with ``log``'s
-    tail) after ``timeout`` seconds or when ``proc`` exits."""
+    """Poll ``condition`` until it holds; RuntimeError naming ``what`` after ``timeout``
+    seconds (with ``log``'s tail), or at once when ``proc`` exits (with how it ended)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -225,7 +269,9 @@ def wait_until(
         except OSError:  # requests' errors are OSErrors: not serving (yet)
             pass
         if proc is not None and proc.poll() is not None:
-            break
+            report = children.exit_report(proc) if children is not None else None
+            raise ChildExited(proc, f"while waiting for {what}: "
+                              f"{report or f'pid {proc.pid} exited with {proc.returncode}'}")
         if time.monotonic() > deadline:
             break
         time.sleep(interval)
@@ -457,6 +503,7 @@ def kv_index_stats(http: requests.Session, url: str, token: str) -> dict[str, An
 
 def wait_router_index_ready(
     http: requests.Session, url: str, token: str, timeout: float = 15.0,
+    proc: subprocess.Popen[bytes] | None = None, children: Children | None = None,
 ) -> dict[str, Any]:
     """Wait until every event source of the router streams and its index is empty (a
     fresh subscription starts with ``cache_cleared`` and the listener's snapshot, which is
@@ -469,7 +516,10 @@ def wait_router_index_ready(
                 and stats["index"]["entry_count"] == 0)
 
     try:
-        wait_until(ready, "the router's KV index to be connected and empty", timeout)
+        wait_until(ready, "the router's KV index to be connected and empty", timeout, proc,
+                   children)
+    except ChildExited:
+        raise
     except RuntimeError as exc:
         raise RuntimeError(f"{exc}: {stats.get('index')}, {stats.get('event_sources')}") \
             from None

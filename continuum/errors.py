@@ -93,6 +93,14 @@ class PayloadTooLargeError(RequestError):
     code = "request_too_large"
 
 
+class RequestTimeoutError(RequestError, TimeoutError):
+    """The client did not send its request within ``server.client_*_timeout_seconds`` (408);
+    the connection is closed after the answer."""
+
+    status = 408
+    code = "request_timeout"
+
+
 class NoHealthyBackendError(ContinuumError, RuntimeError):
     """Every backend that could serve the request is down or disabled (503)."""
 

@@ -1,8 +1,10 @@
 """gunicorn settings for the router (``conf/gunicorn.conf.py`` re-exports this module).
 
 Reads ``$CONTINUUM_CONFIG`` for ``server.bind``, ``server.workers`` and
-``server.worker_connections``; command-line flags given to gunicorn still win. Sets up
-prometheus-client multiprocess mode so ``/metrics`` is right with several workers.
+``server.worker_connections``; command-line flags given to gunicorn still win. Selects the
+router's gevent worker (:mod:`continuum.gunicorn_worker`: header timeouts). Sets up
+prometheus-client multiprocess mode so ``/metrics`` is right with several workers. Gives
+each instance its own gunicorn control socket (``gunicornc``), in its runtime directory.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from continuum.config import CONFIG_ENV, load_config
 # variable is set, would fix its value class to single-process mode for every worker.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-worker_class = "gevent"
+worker_class = "continuum.gunicorn_worker.GeventWorker"  # gevent, with header timeouts
 # Gunicorn's own defaults, spelled out so operators see them here.
 keepalive = 75
 graceful_timeout = 30
@@ -45,15 +47,28 @@ RUNTIME_DIR_ENV = "CONTINUUM_RUNTIME_DIR"
 if not os.environ.get(RUNTIME_DIR_ENV):
     _OWN_DIRS.append(tempfile.mkdtemp(prefix="continuum-runtime-"))
     os.environ[RUNTIME_DIR_ENV] = _OWN_DIRS[-1]
+# gunicorn (25.1+) opens a control socket for ``gunicornc`` at one path per user by default,
+# so a second instance on the host would take it over and the first to stop would delete
+# it. Each instance's lives in its own runtime directory instead (``--control-socket PATH``
+# still wins; ``--no-control-socket`` turns it off).
+control_socket = os.path.join(os.environ[RUNTIME_DIR_ENV], "gunicorn.ctl")
 
 
 def when_ready(server: Any) -> None:
     """Disable Nagle on the listening sockets; accepted sockets inherit it on Linux, so the
-    first streamed chunk is never held back waiting for an ACK."""
+    first streamed chunk is never held back waiting for an ACK. Warn when another worker
+    class (``-k gevent``) replaced the router's, which times out slow request headers."""
     for listener in server.LISTENERS:
         sock = getattr(listener, "sock", None)
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    from continuum.gunicorn_worker import WORKER_CLASS, GeventWorker
+
+    used = server.worker_class
+    if not issubclass(used, GeventWorker):
+        server.log.warning("worker class %s.%s has no client_header_timeout_seconds: slow "
+                           "clients can hold every connection; use %s (drop -k)",
+                           used.__module__, used.__qualname__, WORKER_CLASS)
 
 
 def child_exit(server: Any, worker: Any) -> None:

@@ -46,6 +46,15 @@ class ServerConfig:
         0.0, doc="longest a streamed answer is relayed before it ends with an SSE error "
         "event; 0 = unlimited", min=0, max=7 * 86400, duration=True,
     )
+    client_header_timeout_seconds: float = setting(
+        10.0, doc="time a client has to send a request's whole header, from its first byte "
+        "(first request: from the connection); slower gets 408 and is closed",
+        min=1, max=3600, duration=True,
+    )
+    client_body_timeout_seconds: float = setting(
+        30.0, doc="time a client has to send a request's whole body; slower gets 408 and is "
+        "closed", min=1, max=3600, duration=True,
+    )
     log_level: str = setting(
         "info", doc="log level", choices=("debug", "info", "warning", "error")
     )

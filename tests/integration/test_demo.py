@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from continuum.demo_fleet import ChildExited, Children, wait_until
 from continuum.sim.replay import replay
 from continuum.sim.workload import multi_turn
 from tests.conftest import ROOT, Proc, free_port, wait_http
@@ -152,3 +155,52 @@ def test_follow_up_turns_hit_the_engine_cache(tmp_path: Path) -> None:
             assert current.prompt_tokens > previous.prompt_tokens + previous.completion_tokens
             assert current.cached_tokens >= previous.prompt_tokens - BLOCK_SIZE
             assert current.ttft is not None
+
+
+@pytest.mark.e2e
+def test_demo_reports_why_a_child_died_instead_of_timing_out() -> None:
+    """A router that cannot start (here: a worker class that does not exist, as when a
+    dependency of gunicorn's gevent worker is missing) is reported with its exit status
+    and its error at once, not after the start timeout as "timed out waiting"."""
+    env = {**os.environ, "GUNICORN_CMD_ARGS": "--worker-class continuum.no_such_module.Worker"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "continuum.cli", "demo", "--quick", "--strategies",
+         "RoundRobin"],
+        cwd=str(ROOT), capture_output=True, timeout=120, check=False, env=env,
+    )
+    stderr = proc.stderr.decode(errors="replace")
+    assert proc.returncode == 3, stderr
+    assert ("while waiting for the router (RoundRobin): router-roundrobin (pid "
+            in stderr), stderr
+    assert re.search(r"\) exited with status 1 after \d", stderr), stderr
+    assert "No module named 'continuum.no_such_module'" in stderr, stderr
+    assert "the end of router-roundrobin.log:" in stderr, stderr
+    assert "timed out" not in stderr, stderr
+
+
+def test_exit_report_names_the_child_its_status_and_its_error(tmp_path: Path) -> None:
+    children = Children(tmp_path, "test")
+    failed = children.spawn([sys.executable, "-c", "import sys; print('starting', flush=True);"
+                             "raise SystemExit('LookupError: no engine named x')"], "engine.log")
+    killed = children.spawn([sys.executable, "-c",
+                             "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], "sim.log")
+    running = children.spawn([sys.executable, "-c", "import time; time.sleep(30)"], "idle.log")
+    try:
+        failed.wait(10)
+        killed.wait(10)
+        assert children.exited() == [failed, killed]
+        report = children.exit_report(failed)
+        assert report is not None
+        head, _, tail = report.partition("\n")
+        assert re.fullmatch(rf"engine \(pid {failed.pid}\) exited with status 1 after \d+\.\ds "
+                            r"\(LookupError: no engine named x\); the end of engine.log:", head)
+        assert tail == "starting\nLookupError: no engine named x"
+        assert re.fullmatch(rf"sim \(pid {killed.pid}\) was killed by SIGKILL after \d+\.\ds",
+                            children.exit_report(killed) or "")
+        assert children.exit_report(running) is None
+        with pytest.raises(ChildExited) as err:
+            wait_until(lambda: False, "the engine", 10, failed, children)
+        assert err.value.proc is failed
+        assert str(err.value) == f"while waiting for the engine: {children.exit_report(failed)}"
+    finally:
+        children.stop_all()

@@ -9,7 +9,6 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import free_port
 from tests.integration.test_sim_http import MODEL, SYSTEM, Sim
 
 pytestmark = pytest.mark.e2e
@@ -17,7 +16,9 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[Sim]:
-    sims = Sim(tmp_path, "--fast", "--fleet", "2", count=2, port=free_port())
+    # Port 0: each engine binds a port of its own choosing. A single free port would make
+    # the second engine assume that the next port is free too (it was once taken).
+    sims = Sim(tmp_path, "--fast", "--fleet", "2", count=2, port=0)
     yield sims
     sims.stop()
 
