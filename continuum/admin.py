@@ -12,7 +12,7 @@ from typing import Any
 import falcon
 
 from continuum import request as rq
-from continuum.app import read_body
+from continuum.app import read_body, request_id_of
 from continuum.errors import ConfigError, ContinuumError, RequestError, StoreError
 from continuum.reload import ConfigReloader
 from continuum.service import RouterService
@@ -113,7 +113,7 @@ class ExplainResource(_AdminResource):
         self.auth.check(req)
         endpoint = rq.ANTHROPIC_MESSAGES if req.get_param("endpoint") == "anthropic" else rq.CHAT
         raw = read_body(req, self.service.config.server.max_body_bytes)
-        ctx = rq.parse_request(raw, endpoint)
+        ctx = self.service.admit(raw, endpoint, request_id_of(req), caching=False)
         self._send(resp, self.service.explain(ctx))
 
 
@@ -152,8 +152,8 @@ class ResponseCacheInvalidateResource(_AdminResource):
         self.auth.check(req)
         raw = read_body(req, 65536)
         try:
-            body = json.loads(raw or b"{}")
-        except ValueError:
+            body = rq.load_json(raw or b"{}")
+        except RequestError:
             raise RequestError("body must be JSON: {\"clear_all\": true}") from None
         if not isinstance(body, dict) or body.get("clear_all") is not True:
             raise RequestError("only {\"clear_all\": true} is supported")

@@ -31,6 +31,10 @@ class ServerConfig:
         10 * 1024 * 1024, doc="largest accepted request body; larger gets 413",
         min=1024, max=1024**3,
     )
+    max_json_depth: int = setting(
+        128, doc="deepest array/object nesting accepted in a request body; deeper gets 400",
+        min=8, max=512,
+    )
     log_level: str = setting(
         "info", doc="log level", choices=("debug", "info", "warning", "error")
     )
