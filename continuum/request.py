@@ -17,6 +17,7 @@ import sys
 import uuid
 from dataclasses import dataclass, field
 from itertools import accumulate
+from operator import itemgetter
 from typing import Any
 
 from continuum.errors import RequestError
@@ -88,7 +89,8 @@ def _all_but(keep: bytes) -> bytes:
 
 
 _NOT_OPENERS = _all_but(b"[{")
-_NOT_STRUCTURE = _all_but(b'"\\[]{}')
+_NOT_QUOTES_OR_BRACKETS = _all_but(b'"[]{}')
+_LAST_BYTE = itemgetter(slice(-1, None))
 #: Openers to +1, closers to -1 (as signed bytes).
 _STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
 
@@ -102,26 +104,24 @@ def nesting_exceeds(raw: bytes, limit: int) -> bool:
     and for the valid prefix of an invalid one, which is all ``json.loads`` descends into:
 
     * a body with at most ``limit`` ``[``/``{`` bytes cannot nest deeper (most requests);
-    * otherwise only quotes, backslashes and brackets are kept (UTF-8 never puts these
-      ASCII bytes inside a multi-byte character), the text between quote pairs (string
-      contents) is dropped, and the running sum of openers (+1) and closers (-1) is the
-      depth. That needs every quote left to delimit a string, so escaped quotes are
-      removed from the full text first when a backslash stands right before a quote:
-      outside strings JSON has no backslash and inside one a backslash always starts a
-      two-byte escape, so dropping ``\\\\`` pairs (only needed when a backslash run ends at
-      a quote) and then every ``\\"`` leaves only delimiting quotes.
+    * otherwise escaped quotes are removed first, so that every quote left delimits a
+      string: outside strings JSON has no backslash and inside one a backslash always
+      starts a two-byte escape, so every ``\\"`` is one, unless a run of backslashes ends
+      at the quote (``\\\\"``), and then dropping the ``\\\\`` pairs first makes it so;
+    * then only quotes and brackets are kept (UTF-8 never puts these ASCII bytes inside a
+      multi-byte character), the text between quote pairs (string contents) is dropped,
+      and the running sum of openers (+1) and closers (-1) is the depth.
     """
     if len(raw.translate(None, _NOT_OPENERS)) <= limit:
         return False
-    skeleton = raw.translate(None, _NOT_STRUCTURE)
-    if b'\\"' in skeleton:  # an escaped quote, or a quote after an escape such as \n
-        if b'\\\\"' in skeleton:
-            raw = raw.replace(b"\\\\", b"")
-        skeleton = b"".join(raw.split(b'\\"')).translate(None, _NOT_STRUCTURE)
-    # Only delimiting quotes are left. Dropping two adjacent quotes keeps every bracket on
-    # its side of the strings, so empty strings (most, once the letters are gone) go in
-    # one pass; the rest are split off.
-    outside = skeleton.translate(None, b"\\").replace(b'""', b"")
+    pieces = raw.split(b'\\"')
+    if len(pieces) > 1:
+        if b"\\" in b"".join(map(_LAST_BYTE, pieces[:-1])):
+            pieces = raw.replace(b"\\\\", b"").split(b'\\"')
+        raw = b"".join(pieces)
+    # Dropping two adjacent quotes keeps every bracket on its side of the strings, so the
+    # empty strings (most, once the letters are gone) go in one pass; the rest are split off.
+    outside = raw.translate(None, _NOT_QUOTES_OR_BRACKETS).replace(b'""', b"")
     if b'"' in outside:
         outside = b"".join(outside.split(b'"')[::2])
     steps = outside.translate(_STEPS)

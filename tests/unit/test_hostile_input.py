@@ -25,6 +25,8 @@ from continuum.request import DEFAULT_MAX_JSON_DEPTH, NUMBER_FIELDS
 from tests.conftest import Upstream
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/anthropic/v1/messages")
+#: Also parses a client request and derives its keys (admin API, open without a token).
+EXPLAIN = "/admin/routing/explain"
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]
 #: Top-level fields the router reads or checks.
 KNOWN = (*NUMBER_FIELDS, "model", "messages", "stream", "prompt", "input", "system", "stop",
@@ -98,14 +100,14 @@ def _encode(value: Any, ascii_only: bool) -> bytes:
 
 
 @BOUNDED
-@given(path=st.sampled_from(PATHS), body=_bodies, ascii_only=st.booleans())
+@given(path=st.sampled_from((*PATHS, EXPLAIN)), body=_bodies, ascii_only=st.booleans())
 def test_random_json_never_gets_a_5xx(client: falcon.testing.TestClient, path: str,
                                       body: Any, ascii_only: bool) -> None:
     _assert_answered(client, path, _encode(body, ascii_only))
 
 
 @BOUNDED
-@given(path=st.sampled_from(PATHS), field=st.sampled_from(KNOWN), value=_json,
+@given(path=st.sampled_from((*PATHS, EXPLAIN)), field=st.sampled_from(KNOWN), value=_json,
        stream=st.booleans())
 def test_any_value_at_every_known_field(client: falcon.testing.TestClient, path: str,
                                         field: str, value: Any, stream: bool) -> None:
