@@ -136,7 +136,8 @@ def load_json(raw: bytes, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> Any:
     Raises:
         RequestError: not UTF-8, not JSON, or nested too deep.
     """
-    encoding = json.detect_encoding(raw)  # what json.loads would decode it as
+    # What json.loads would decode it as; a body opening with "{" and no NUL is UTF-8.
+    encoding = "utf-8" if raw[:1] == b"{" and raw[1:2] != b"\x00" else json.detect_encoding(raw)
     if encoding not in ("utf-8", "utf-8-sig"):
         raise RequestError(f"request body is not valid JSON: not UTF-8 (looks like {encoding})",
                            code="invalid_json")
@@ -231,6 +232,9 @@ _LOGPROBS = NumberField(0, INT64_MAX, integer=True)
 _INPUT_FIELD = {COMPLETIONS: "prompt", EMBEDDINGS: "input", ANTHROPIC_MESSAGES: "system"}
 
 
+_CHECKED_FIELDS = frozenset({*NUMBER_FIELDS, "logprobs", "stop", "stop_sequences"})
+
+
 def _check_field(name: str, value: Any) -> None:
     """Type and range of one known top-level field; unknown fields are the backend's."""
     spec = NUMBER_FIELDS.get(name)
@@ -298,7 +302,8 @@ def parse_request(
         if value is not None and type(value) not in (str, list):
             raise _wrong_type(input_field, "a string or an array", value)
     for name, value in body.items():
-        _check_field(name, value)
+        if name in _CHECKED_FIELDS:
+            _check_field(name, value)
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_completion_tokens")
