@@ -16,7 +16,7 @@ from typing import Any
 import falcon
 
 from continuum import request as rq
-from continuum.app import read_body
+from continuum.app import read_body, request_id_of
 from continuum.config.addresses import redact_url
 from continuum.errors import (
     AuthenticationError,
@@ -168,7 +168,7 @@ class ExplainResource(AdminResource):
         endpoint = rq.ANTHROPIC_MESSAGES if req.get_param("endpoint") == "anthropic" else rq.CHAT
         server = self.service.config.server
         raw = read_body(req, server.max_body_bytes, server.client_body_timeout_seconds)
-        ctx = rq.parse_request(raw, endpoint)
+        ctx = self.service.admit(raw, endpoint, request_id_of(req), caching=False)
         self._send(resp, self.service.explain(ctx))
 
 
@@ -204,8 +204,8 @@ class ResponseCacheInvalidateResource(AdminResource):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         raw = read_body(req, 65536, self.service.config.server.client_body_timeout_seconds)
         try:
-            body = json.loads(raw or b"{}")
-        except ValueError:
+            body = rq.load_json(raw or b"{}")
+        except RequestError:
             raise RequestError("body must be JSON: {\"clear_all\": true}") from None
         if not isinstance(body, dict) or body.get("clear_all") is not True:
             raise RequestError("only {\"clear_all\": true} is supported")

@@ -49,15 +49,45 @@ def _is_anthropic(req: falcon.Request) -> bool:
     return req.path.startswith(ANTHROPIC_PREFIX)
 
 
+def request_id_of(req: falcon.Request) -> str:
+    """The request's id: the client's sane ``X-Request-Id`` or a fresh one, fixed on first
+    use. It is sent upstream, returned as ``X-Request-Id``, and names the request in every
+    log line and every 5xx body, so that a client's report finds the log entry."""
+    rid: str | None = getattr(req.context, "request_id", None)
+    if rid is None:
+        rid = req.context.request_id = rq.new_request_id(req.get_header("X-Request-Id"))
+    return rid
+
+
+class RequestIdHeader:
+    """Middleware: every answer, errors included, carries ``X-Request-Id``."""
+
+    def process_response(self, req: falcon.Request, resp: falcon.Response, resource: Any,
+                         req_succeeded: bool) -> None:
+        resp.set_header("X-Request-Id", request_id_of(req))
+
+
+def _error_document(req: falcon.Request, status: int, message: str, error_type: str,
+                    code: str | None, param: Any = None) -> bytes:
+    """The error body in the client's dialect; a 5xx also names the request id."""
+    if status >= 500:
+        message = f"{message} (request id {request_id_of(req)})"
+    if _is_anthropic(req):
+        return anthropic.error_document(status, message)
+    return error_body(message, error_type, code, param)
+
+
 def _handle_continuum_error(
     req: falcon.Request, resp: falcon.Response, exc: ContinuumError, params: Any
 ) -> None:
+    if exc.status >= 500:
+        # The full message (backend name, address, socket error) is for operators only.
+        log.warning("request %s: %s %s -> %d: %s", request_id_of(req), req.method, req.path,
+                    exc.status, exc.message)
     resp.status = exc.status
     resp.content_type = JSON
-    if _is_anthropic(req):
-        resp.data = anthropic.error_document(exc.status, exc.message)
-    else:
-        resp.data = error_body(exc.message, exc.error_type, exc.code, exc.fields.get("param"))
+    resp.data = _error_document(req, exc.status, exc.public_message or exc.message,
+                                exc.error_type, exc.code, exc.fields.get("param"))
     if exc.status == 401:
         resp.set_header("WWW-Authenticate", "Bearer")
 
@@ -67,14 +97,12 @@ def _handle_unexpected(
 ) -> None:
     """A bug, not a client or upstream problem: log it with the request, answer 500 in the
     client's error shape (never a traceback)."""
-    log.exception("unhandled error in %s %s", req.method, req.path)
+    log.exception("request %s: unhandled error in %s %s", request_id_of(req), req.method,
+                  req.path)
     resp.status = 500
     resp.content_type = JSON
-    message = "internal error in the router (logged)"
-    if _is_anthropic(req):
-        resp.data = anthropic.error_document(500, message)
-    else:
-        resp.data = error_body(message, "server_error", "internal_error")
+    resp.data = _error_document(req, 500, "internal error in the router (logged)",
+                                "server_error", "internal_error")
 
 
 def _serialize_http_error(
@@ -84,10 +112,7 @@ def _serialize_http_error(
     error_type = "invalid_request_error" if code.startswith("4") else "server_error"
     message = exc.description or exc.title or "error"
     resp.content_type = JSON
-    if _is_anthropic(req):
-        resp.data = anthropic.error_document(int(code), message)
-    else:
-        resp.data = error_body(message, error_type, code)
+    resp.data = _error_document(req, int(code), message, error_type, code)
 
 
 def read_body(
@@ -141,13 +166,14 @@ class ProxyResource:
                                      req.get_header("x-api-key"))
         server = service.config.server
         raw = read_body(req, server.max_body_bytes, server.client_body_timeout_seconds)
-        ctx = rq.parse_request(raw, self.endpoint, tenant=tenant,
-                               request_id=req.get_header("X-Request-Id"))
         forward = None
         if self.endpoint == rq.ANTHROPIC_MESSAGES:
             forward = {name: value for name in anthropic.FORWARDED_HEADERS
                        if (value := req.get_header(name))}
-        result = service.proxy(ctx, self.path, req.get_header("Cache-Control"), forward)
+        ctx = service.admit(raw, self.endpoint, request_id_of(req), tenant=tenant,
+                            cache_control=req.get_header("Cache-Control"),
+                            forward_headers=forward)
+        result = service.proxy(ctx, self.path)
         resp.status = result.status
         for name, value in result.headers.items():
             resp.set_header(name, value)
@@ -224,6 +250,7 @@ def create_app(
     service = service or RouterService(config, registry=registry, metrics=metrics)
     app = RouterApp(media_type=JSON, middleware=[admin.AdminGate(service)])
     app.req_options.strip_url_path_trailing_slash = True
+    app.add_middleware(RequestIdHeader())
     app.add_error_handler(Exception, _handle_unexpected)
     app.add_error_handler(ContinuumError, _handle_continuum_error)
     app.set_error_serializer(_serialize_http_error)

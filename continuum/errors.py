@@ -16,6 +16,9 @@ class ContinuumError(Exception):
     status: int = 500
     error_type: str = "server_error"
     code: str | None = None
+    #: What the client is told instead of ``message``, for errors whose message carries
+    #: internals (backend names, addresses, socket errors) that belong in the log only.
+    public_message: str | None = None
 
     def __init__(self, message: str, **fields: Any) -> None:
         super().__init__(message)
@@ -64,10 +67,18 @@ class PluginError(ContinuumError, LookupError):
 
 
 class RequestError(ContinuumError, ValueError):
-    """The client sent something we cannot route (400)."""
+    """The client sent something we cannot route (400); ``param`` names the field at fault
+    and ``code`` says what is wrong with it (``invalid_type``, ``invalid_value``, …)."""
 
     status = 400
     error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.param = param
+        if code is not None:
+            self.code = code
 
 
 class AuthenticationError(ContinuumError, PermissionError):
@@ -115,6 +126,7 @@ class UpstreamConnectError(ContinuumError, ConnectionError):
     status = 502
     error_type = "bad_gateway"
     code = "upstream_connect_error"
+    public_message = "the backend serving this model could not be reached"
 
     def __init__(self, message: str, *, backend: str) -> None:
         super().__init__(message, backend=backend)
@@ -134,6 +146,7 @@ class UpstreamTimeoutError(ContinuumError, TimeoutError):
     status = 504
     error_type = "gateway_timeout"
     code = "upstream_timeout"
+    public_message = "the backend serving this model did not answer in time"
 
     def __init__(self, message: str, *, backend: str) -> None:
         super().__init__(message, backend=backend)

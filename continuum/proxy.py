@@ -105,6 +105,8 @@ class Upstream:
     backend: Backend
     response: upstream_http.Response
     lease: Lease
+    #: The client request's id, for the log lines and error events of its relay.
+    request_id: str = ""
     #: Set by :meth:`Forwarder.relay` when the upstream body ended normally.
     completed: bool = False
 
@@ -216,7 +218,8 @@ class Forwarder:
                     raise
                 remaining = [b for b in candidates if b is not backend]
                 self.metrics.child(self.metrics.retries, backend.name).inc()
-                log.warning("connect to %s failed; retrying on another backend", backend.name)
+                log.warning("request %s: connect to backend %s failed; retrying on another",
+                            ctx.request_id, backend.name)
                 backend = select(remaining, ctx)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -245,12 +248,14 @@ class Forwarder:
         except upstream_http.ConnectError as exc:
             self._failed(lease, "connect")
             raise UpstreamConnectError(
-                f"could not connect to backend '{backend.name}': {exc}", backend=backend.name
+                f"could not connect to backend '{backend.name}' ({backend.url}): {exc}",
+                backend=backend.name,
             ) from None
         except upstream_http.ReadTimeout:
             self._failed(lease, "timeout")
             raise UpstreamTimeoutError(
-                f"backend '{backend.name}' did not answer in time", backend=backend.name
+                f"backend '{backend.name}' ({backend.url}) did not answer in time",
+                backend=backend.name,
             ) from None
         except (upstream_http.HTTPClientError, OSError) as exc:
             # The backend closed or broke the connection before a valid response head (a
@@ -258,14 +263,15 @@ class Forwarder:
             # treated like a connect failure, so it is retried on another backend.
             self._failed(lease, "connect")
             raise UpstreamConnectError(
-                f"backend '{backend.name}' closed the connection: {exc}", backend=backend.name
+                f"backend '{backend.name}' ({backend.url}) closed the connection: {exc}",
+                backend=backend.name,
             ) from None
         self.metrics.child(self.metrics.ttfb, ctx.endpoint, backend.name).observe(
             time.perf_counter() - lease.started
         )
         if self.on_result is not None and response.status < 500:
             self.on_result(backend, True)
-        return Upstream(backend, response, lease)
+        return Upstream(backend, response, lease, ctx.request_id)
 
     def _failed(self, lease: Lease, kind: str) -> None:
         status = 504 if kind == "timeout" else 502
@@ -283,7 +289,7 @@ class Forwarder:
             UpstreamResponseTooLargeError: the body is over ``max_response_bytes`` (it is
                 not read further; the connection is closed).
         """
-        response, lease = upstream.response, upstream.lease
+        response, lease, backend = upstream.response, upstream.lease, upstream.backend
         try:
             # pools or closes the connection, also on errors
             data = response.read(self.max_response_bytes)
@@ -297,15 +303,15 @@ class Forwarder:
         except upstream_http.ReadTimeout:
             self._failed(lease, "timeout")
             raise UpstreamTimeoutError(
-                f"backend '{upstream.backend.name}' did not answer in time",
-                backend=upstream.backend.name,
+                f"backend '{backend.name}' ({backend.url}) did not answer in time",
+                backend=backend.name,
             ) from None
         except (upstream_http.HTTPClientError, OSError) as exc:
             response.close()
             self._failed(lease, "stream")
             raise UpstreamConnectError(
-                f"backend '{upstream.backend.name}' broke the response: {exc}",
-                backend=upstream.backend.name,
+                f"backend '{backend.name}' ({backend.url}) broke the response: {exc}",
+                backend=backend.name,
             ) from None
         lease.release(response.status, ok=response.status < 500)
         return data
@@ -314,9 +320,10 @@ class Forwarder:
         """Yield the upstream body chunk by chunk as it arrives.
 
         A stream that breaks midway ends with ``error_event(message)`` (an SSE error record
-        in the client's dialect), never a hang; the lease is released and the upstream
-        connection closed on every exit path, including ``GeneratorExit`` when the client
-        disconnects.
+        in the client's dialect that names only the request id: the backend, its address
+        and the error go to the log under that id), never a hang; the lease is released
+        and the upstream connection closed on every exit path, including ``GeneratorExit``
+        when the client disconnects.
         """
         response, lease = upstream.response, upstream.lease
         complete = False
@@ -341,8 +348,10 @@ class Forwarder:
             kind = "timeout" if isinstance(exc, upstream_http.ReadTimeout) else "stream"
             self.metrics.child(self.metrics.upstream_errors, upstream.backend.name, kind).inc()
             status = 504 if kind == "timeout" else 502
-            log.warning("stream from %s broke: %s", upstream.backend.name, exc)
-            yield error_event(f"upstream stream from backend '{upstream.backend.name}' broke")
+            log.warning("request %s: stream from backend %s (%s) broke: %s",
+                        upstream.request_id, upstream.backend.name, upstream.backend.url, exc)
+            yield error_event(
+                f"the upstream stream broke off (request id {upstream.request_id})")
         finally:
             ok: bool | None = complete and status < 500
             if not complete:

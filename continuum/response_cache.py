@@ -130,8 +130,9 @@ class ResponseCache:
         return ok
 
     def lookup(self, ctx: RequestContext) -> CachedResponse | None:
-        """The cached answer for ``ctx`` (key kept in ``ctx.state``); counts hit or miss."""
-        key = ctx.state["cache_key"] = cache_key(ctx)
+        """The cached answer for ``ctx``; counts hit or miss. The key is the one already in
+        ``ctx.state`` (derived when the request was admitted), else computed and kept there."""
+        key = ctx.state["cache_key"] = ctx.state.get("cache_key") or cache_key(ctx)
         try:
             value = self.store.get(key)
         except StoreError as exc:

@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any, cast
 from continuum.anthropic import injected_body, should_inject
 from continuum.auth import ClientAuth
 from continuum.backends import Backend, BackendPool
+from continuum.cache_key import cache_key
 from continuum.cache_salt import make_salt
 from continuum.config import restart_required
 from continuum.config.fields import keep_restart_fields, walk
-from continuum.errors import RequestError
+from continuum.errors import ContinuumError, RequestError
 from continuum.health import HealthMonitor
 from continuum.kv_consumer import KvEventConsumerManager
 from continuum.kv_scorer import KvOverlapScorer
@@ -23,6 +24,7 @@ from continuum.prefix import request_prefix_key
 from continuum.proxy import Forwarder, anthropic_error_event, openai_error_event
 from continuum.redis_link import RedisLink
 from continuum.registry import PluginRegistry
+from continuum.request import parse_request
 from continuum.response_cache import BYPASS, HIT, MISS, ResponseCache
 from continuum.selection import SelectionPipeline
 
@@ -162,29 +164,63 @@ class RouterService:
             if link is not None:
                 link.close()
 
-    def prepare(self, ctx: RequestContext) -> None:
-        """Derive what routing needs from the parsed request (the prefix key)."""
+    def admit(
+        self,
+        raw: bytes,
+        endpoint: str,
+        request_id: str,
+        *,
+        tenant: str | None = None,
+        cache_control: str | None = None,
+        forward_headers: dict[str, str] | None = None,
+        caching: bool = True,
+    ) -> RequestContext:
+        """Parse a client's request and derive every key from it, once: the one place where
+        client input becomes router state, hence the one place where input the checks in
+        :func:`~continuum.request.parse_request` did not foresee (an exception from
+        parsing, the prefix key or the cache key) becomes a 400 rather than a 500. The
+        exception goes to the log with the request id; the client gets the id. What is
+        built later from the request (cache salts from the prefix hash, per-backend bodies
+        re-encoding what ``json.loads`` produced within the depth limit) cannot fail.
+
+        ``caching=False`` (routing/explain) skips the response cache.
+        """
+        try:
+            ctx = parse_request(raw, endpoint, tenant=tenant, request_id=request_id,
+                                max_depth=self.config.server.max_json_depth)
+            if forward_headers:
+                ctx.state["forward_headers"] = forward_headers
+            self.prepare(ctx, cache_control, caching=caching)
+        except ContinuumError:
+            raise
+        except Exception as exc:
+            log.warning("request %s: input rejected, deriving its keys raised %s: %.300s",
+                        request_id, type(exc).__name__, exc,
+                        exc_info=log.isEnabledFor(logging.DEBUG))
+            raise RequestError(f"the request could not be processed ({type(exc).__name__}; "
+                               f"request id {request_id})", code="invalid_request") from None
+        return ctx
+
+    def prepare(
+        self, ctx: RequestContext, cache_control: str | None = None, *, caching: bool = True
+    ) -> None:
+        """Derive what routing and caching need from the parsed request: the prefix key
+        and, when the response cache may answer it, the cache key (``ctx.state``)."""
         settings = self.config.prefix_routing
         if settings.enabled:
             ctx.prefix_key = request_prefix_key(
                 ctx.body, ctx.model, max_prefix_length=settings.max_prefix_length
             )
+        if caching and self.response_cache.eligible(ctx, cache_control):
+            ctx.state["cache_key"] = cache_key(ctx)
 
-    def proxy(
-        self,
-        ctx: RequestContext,
-        path: str,
-        cache_control: str | None = None,
-        forward_headers: dict[str, str] | None = None,
-    ) -> ProxyResult:
-        """Answer ``ctx`` from the response cache, or send it to the backend the pipeline
-        picks (storing the answer when it is cacheable)."""
+    def proxy(self, ctx: RequestContext, path: str) -> ProxyResult:
+        """Answer ``ctx`` (from :meth:`admit`) from the response cache, or send it to the
+        backend the pipeline picks (storing the answer when it is cacheable)."""
         if self._salt_per_tenant and "cache_salt" in ctx.body:
             self._refuse_client_salt(ctx)
         cache = self.response_cache
-        if forward_headers:
-            ctx.state["forward_headers"] = forward_headers
-        if not cache.eligible(ctx, cache_control):
+        if "cache_key" not in ctx.state:
             result = self._forward(ctx, path)
             result.headers["X-Cache"] = BYPASS
             return result
@@ -202,7 +238,6 @@ class RouterService:
     def _forward(
         self, ctx: RequestContext, path: str, cache: ResponseCache | None = None
     ) -> ProxyResult:
-        self.prepare(ctx)
         body: bytes | Callable[[Backend], bytes] = ctx.raw
         error_event = openai_error_event
         if ctx.protocol == "anthropic":
@@ -267,8 +302,8 @@ class RouterService:
         return body_for
 
     def explain(self, ctx: RequestContext) -> dict[str, Any]:
-        """What routing would do with ``ctx`` and why; sends nothing upstream."""
-        self.prepare(ctx)
+        """What routing would do with ``ctx`` (from :meth:`admit`) and why; sends nothing
+        upstream."""
         serving = self.pool.serving(ctx.model, ctx.protocol)
         candidates = [b for b in serving if b.healthy]
         doc: dict[str, Any] = {

@@ -55,6 +55,10 @@ class ServerConfig:
         30.0, doc="time a client has to send a request's whole body; slower gets 408 and is "
         "closed", min=1, max=3600, duration=True,
     )
+    max_json_depth: int = setting(
+        128, doc="deepest array/object nesting accepted in a request body; deeper gets 400",
+        min=8, max=512,
+    )
     log_level: str = setting(
         "info", doc="log level", choices=("debug", "info", "warning", "error")
     )
