@@ -138,6 +138,7 @@ class UpstreamResponseTooLargeError(UpstreamConnectError):
     it was cut off, not read whole."""
 
     code = "upstream_response_too_large"
+    public_message = "upstream response exceeded server.max_upstream_response_bytes"
 
 
 class UpstreamTimeoutError(ContinuumError, TimeoutError):
