@@ -25,7 +25,7 @@ from continuum.request import DEFAULT_MAX_JSON_DEPTH, NUMBER_FIELDS
 from tests.conftest import Upstream
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/anthropic/v1/messages")
-#: Also parses a client request and derives its keys (admin API, open without a token).
+#: Also parses a client request and derives its keys (admin API, opened by the config).
 EXPLAIN = "/admin/routing/explain"
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]
 #: Top-level fields the router reads or checks.
@@ -51,6 +51,7 @@ def _config(url: str) -> dict[str, Any]:
                                               "endpoint": "http://127.0.0.1:9/events/up"}],
                            "cache_salt": {"enabled": True, "secret": "s"}},
         "health_check": {"enabled": False},
+        "admin": {"allow_unauthenticated": True},  # explain parses requests too
     }
 
 
