@@ -65,7 +65,7 @@ def _cmd_defaults(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:  # pragma: no cover - see main()
-    from continuum.demo import main as demo_main
+    from continuum.devtools.demo import main as demo_main
 
     return int(demo_main(args.demo_args))
 
@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console-script entry point."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # the demo parses its own options (argparse.REMAINDER cannot)
-        from continuum.demo import main as demo_main
+        from continuum.devtools.demo import main as demo_main
 
         return int(demo_main(argv[1:]))
     args = build_parser().parse_args(argv)

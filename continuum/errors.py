@@ -1,7 +1,7 @@
 """Every error the router raises, under one root.
 
 Each leaf also inherits the builtin it resembles, carries structured fields, and knows the
-HTTP status and OpenAI error ``type`` it maps to, so a single handler in ``continuum.app``
+HTTP status and OpenAI error ``type`` it maps to, so a single handler in ``continuum.web.app``
 turns any of them into a response.
 """
 

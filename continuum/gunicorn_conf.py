@@ -42,7 +42,7 @@ _OWN_DIRS: list[str] = []
 if not os.environ.get(MULTIPROC_ENV):
     _OWN_DIRS.append(tempfile.mkdtemp(prefix="continuum-metrics-"))
     os.environ[MULTIPROC_ENV] = _OWN_DIRS[-1]
-# Where workers tell each other to reload (see continuum.reload).
+# Where workers tell each other to reload (see continuum.web.reload).
 RUNTIME_DIR_ENV = "CONTINUUM_RUNTIME_DIR"
 if not os.environ.get(RUNTIME_DIR_ENV):
     _OWN_DIRS.append(tempfile.mkdtemp(prefix="continuum-runtime-"))

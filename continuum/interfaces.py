@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from continuum.backends import Backend
     from continuum.config import RouterConfig
     from continuum.request import RequestContext
+    from continuum.routing.backends import Backend
 
 
 class SelectionStrategy(abc.ABC):
@@ -110,7 +110,7 @@ class CacheStore(abc.ABC):
         """Build the store for ``config.response_cache``.
 
         Collaborators the router passes: ``metrics`` (:class:`continuum.metrics.RouterMetrics`)
-        and ``redis`` (the app's shared :class:`continuum.redis_link.RedisLink`, or None
+        and ``redis`` (the app's shared :class:`stores.redis_link.RedisLink`, or None
         when no Redis is configured). Plugins take what they need and ignore the rest.
         """
         return cls()
@@ -180,7 +180,7 @@ class KvCacheIndex(abc.ABC):
         """Build the index for ``config.kv_cache_index``.
 
         Collaborators the router passes: ``metrics`` and ``redis`` (the shared
-        :class:`continuum.redis_link.RedisLink`, or None).
+        :class:`stores.redis_link.RedisLink`, or None).
         """
         return cls()
 

@@ -8,25 +8,25 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from continuum.anthropic import injected_body, should_inject
 from continuum.auth import ClientAuth
-from continuum.backends import Backend, BackendPool
-from continuum.cache_key import cache_key
 from continuum.cache_salt import make_salt
+from continuum.caching.cache_key import cache_key
+from continuum.caching.response_cache import BYPASS, HIT, MISS, ResponseCache
 from continuum.config import restart_required
 from continuum.config.fields import keep_restart_fields, walk
 from continuum.errors import ContinuumError, RequestError
-from continuum.health import HealthMonitor
-from continuum.kv_consumer import KvEventConsumerManager
-from continuum.kv_scorer import KvOverlapScorer
+from continuum.kv.consumer import KvEventConsumerManager
+from continuum.kv.scorer import KvOverlapScorer
 from continuum.metrics import RouterMetrics
 from continuum.prefix import request_prefix_key
-from continuum.proxy import Forwarder, anthropic_error_event, openai_error_event
-from continuum.redis_link import RedisLink
 from continuum.registry import PluginRegistry
 from continuum.request import parse_request
-from continuum.response_cache import BYPASS, HIT, MISS, ResponseCache
-from continuum.selection import SelectionPipeline
+from continuum.routing.anthropic import injected_body, should_inject
+from continuum.routing.backends import Backend, BackendPool
+from continuum.routing.forwarder import Forwarder, anthropic_error_event, openai_error_event
+from continuum.routing.health import HealthMonitor
+from continuum.routing.selection import SelectionPipeline
+from stores.redis_link import RedisLink
 
 if TYPE_CHECKING:
     from continuum.config import RouterConfig

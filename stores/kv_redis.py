@@ -19,7 +19,7 @@ is one ``MULTI``/``EXEC`` pipeline. A ``cache_evicted`` that demotes GpuHot to S
 must read the current tier first, so it is a small Lua script (atomic, one round trip;
 ``EVALSHA``, loaded on first use). ``cache_cleared`` walks the backend's set with ``ZSCAN``
 and removes its entries in pipelined batches. The scripts touch keys of different hash
-slots: Redis Cluster is not supported (the shared :class:`~continuum.redis_link.RedisLink`
+slots: Redis Cluster is not supported (the shared :class:`~stores.redis_link.RedisLink`
 is a plain client anyway).
 
 Reads: ``query_backends`` pipelines ``ZREVRANGEBYSCORE key +inf -inf WITHSCORES`` and
@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 
     from continuum.config import RouterConfig
     from continuum.metrics import RouterMetrics
-    from continuum.redis_link import RedisLink
+    from stores.redis_link import RedisLink
 
 Clock = Callable[[], float]
 

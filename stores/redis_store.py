@@ -2,7 +2,7 @@
 
 Keys are ``<key_prefix><key>`` (``cr:resp:<hex>`` by default); values are stored as-is
 with ``SET … EX``. Every command goes through the worker's shared
-:class:`~continuum.redis_link.RedisLink`, which times it, counts failures, wraps them in
+:class:`~stores.redis_link.RedisLink`, which times it, counts failures, wraps them in
 :class:`~continuum.errors.StoreError` and owns the fallback flag.
 
 Fallback: while the link is in fallback (set by the first connection error or timeout,
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from continuum.config import RedisConfig, RouterConfig
     from continuum.metrics import RouterMetrics
-    from continuum.redis_link import RedisLink
+    from stores.redis_link import RedisLink
 
 #: ``StoreError`` kinds meaning "Redis is unreachable": the link is (now) in fallback.
 UNREACHABLE = frozenset({"fallback", "connection", "timeout"})

@@ -1,7 +1,7 @@
 """PrefixAwareHash: consistent hashing with bounded loads (CHWBL) over prefix keys.
 
 Requests with a prefix key go to the key's owner on the ring (multi-probe lookup, see
-:meth:`continuum.hashring.HashRing.lookup_probes`) while the owner carries
+:meth:`continuum.routing.hashring.HashRing.lookup_probes`) while the owner carries
 fewer than ``bound = ceil((1 + epsilon) * (in_flight_total + 1) / N)`` requests; a full
 owner passes the request clockwise to the first backend under the bound. Requests
 without a key hash the model name and take the first node with no bound (the
@@ -26,10 +26,10 @@ from continuum.errors import NoHealthyBackendError
 from strategies.consistent_hash import ConsistentHash
 
 if TYPE_CHECKING:
-    from continuum.backends import Backend
     from continuum.config import RouterConfig
     from continuum.metrics import RouterMetrics
     from continuum.request import RequestContext
+    from continuum.routing.backends import Backend
 
 PREFIX_HASH = "prefix_hash"
 OVERFLOW = "overflow"

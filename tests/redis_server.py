@@ -178,7 +178,7 @@ class Links:
     """RedisLinks and raw clients made by one test, all closed at its end (``close``)."""
 
     def __init__(self) -> None:
-        from continuum.redis_link import RedisLink
+        from stores.redis_link import RedisLink
 
         self._link_class = RedisLink
         self.links: list[RedisLink] = []

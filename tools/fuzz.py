@@ -10,7 +10,7 @@ values, valid requests with known fields set to hostile values (huge integers, `
 ``Infinity``, ``1e400``, wrong types, nesting), nesting around and far beyond
 ``server.max_json_depth`` with decoy brackets and escaped quotes in strings, byte-level
 mutations of valid requests, random bytes and non-UTF-8 encodings, odd request ids. Each
-goes through the real WSGI app (``continuum.app.create_app``, called in this process with
+goes through the real WSGI app (``continuum.web.app.create_app``, called in this process with
 ``falcon.testing``), configured with every tier that derives something from the body
 (prefix keys and ``PrefixAwareHash``, the response cache, KV scoring and cache salts),
 in front of a real local upstream (``tools.bench.upstream`` on a free port of 127.0.0.1,
@@ -38,10 +38,10 @@ from typing import Any
 
 import falcon.testing
 
-from continuum.app import create_app
 from continuum.config import parse_config
 from continuum.registry import PluginRegistry
 from continuum.request import DEFAULT_MAX_JSON_DEPTH
+from continuum.web.app import create_app
 from tools.bench.overhead import MODEL, start_upstream
 from tools.fuzz_inputs import PATHS, Case, HostileInputs
 

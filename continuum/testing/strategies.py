@@ -37,12 +37,12 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "pip install 'continuum-router[test]'"
     ) from exc
 
-from continuum.backends import Backend
 from continuum.config import BackendConfig
 from continuum.errors import NoHealthyBackendError
 from continuum.interfaces import SelectionStrategy
 from continuum.registry import PluginRegistry
 from continuum.request import CHAT, RequestContext, parse_request
+from continuum.routing.backends import Backend
 
 STRATEGY_GROUP = "continuum.strategies"
 

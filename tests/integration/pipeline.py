@@ -25,9 +25,9 @@ import requests
 import yaml
 
 from continuum.cache_salt import make_salt
-from continuum.demo_fleet import free_port_block
+from continuum.devtools.fleet import free_port_block
 from continuum.prefix import request_prefix_key
-from continuum.sse import SseTransport
+from continuum.wire.sse import SseTransport
 from tests.conftest import PYTHON, Proc, metric_value, wait_http
 
 MODEL = "sim-model"

@@ -35,7 +35,7 @@ def test_opt_out_opens_admin_and_warns_at_start(
     resp = requests.get(router.url + "/admin/backends", timeout=5)
     assert resp.status_code == 200 and resp.json()["backends"][0]["name"] == "a"
     log = router.proc.output()
-    assert "WARNING continuum.app: config: " in log
+    assert "WARNING continuum.web.app: config: " in log
     assert log.count("admin.allow_unauthenticated: every /admin endpoint is open") == 1, log
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from continuum.demo_fleet import ChildExited, Children, wait_until
+from continuum.devtools.fleet import ChildExited, Children, wait_until
 from continuum.sim.replay import replay
 from continuum.sim.workload import multi_turn
 from tests.conftest import ROOT, Proc, free_port, wait_http

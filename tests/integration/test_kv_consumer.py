@@ -1,7 +1,7 @@
 """KV event consumers against real SSE and WebSocket servers on 127.0.0.1.
 
 How it runs: the servers are ``socketserver`` threads in this process; the consumers run in
-real threads too, because :func:`continuum.kv_consumer.default_spawn` picks a daemon thread
+real threads too, because :func:`continuum.kv.consumer.default_spawn` picks a daemon thread
 when gevent has not patched ``socket`` (a gunicorn gevent worker gets greenlets instead).
 ``stop()`` wakes a consumer blocked in a read by shutting down its socket, so nothing here
 needs monkey patching — except the one test that runs the consumer the way a gunicorn gevent
@@ -38,8 +38,8 @@ from prometheus_client import CollectorRegistry
 from continuum.config.schema import KvEventSourceConfig
 from continuum.errors import StoreError
 from continuum.interfaces import KvCacheIndex, KvHolding
-from continuum.kv_consumer import Backoff, KvEventConsumerManager, SourceConsumer
-from continuum.sse import MAX_SSE_BUFFER_SIZE
+from continuum.kv.consumer import Backoff, KvEventConsumerManager, SourceConsumer
+from continuum.wire.sse import MAX_SSE_BUFFER_SIZE
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -708,8 +708,8 @@ def test_ws_message_of_endless_empty_continuations_is_dropped(
 def test_ws_client_frame_cap_bounds_memory() -> None:
     """The client itself: a message of a million empty continuations is refused after
     ``max_frames`` frames, with next to no memory."""
-    from continuum.sse import StreamOverflowError
-    from continuum.websocket import MAX_MESSAGE_FRAMES, WebSocketClient
+    from continuum.wire.sse import StreamOverflowError
+    from continuum.wire.websocket import MAX_MESSAGE_FRAMES, WebSocketClient
 
     ours, theirs = socket.socketpair()
     flood = ws_frame(OP_TEXT, b"{", fin=False) + ws_frame(OP_CONT, b"", fin=False) * 1_000_000
@@ -746,7 +746,7 @@ import json, sys, time
 import gevent
 from continuum.config.schema import KvEventSourceConfig
 from continuum.interfaces import KvCacheIndex
-from continuum.kv_consumer import KvEventConsumerManager
+from continuum.kv.consumer import KvEventConsumerManager
 
 class Index(KvCacheIndex):
     def __init__(self):

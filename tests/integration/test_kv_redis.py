@@ -18,10 +18,10 @@ from continuum.interfaces import (
     TIER_STORAGE_WARM,
     KvCacheIndex,
 )
-from continuum.redis_link import RedisLink
 from continuum.testing import KvIndexContract
 from stores.kv_memory import EMPTY
 from stores.kv_redis import RedisKvIndex
+from stores.redis_link import RedisLink
 from tests.redis_server import Links as BaseLinks
 from tests.redis_server import RedisServer, free_port, unique_prefix
 

@@ -1,7 +1,7 @@
 """The listener's HTTP side over real sockets, and the ``continuum-kv-listener`` process.
 
 In-process tests serve the app with gevent in the test's main thread and read streams from
-client threads with the router's own SSE client (``continuum.sse.SseTransport``), waiting
+client threads with the router's own SSE client (``continuum.wire.sse.SseTransport``), waiting
 cooperatively (``gevent.sleep``) so the server greenlets run. Process tests start the CLI
 with a config file, a simulated engine and the router's real event consumer. Every wait has
 a deadline; nothing asserts on time.
@@ -27,9 +27,9 @@ import yaml
 import zmq.green as zmq
 
 from continuum.config.schema import KvEventSourceConfig
-from continuum.kv_consumer import KvEventConsumerManager
+from continuum.kv.consumer import KvEventConsumerManager
 from continuum.kv_events import KvEventBatch
-from continuum.sse import SseTransport
+from continuum.wire.sse import SseTransport
 from listener.config import SourceConfig
 from listener.hub import EventHub
 from listener.model import CACHE_CLEARED, CACHE_CREATED, CACHE_EVICTED, PrefixEvent

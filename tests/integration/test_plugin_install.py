@@ -35,7 +35,7 @@ CONFIG = {
 
 _USE_PLUGIN = """
 import json, sys
-from continuum.backends import Backend
+from continuum.routing.backends import Backend
 from continuum.config import check_config
 from continuum.registry import PluginRegistry
 from continuum.testing import make_context

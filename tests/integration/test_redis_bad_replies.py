@@ -16,10 +16,10 @@ from typing import Any
 import falcon.testing
 import pytest
 
-from continuum.app import create_app
 from continuum.config import parse_config
 from continuum.prefix import request_prefix_key
 from continuum.registry import PluginRegistry
+from continuum.web.app import create_app
 from tests.conftest import Upstream, metric_value
 from tests.redis_server import Links, RedisServer, unique_prefix
 

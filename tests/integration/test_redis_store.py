@@ -15,8 +15,8 @@ from continuum.config import RouterConfig
 from continuum.errors import StoreError
 from continuum.interfaces import CacheStore
 from continuum.metrics import RouterMetrics
-from continuum.redis_link import RedisLink
 from continuum.testing import CacheStoreContract
+from stores.redis_link import RedisLink
 from stores.redis_store import RedisCacheStore, glob_escape
 from tests.redis_server import Links, RedisServer, free_port, unique_prefix
 

@@ -12,9 +12,9 @@ import pytest
 import redis
 import requests
 
-from continuum.cache_key import cache_key
+from continuum.caching.cache_key import cache_key
+from continuum.caching.response_cache import decode_entry
 from continuum.request import CHAT, parse_request
-from continuum.response_cache import decode_entry
 from tests.conftest import metric_value
 
 pytestmark = pytest.mark.e2e

@@ -21,9 +21,9 @@ import falcon.testing
 import pytest
 import requests
 
-from continuum.app import create_app
 from continuum.config import parse_config
 from continuum.registry import PluginRegistry
+from continuum.web.app import create_app
 from tests.conftest import metric_value
 
 MIB = 1024 * 1024
@@ -230,7 +230,7 @@ def test_limits_under_gunicorn(big_upstream: Any, router_factory: Any) -> None:
 def test_body_too_large_from_the_client_itself() -> None:
     """``Response.read(limit)`` on a raw socket pair: a sized body over the limit is refused
     before any body byte is read, and the connection is closed."""
-    from continuum import upstream_http
+    from continuum.wire import http_client as upstream_http
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))

@@ -10,9 +10,9 @@ import falcon
 import falcon.testing
 import pytest
 
-from continuum.app import create_app
 from continuum.config import parse_config
 from continuum.registry import PluginRegistry
+from continuum.web.app import create_app
 
 BASE = {"backends": [{"name": "a", "url": "http://127.0.0.1:9", "models": ["m"]}],
         "health_check": {"enabled": False}}
@@ -47,7 +47,7 @@ def test_without_a_token_every_admin_endpoint_answers_403() -> None:
 
 
 def test_the_gate_guards_any_admin_resource_before_its_responder() -> None:
-    from continuum.admin import AdminResource
+    from continuum.web.admin import AdminResource
 
     class _Probe(AdminResource):
         """Added after the fact: the gate must cover it with no code of its own."""

@@ -7,13 +7,13 @@ from collections.abc import Sequence
 
 import pytest
 
-from continuum.backends import Backend, BackendPool
 from continuum.config import BackendConfig, HealthCheckConfig
 from continuum.errors import NoHealthyBackendError, RequestError
-from continuum.health import HealthMonitor, HealthTracker
 from continuum.interfaces import BackendScorer, SelectionStrategy
 from continuum.request import CHAT, EMBEDDINGS, RequestContext, parse_request
-from continuum.selection import SelectionPipeline
+from continuum.routing.backends import Backend, BackendPool
+from continuum.routing.health import HealthMonitor, HealthTracker
+from continuum.routing.selection import SelectionPipeline
 from continuum.testing import make_backends, make_context
 
 

@@ -11,9 +11,9 @@ from typing import Any
 import falcon.testing
 import pytest
 
-from continuum.app import RouterApp, create_app
 from continuum.config import parse_config
 from continuum.registry import PluginRegistry
+from continuum.web.app import RouterApp, create_app
 from tests.conftest import Upstream, free_port
 
 CHAT = "/v1/chat/completions"

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from continuum.app import create_app
 from continuum.config import parse_config
 from continuum.registry import PluginRegistry
 from continuum.request import DEFAULT_MAX_JSON_DEPTH, NUMBER_FIELDS
+from continuum.web.app import create_app
 from tests.conftest import Upstream
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/anthropic/v1/messages")

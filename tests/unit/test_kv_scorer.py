@@ -16,9 +16,9 @@ from continuum.interfaces import (
     KvCacheIndex,
     KvHolding,
 )
-from continuum.kv_scorer import KvOverlapScorer
+from continuum.kv.scorer import KvOverlapScorer
 from continuum.metrics import RouterMetrics
-from continuum.selection import SelectionPipeline
+from continuum.routing.selection import SelectionPipeline
 from continuum.testing import make_backends, make_context
 from strategies.round_robin import RoundRobin
 

@@ -21,13 +21,13 @@ from pathlib import Path
 import falcon.testing
 import pytest
 
-from continuum.app import create_app
 from continuum.config import check_config_file, load_config
 from continuum.errors import ConfigError
 from continuum.metrics import RouterMetrics
 from continuum.registry import PluginRegistry
-from continuum.reload import ConfigReloader
 from continuum.service import RouterService
+from continuum.web.app import create_app
+from continuum.web.reload import ConfigReloader
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from continuum.sse import MAX_SSE_BUFFER_SIZE, SseOverflowError, SseParser, SseRecord
+from continuum.wire.sse import MAX_SSE_BUFFER_SIZE, SseOverflowError, SseParser, SseRecord
 
 STREAM = (
     b"\xef\xbb\xbf: a comment\r\n"

@@ -11,9 +11,9 @@ from collections import Counter
 
 import pytest
 
-from continuum.hashring import HashRing, stable_hash
 from continuum.interfaces import SelectionStrategy
 from continuum.registry import PluginRegistry
+from continuum.routing.hashring import HashRing, stable_hash
 from continuum.testing import StrategyContract, make_backends, make_context
 
 GROUP = "continuum.strategies"

@@ -1,4 +1,4 @@
-"""continuum.upstream_http against small threaded servers on 127.0.0.1 that send hand-written
+"""continuum.wire.http_client against small threaded servers on 127.0.0.1 that send hand-written
 HTTP bytes (no HTTP library on the server side)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from continuum import upstream_http as uh
-from continuum.upstream_http import ConnectionPool
+from continuum.wire import http_client as uh
+from continuum.wire.http_client import ConnectionPool
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 WAIT = 10.0  # a safety bound for waits that should end at once, never a timing assertion
@@ -486,7 +486,7 @@ def test_idle_connection_closed_by_the_server_is_not_reused(
 ) -> None:
     """A connection idle past CHECK_AFTER that the server closed is dropped before use:
     the request goes out once, on a fresh connection, with no stale retry."""
-    import continuum.upstream_http as uh
+    import continuum.wire.http_client as uh
 
     monkeypatch.setattr(uh, "CHECK_AFTER", 0.0)
     ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"

@@ -52,8 +52,8 @@ def _chat(system: str, user: str = "Summarise the attached notes.") -> dict[str,
 
 def tier1(number: int, repeat: int) -> dict[str, float]:
     from continuum.config import parse_config
-    from continuum.hashring import HashRing
     from continuum.prefix import request_prefix_key
+    from continuum.routing.hashring import HashRing
     from continuum.testing import make_backends, make_context
     from strategies.prefix_aware_hash import PrefixAwareHash
 
@@ -122,7 +122,7 @@ def _redis_server() -> Iterator[int | None]:
 
 def _redis_roundtrip(number: int, repeat: int) -> dict[str, float]:
     from continuum.config import parse_config
-    from continuum.redis_link import RedisLink
+    from stores.redis_link import RedisLink
     from stores.redis_store import RedisCacheStore
 
     with _redis_server() as port:
@@ -146,8 +146,8 @@ def _redis_roundtrip(number: int, repeat: int) -> dict[str, float]:
 
 def _redis_kv_query(number: int, repeat: int) -> dict[str, float]:
     from continuum.config import parse_config
-    from continuum.redis_link import RedisLink
     from stores.kv_redis import RedisKvIndex
+    from stores.redis_link import RedisLink
 
     with _redis_server() as port:
         if port is None:
@@ -168,9 +168,9 @@ def _redis_kv_query(number: int, repeat: int) -> dict[str, float]:
 
 
 def tier2(number: int, repeat: int) -> dict[str, float]:
-    from continuum.cache_key import cache_key
+    from continuum.caching.cache_key import cache_key
+    from continuum.caching.response_cache import decode_entry, encode_entry
     from continuum.request import CHAT, parse_request
-    from continuum.response_cache import decode_entry, encode_entry
     from stores.memory import InMemoryCacheStore
 
     body = _chat("You are a careful analyst. " * 60, "hello " * 50)
@@ -194,7 +194,7 @@ def tier2(number: int, repeat: int) -> dict[str, float]:
 
 def tier4(number: int, repeat: int) -> dict[str, float]:
     from continuum.config import parse_config
-    from continuum.kv_scorer import KvOverlapScorer
+    from continuum.kv.scorer import KvOverlapScorer
     from continuum.testing import make_backends, make_context
     from stores.kv_memory import InMemoryKvIndex
 

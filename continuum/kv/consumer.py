@@ -1,8 +1,8 @@
 """Tier 4 event consumers: one background loop per listener stream feeds the KV index.
 
 Each :class:`SourceConsumer` reads the listener's ``/events/<backend>`` stream — SSE over
-http(s) through ``requests`` and :mod:`continuum.sse`, or one JSON event per text message
-over ws(s) through :mod:`continuum.websocket` — and applies every event to the shared
+http(s) through ``requests`` and :mod:`continuum.wire.sse`, or one JSON event per text message
+over ws(s) through :mod:`continuum.wire.websocket` — and applies every event to the shared
 :class:`~continuum.interfaces.KvCacheIndex` tagged with its backend.
 
 Concurrency: :class:`KvEventConsumerManager` starts in the worker, after the fork. By
@@ -61,7 +61,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from continuum.errors import ContinuumError, StoreError
 from continuum.interfaces import CACHE_CLEARED, CACHE_CREATED, KV_EVENT_TYPES, KvCacheIndex
-from continuum.kv_stream import (
+from continuum.kv.stream import (
     Backoff,
     Clock,
     Spawn,
@@ -69,7 +69,7 @@ from continuum.kv_stream import (
     default_spawn,
     open_transport,
 )
-from continuum.sse import StreamOverflowError
+from continuum.wire.sse import StreamOverflowError
 
 if TYPE_CHECKING:
     from continuum.config import KvEventSourceConfig

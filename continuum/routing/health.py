@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 import requests
 
 if TYPE_CHECKING:
-    from continuum.backends import Backend, BackendPool
     from continuum.config import HealthCheckConfig
     from continuum.metrics import RouterMetrics
+    from continuum.routing.backends import Backend, BackendPool
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from continuum.errors import NoHealthyBackendError
 from continuum.interfaces import TIER_NONE
 
 if TYPE_CHECKING:
-    from continuum.backends import Backend
     from continuum.interfaces import BackendScorer, SelectionStrategy
     from continuum.request import RequestContext
+    from continuum.routing.backends import Backend
 
 SCORER_THRESHOLD = 0.3
 

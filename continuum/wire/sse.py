@@ -49,7 +49,7 @@ _EOL = re.compile(rb"[\r\n]")
 class StreamOverflowError(ContinuumError, BufferError):
     """A line, record or message went over its cap; the stream must be dropped.
 
-    Shared by the SSE parser and the WebSocket client (:mod:`continuum.websocket`).
+    Shared by the SSE parser and the WebSocket client (:mod:`continuum.wire.websocket`).
     """
 
     def __init__(self, message: str, *, what: str, size: int, limit: int) -> None:

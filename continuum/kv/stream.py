@@ -1,6 +1,6 @@
 """One listener stream as a consumer sees it: transports, the reconnect backoff rule, time.
 
-Split from :mod:`continuum.kv_consumer` (which holds the state machine and the event
+Split from :mod:`continuum.kv.consumer` (which holds the state machine and the event
 handling) so each module stays one concept.
 """
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from continuum.sse import SseTransport
-from continuum.websocket import WebSocketTransport
+from continuum.wire.sse import SseTransport
+from continuum.wire.websocket import WebSocketTransport
 
 MAX_BACKOFF_MS = 60_000
 
@@ -82,8 +82,8 @@ class Backoff:
 
 
 class Transport(Protocol):
-    """One open stream (:class:`~continuum.sse.SseTransport` or
-    :class:`~continuum.websocket.WebSocketTransport`)."""
+    """One open stream (:class:`~continuum.wire.sse.SseTransport` or
+    :class:`~continuum.wire.websocket.WebSocketTransport`)."""
 
     @property
     def retry_ms(self) -> int | None:

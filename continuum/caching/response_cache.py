@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from continuum.cache_key import cache_key
+from continuum.caching.cache_key import cache_key
 from continuum.errors import StoreError
 
 if TYPE_CHECKING:

@@ -47,10 +47,10 @@ from continuum.interfaces import (
 )
 
 if TYPE_CHECKING:
-    from continuum.backends import Backend
     from continuum.config import KvScoringConfig
     from continuum.metrics import RouterMetrics
     from continuum.request import RequestContext
+    from continuum.routing.backends import Backend
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ from typing import Any
 import falcon
 
 from continuum import request as rq
-from continuum.app import read_body, request_id_of
 from continuum.config.addresses import redact_url
 from continuum.errors import (
     AuthenticationError,
@@ -25,8 +24,9 @@ from continuum.errors import (
     RequestError,
     StoreError,
 )
-from continuum.reload import ConfigReloader
 from continuum.service import RouterService
+from continuum.web.app import read_body, request_id_of
+from continuum.web.reload import ConfigReloader
 
 
 class AdminDisabledError(ContinuumError, PermissionError):

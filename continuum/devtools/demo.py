@@ -9,7 +9,7 @@ built from :data:`DEFAULT_ROUTER_CONFIG`. Every scenario replays the same seeded
 router index that are verified empty) and reports requests/s, TTFT, the engines'
 prefix-cache hit rate, the router's response-cache hits and the share of KV-aware routing
 decisions. Every process started is stopped by its PID on the way out, also on Ctrl-C or
-SIGTERM (:mod:`continuum.demo_fleet`).
+SIGTERM (:mod:`continuum.devtools.fleet`).
 
 ``--scenario load`` replays a heavier multi-turn workload with skewed prompt popularity
 instead, to compare the KV scorer with and without ``scoring.load_guard``.
@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from continuum.demo_fleet import (
+from continuum.devtools.fleet import (
     MODEL,
     RUN_ENV,
     ChildExited,

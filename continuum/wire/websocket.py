@@ -9,7 +9,7 @@ or fragmented control frames, stray continuations). No extensions, no subprotoco
 Like the SSE parser, it refuses to buffer without bound: a message whose payload would go
 over ``max_message`` bytes, or that takes more than ``max_frames`` frames (control frames
 between its fragments included: empty continuation frames cost memory and time but no
-payload bytes), raises :class:`~continuum.sse.StreamOverflowError` before the payload is
+payload bytes), raises :class:`~continuum.wire.sse.StreamOverflowError` before the payload is
 read. Plain :mod:`socket`/:mod:`ssl` is used, so under gevent's monkey patching
 every read yields to the hub.
 """
@@ -28,7 +28,7 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 from continuum.errors import ContinuumError
-from continuum.sse import KEEPALIVE_OPTIONS, MAX_SSE_BUFFER_SIZE, StreamOverflowError
+from continuum.wire.sse import KEEPALIVE_OPTIONS, MAX_SSE_BUFFER_SIZE, StreamOverflowError
 
 WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 MAX_HANDSHAKE_SIZE = 16 * 1024

@@ -1,6 +1,6 @@
 """Forwarding one request to a backend and relaying its answer.
 
-The hot path talks to backends through :mod:`continuum.upstream_http`, a small keep-alive
+The hot path talks to backends through :mod:`continuum.wire.http_client`, a small keep-alive
 HTTP/1.1 client: ``requests`` spends a few hundred microseconds of CPU per call on cookie,
 hook and environment handling, and urllib3/http.client still a quarter of the router's CPU
 (two sends, a liveness poll per reused connection, email-parser headers), against a
@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from continuum import upstream_http
 from continuum.errors import (
     ModelNotFoundError,
     NoHealthyBackendError,
@@ -45,11 +44,12 @@ from continuum.errors import (
     UpstreamResponseTooLargeError,
     UpstreamTimeoutError,
 )
+from continuum.wire import http_client as upstream_http
 
 if TYPE_CHECKING:
-    from continuum.backends import Backend, BackendPool
     from continuum.metrics import RouterMetrics
     from continuum.request import RequestContext
+    from continuum.routing.backends import Backend, BackendPool
 
 log = logging.getLogger(__name__)
 
