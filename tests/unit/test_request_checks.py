@@ -60,10 +60,16 @@ _json_values = st.recursive(
 
 @settings(max_examples=400, deadline=None)
 @given(value=_json_values, ascii_only=st.booleans(), limit=st.integers(0, 12))
-def test_nesting_exceeds_is_exact_for_valid_json(value: Any, ascii_only: bool,
+def test_the_depth_limit_is_exact_for_valid_json(value: Any, ascii_only: bool,
                                                  limit: int) -> None:
     raw = json.dumps(value, ensure_ascii=ascii_only).encode()
-    assert nesting_exceeds(raw, limit) == (_depth(value) > limit)
+    too_deep = _depth(value) > limit
+    assert nesting_exceeds(value, limit) == too_deep
+    if limit >= 1:
+        try:
+            assert load_json(raw, max_depth=limit) == value and not too_deep
+        except RequestError as exc:
+            assert too_deep and exc.code == "json_too_deep"
 
 
 def test_depth_helper() -> None:
@@ -78,8 +84,7 @@ def test_depth_helper() -> None:
     b'["\\n' + b"]" * 500 + b'", ' + b"[" * 100 + b"]" * 100 + b"]",
 ])
 def test_brackets_in_strings_do_not_count(raw: bytes) -> None:
-    assert not nesting_exceeds(raw, 128)
-    json.loads(raw)
+    assert load_json(raw) == json.loads(raw)
 
 
 @pytest.mark.parametrize("raw", [
@@ -92,9 +97,10 @@ def test_brackets_in_strings_do_not_count(raw: bytes) -> None:
     b'["\\\\", ' * 129 + b"1" + b"]" * 129,
     # Depth in the valid prefix of an invalid text counts: json.loads descends into it.
     _nested(2000)[:2500] + b"\\x",
+    # Deeper than json.loads itself will go: refused, not a RecursionError.
+    _nested(100_000),
 ])
-def test_deep_nesting_is_refused_before_json_loads(raw: bytes) -> None:
-    assert nesting_exceeds(raw, 128)
+def test_deep_nesting_is_refused(raw: bytes) -> None:
     with pytest.raises(RequestError, match="more than 128 levels deep") as err:
         load_json(raw)
     assert err.value.code == "json_too_deep" and err.value.status == 400
