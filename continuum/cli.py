@@ -26,7 +26,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
     os.environ[CONFIG_ENV] = os.path.abspath(config)
     # The worker class (gevent, with header timeouts) and the per-instance control socket
-    # come from continuum.gunicorn_conf; "-k gevent" here would replace that worker.
+    # come from continuum.gunicorn_conf.
     argv = ["gunicorn", "-c", "python:continuum.gunicorn_conf"]
     if args.bind:
         argv += ["--bind", args.bind]

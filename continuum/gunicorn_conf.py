@@ -54,21 +54,34 @@ if not os.environ.get(RUNTIME_DIR_ENV):
 control_socket = os.path.join(os.environ[RUNTIME_DIR_ENV], "gunicorn.ctl")
 
 
+def on_starting(server: Any) -> None:
+    """``gunicorn -k gevent`` (how operators run gevent apps) replaces the worker class this
+    file sets with gunicorn's plain gevent worker, which has no header deadline; the
+    router's is that same worker plus the deadline, so it is put back. Any other class is
+    kept, with a warning that slow clients can then hold every connection."""
+    from gunicorn.workers.ggevent import GeventWorker as PlainGeventWorker
+
+    from continuum.gunicorn_worker import WORKER_CLASS, GeventWorker
+
+    used = server.worker_class
+    if used is PlainGeventWorker:
+        server.cfg.set("worker_class", WORKER_CLASS)
+        server.worker_class = server.cfg.worker_class
+        server.log.info("-k gevent: using %s (gevent, with client_header_timeout_seconds)",
+                        WORKER_CLASS)
+    elif not issubclass(used, GeventWorker):
+        server.log.warning("worker class %s.%s has no client_header_timeout_seconds: slow "
+                           "clients can hold every connection; use %s or -k gevent",
+                           used.__module__, used.__qualname__, WORKER_CLASS)
+
+
 def when_ready(server: Any) -> None:
     """Disable Nagle on the listening sockets; accepted sockets inherit it on Linux, so the
-    first streamed chunk is never held back waiting for an ACK. Warn when another worker
-    class (``-k gevent``) replaced the router's, which times out slow request headers."""
+    first streamed chunk is never held back waiting for an ACK."""
     for listener in server.LISTENERS:
         sock = getattr(listener, "sock", None)
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    from continuum.gunicorn_worker import WORKER_CLASS, GeventWorker
-
-    used = server.worker_class
-    if not issubclass(used, GeventWorker):
-        server.log.warning("worker class %s.%s has no client_header_timeout_seconds: slow "
-                           "clients can hold every connection; use %s (drop -k)",
-                           used.__module__, used.__qualname__, WORKER_CLASS)
 
 
 def child_exit(server: Any, worker: Any) -> None:

@@ -12,8 +12,8 @@ must arrive within ``server.client_header_timeout_seconds``. A slower client get
 with a JSON error body and is closed. The body's own deadline is the application's
 (:func:`continuum.web.app.read_body`, ``server.client_body_timeout_seconds``).
 
-``continuum.gunicorn_conf`` selects this worker (``worker_class``); ``-k gevent`` on the
-command line would replace it with gunicorn's plain one, which has no header deadline.
+``continuum.gunicorn_conf`` selects this worker (``worker_class``), and puts it back when
+``-k gevent`` on the command line asked for gunicorn's plain one.
 """
 
 from __future__ import annotations

@@ -206,14 +206,20 @@ def test_pipelined_requests_are_answered_without_waiting(
             assert responses.next().startswith(b"HTTP/1.1 200 ")
 
 
-def test_replacing_the_worker_class_is_warned_about(
+def test_k_gevent_gets_the_router_worker_and_other_classes_are_warned_about(
     upstreams: Any, router_factory: Any
 ) -> None:
-    """``-k gevent`` (the old command line) brings back gunicorn's worker without the
-    header timeout: the master says so."""
+    """``-k gevent`` (how operators run gevent apps) would bring back gunicorn's worker
+    without the header timeout: the router's is put back, and slow headers still get 408.
+    A class that is no gevent worker at all is kept, with a warning."""
     router = router_factory(_config(upstreams("a")), env={"GUNICORN_CMD_ARGS": "-k gevent"})
+    with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")  # and then nothing
+        sock.settimeout(TIMEOUT + 10)
+        answer = sock.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
     log = router.proc.output()
-    assert ("worker class gunicorn.workers.ggevent.GeventWorker has no "
-            "client_header_timeout_seconds") in log, log
+    assert "-k gevent: using continuum.gunicorn_worker.GeventWorker" in log, log
+    assert "has no client_header_timeout_seconds" not in log, log
     default = router_factory(_config(upstreams("b")))
     assert "client_header_timeout_seconds" not in default.proc.output()
