@@ -1,4 +1,4 @@
-# gunicorn -c conf/gunicorn.conf.py 'continuum.app:get_app()'   (-k gevent optional: the worker class is set here)
+# gunicorn -k gevent -c conf/gunicorn.conf.py 'continuum.app:get_app()'   (the worker class is set here)
 # All settings live in continuum/gunicorn_conf.py so an installed router needs no checkout;
 # override any of them below or with gunicorn command-line flags.
 from continuum.gunicorn_conf import *  # noqa: F403
