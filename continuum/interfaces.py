@@ -3,6 +3,12 @@
 These names are public API. Third-party distributions implement them and register the
 implementation under the matching entry-point group (see :mod:`continuum.registry`); the
 core finds its own built-ins the same way.
+
+Cache stores and KV indexes are built with ``from_config(config, **collaborators)``.
+What the router passes: ``metrics`` (:class:`continuum.metrics.RouterMetrics`) and
+``resources`` (the worker's :class:`continuum.resources.WorkerResources`: lease a shared
+connection there, keyed by its settings, and release the lease in ``close``). A plugin
+takes what it needs and ignores the rest, so a new collaborator never breaks a plugin.
 """
 
 from __future__ import annotations
@@ -109,11 +115,19 @@ class CacheStore(abc.ABC):
     def from_config(cls, config: RouterConfig, **collaborators: Any) -> CacheStore:
         """Build the store for ``config.response_cache``.
 
-        Collaborators the router passes: ``metrics`` (:class:`continuum.metrics.RouterMetrics`)
-        and ``redis`` (the app's shared :class:`stores.redis_link.RedisLink`, or None
-        when no Redis is configured). Plugins take what they need and ignore the rest.
+        Collaborators the router passes: ``metrics`` and ``resources`` (see the module
+        docstring). Plugins take what they need and ignore the rest.
         """
         return cls()
+
+    def reconfigure(self, config: RouterConfig, **collaborators: Any) -> CacheStore | None:
+        """Apply a reloaded config (``collaborators`` as for :meth:`from_config`).
+
+        Return a replacement store when the change needs one (new connection settings):
+        the router starts it, swaps it in and closes this store. Return None to keep this
+        store, adjusted in place or not. Default: None.
+        """
+        return None
 
     def start(self) -> None:  # noqa: B027 - optional hook, deliberately a no-op
         """Start background work (called in the worker after the fork); default: none."""
@@ -179,8 +193,9 @@ class KvCacheIndex(abc.ABC):
     def from_config(cls, config: RouterConfig, **collaborators: Any) -> KvCacheIndex:
         """Build the index for ``config.kv_cache_index``.
 
-        Collaborators the router passes: ``metrics`` and ``redis`` (the shared
-        :class:`stores.redis_link.RedisLink`, or None).
+        Collaborators the router passes: ``metrics`` and ``resources`` (see the module
+        docstring). ``kv_cache_index`` needs a restart to change, so an index is never
+        rebuilt on reload.
         """
         return cls()
 
