@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STRATEGIES = "continuum.strategies"
+SCORERS = "continuum.scorers"
 CACHE_STORES = "continuum.cache_stores"
 KV_INDEXES = "continuum.kv_indexes"
 
@@ -73,7 +74,6 @@ class RouterService:
         *,
         registry: PluginRegistry,
         metrics: RouterMetrics,
-        scorers: tuple[BackendScorer, ...] = (),
     ) -> None:
         self.config = config
         self.registry = registry
@@ -84,7 +84,7 @@ class RouterService:
             for b in config.backends
         )
         self.health = HealthMonitor(self.pool, config.health_check, metrics)
-        self.pipeline = SelectionPipeline(self._make_strategy(config), scorers)
+        self.pipeline = SelectionPipeline(self._make_strategy(config))
         self.forwarder = Forwarder(
             self.pool,
             metrics,
@@ -105,17 +105,17 @@ class RouterService:
         store = store_cls.from_config(config, **self._collaborators())
         self.response_cache = ResponseCache(config.response_cache, store, metrics)
         self._build_kv_tier(config)
+        self._build_scorers(config)
 
     def _collaborators(self) -> dict[str, Any]:
-        """What every store and index plugin is built with (``from_config``)."""
+        """What every scorer, store and index plugin is built with (``from_config``)."""
         return {"metrics": self.metrics, "resources": self.resources}
 
     def _build_kv_tier(self, config: RouterConfig) -> None:
-        """Tier 4: the index, its event consumers, and the scorer (only with prefix keys)."""
+        """Tier 4: the index and its event consumers."""
         kv = config.kv_cache_index
         self.kv_index: KvCacheIndex | None = None
         self.kv_consumers: KvEventConsumerManager | None = None
-        self.kv_scorer: KvOverlapScorer | None = None
         if not kv.enabled:
             return
         index_cls = cast("type[KvCacheIndex]", self.registry.load(KV_INDEXES, kv.backend))
@@ -123,10 +123,26 @@ class RouterService:
         self.kv_consumers = KvEventConsumerManager(
             kv.event_sources, self.kv_index, self.metrics.registry,
             tokens={s.backend_name: kv.source_token(s) for s in kv.event_sources})
-        if config.prefix_routing.enabled:
-            self.kv_scorer = KvOverlapScorer(self.kv_index, kv.scoring, self.metrics)
-            self.pipeline.scorers = (*self.pipeline.scorers, self.kv_scorer)
 
+    def _build_scorers(self, config: RouterConfig) -> None:
+        """The configured ``scorers``, loaded from ``continuum.scorers`` by name, in order.
+
+        Scorers only see requests with a prefix key, so none is built without
+        ``prefix_routing.enabled``; a scorer may also decline the config (``from_config``
+        returns None: ``KvOverlap`` without a KV index).
+        """
+        self.kv_scorer: KvOverlapScorer | None = None
+        if not config.prefix_routing.enabled:
+            return
+        built: list[BackendScorer] = []
+        for name in config.scorers:
+            scorer_cls = cast("type[BackendScorer]", self.registry.load(SCORERS, name))
+            scorer = scorer_cls.from_config(config, index=self.kv_index,
+                                            **self._collaborators())
+            if scorer is not None:
+                built.append(scorer)
+        self.pipeline.scorers = tuple(built)
+        self.kv_scorer = next((s for s in built if isinstance(s, KvOverlapScorer)), None)
 
     def _make_strategy(self, config: RouterConfig) -> SelectionStrategy:
         strategy: SelectionStrategy = self.registry.create(
@@ -146,6 +162,8 @@ class RouterService:
         self.response_cache.store.start()
         if self.kv_index is not None:
             self.kv_index.start()
+        for scorer in self.pipeline.scorers:
+            scorer.start()
         if self.kv_consumers is not None:
             self.kv_consumers.start()
 
@@ -154,6 +172,8 @@ class RouterService:
         self.health.stop()
         if self.kv_consumers is not None:
             self.kv_consumers.stop()
+        for scorer in self.pipeline.scorers:
+            scorer.close()
         if self.kv_index is not None:
             self.kv_index.close()
         self.response_cache.store.close()
