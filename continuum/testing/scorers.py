@@ -25,14 +25,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-try:
-    import pytest  # noqa: F401 - fail early, with the hint below, where pytest is missing
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "continuum.testing needs pytest, which is a test extra: "
-        "pip install 'continuum-router[test]'"
-    ) from exc
-
 from prometheus_client import CollectorRegistry
 
 from continuum.config import (
