@@ -3,6 +3,13 @@
 These names are public API. Third-party distributions implement them and register the
 implementation under the matching entry-point group (see :mod:`continuum.registry`); the
 core finds its own built-ins the same way.
+
+Scorers, cache stores and KV indexes are built with ``from_config(config, **collaborators)``.
+What the router passes: ``metrics`` (:class:`continuum.metrics.RouterMetrics`) and
+``resources`` (the worker's :class:`continuum.resources.WorkerResources`: lease a shared
+connection there, keyed by its settings, and release the lease in ``close``); scorers also
+get ``index``. A plugin takes what it needs and ignores the rest, so a new collaborator
+never breaks a plugin.
 """
 
 from __future__ import annotations
@@ -60,9 +67,32 @@ class BackendScorer(abc.ABC):
 
     ``prepare`` may do I/O (it runs once per request); ``score`` and ``score_with_tier``
     are synchronous reads of what ``prepare`` fetched.
+
+    Scorers are listed by config name in ``scorers`` and loaded from the
+    ``continuum.scorers`` entry-point group; they run only on requests with a prefix key
+    (``prefix_routing.enabled``). The highest score above the pipeline's threshold picks
+    the backend; otherwise the selection strategy decides.
     """
 
+    #: Config name under which the scorer is registered (``scorers: [<name>]``).
     name: ClassVar[str] = ""
+
+    @classmethod
+    def from_config(cls, config: RouterConfig, **collaborators: Any) -> BackendScorer | None:
+        """Build the scorer for ``config``, or None when this config leaves it off (the
+        KV overlap scorer without a KV index, say).
+
+        Collaborators the router passes: ``metrics``, ``resources`` (see the module
+        docstring) and ``index`` (the worker's :class:`KvCacheIndex`, or None when
+        ``kv_cache_index.enabled`` is off).
+        """
+        return cls()
+
+    def start(self) -> None:  # noqa: B027 - optional hook, deliberately a no-op
+        """Start background work (called in the worker after the fork); default: none."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, deliberately a no-op
+        """Release resources; default: nothing to release."""
 
     @abc.abstractmethod
     def prepare(self, ctx: RequestContext, candidates: Sequence[Backend]) -> None:
@@ -109,11 +139,19 @@ class CacheStore(abc.ABC):
     def from_config(cls, config: RouterConfig, **collaborators: Any) -> CacheStore:
         """Build the store for ``config.response_cache``.
 
-        Collaborators the router passes: ``metrics`` (:class:`continuum.metrics.RouterMetrics`)
-        and ``redis`` (the app's shared :class:`stores.redis_link.RedisLink`, or None
-        when no Redis is configured). Plugins take what they need and ignore the rest.
+        Collaborators the router passes: ``metrics`` and ``resources`` (see the module
+        docstring). Plugins take what they need and ignore the rest.
         """
         return cls()
+
+    def reconfigure(self, config: RouterConfig, **collaborators: Any) -> CacheStore | None:
+        """Apply a reloaded config (``collaborators`` as for :meth:`from_config`).
+
+        Return a replacement store when the change needs one (new connection settings):
+        the router starts it, swaps it in and closes this store. Return None to keep this
+        store, adjusted in place or not. Default: None.
+        """
+        return None
 
     def start(self) -> None:  # noqa: B027 - optional hook, deliberately a no-op
         """Start background work (called in the worker after the fork); default: none."""
@@ -179,8 +217,9 @@ class KvCacheIndex(abc.ABC):
     def from_config(cls, config: RouterConfig, **collaborators: Any) -> KvCacheIndex:
         """Build the index for ``config.kv_cache_index``.
 
-        Collaborators the router passes: ``metrics`` and ``redis`` (the shared
-        :class:`stores.redis_link.RedisLink`, or None).
+        Collaborators the router passes: ``metrics`` and ``resources`` (see the module
+        docstring). ``kv_cache_index`` needs a restart to change, so an index is never
+        rebuilt on reload.
         """
         return cls()
 

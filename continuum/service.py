@@ -21,12 +21,12 @@ from continuum.metrics import RouterMetrics
 from continuum.prefix import request_prefix_key
 from continuum.registry import PluginRegistry
 from continuum.request import parse_request
+from continuum.resources import WorkerResources
 from continuum.routing.anthropic import injected_body, should_inject
 from continuum.routing.backends import Backend, BackendPool
 from continuum.routing.forwarder import Forwarder, anthropic_error_event, openai_error_event
 from continuum.routing.health import HealthMonitor
 from continuum.routing.selection import SelectionPipeline
-from stores.redis_link import RedisLink
 
 if TYPE_CHECKING:
     from continuum.config import RouterConfig
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STRATEGIES = "continuum.strategies"
+SCORERS = "continuum.scorers"
 CACHE_STORES = "continuum.cache_stores"
 KV_INDEXES = "continuum.kv_indexes"
 
@@ -73,7 +74,6 @@ class RouterService:
         *,
         registry: PluginRegistry,
         metrics: RouterMetrics,
-        scorers: tuple[BackendScorer, ...] = (),
     ) -> None:
         self.config = config
         self.registry = registry
@@ -84,7 +84,7 @@ class RouterService:
             for b in config.backends
         )
         self.health = HealthMonitor(self.pool, config.health_check, metrics)
-        self.pipeline = SelectionPipeline(self._make_strategy(config), scorers)
+        self.pipeline = SelectionPipeline(self._make_strategy(config))
         self.forwarder = Forwarder(
             self.pool,
             metrics,
@@ -94,40 +94,55 @@ class RouterService:
             max_stream_seconds=config.server.max_stream_duration_seconds,
         )
         self.auth = ClientAuth(config.auth)
-        self._kept_links: list[RedisLink] = []
         kv = config.kv_cache_index
         self._salt_secret = kv.cache_salt.resolved() if kv.cache_salt.enabled else None
         self._salt_per_tenant = self._salt_secret is not None and kv.cache_salt.per_tenant
         self._salted_backends = frozenset(s.backend_name for s in kv.event_sources)
-        self.redis = RedisLink(config.response_cache.redis, metrics) if self._needs_redis(
-            config) else None
+        # Connections the plugins share (one pool per server and settings), theirs to name.
+        self.resources = WorkerResources()
         store_cls = cast("type[CacheStore]",
                          registry.load(CACHE_STORES, config.response_cache.backend))
-        store = store_cls.from_config(config, metrics=metrics, redis=self.redis)
+        store = store_cls.from_config(config, **self._collaborators())
         self.response_cache = ResponseCache(config.response_cache, store, metrics)
         self._build_kv_tier(config)
+        self._build_scorers(config)
+
+    def _collaborators(self) -> dict[str, Any]:
+        """What every scorer, store and index plugin is built with (``from_config``)."""
+        return {"metrics": self.metrics, "resources": self.resources}
 
     def _build_kv_tier(self, config: RouterConfig) -> None:
-        """Tier 4: the index, its event consumers, and the scorer (only with prefix keys)."""
+        """Tier 4: the index and its event consumers."""
         kv = config.kv_cache_index
         self.kv_index: KvCacheIndex | None = None
         self.kv_consumers: KvEventConsumerManager | None = None
-        self.kv_scorer: KvOverlapScorer | None = None
         if not kv.enabled:
             return
         index_cls = cast("type[KvCacheIndex]", self.registry.load(KV_INDEXES, kv.backend))
-        self.kv_index = index_cls.from_config(config, metrics=self.metrics, redis=self.redis)
+        self.kv_index = index_cls.from_config(config, **self._collaborators())
         self.kv_consumers = KvEventConsumerManager(
             kv.event_sources, self.kv_index, self.metrics.registry,
             tokens={s.backend_name: kv.source_token(s) for s in kv.event_sources})
-        if config.prefix_routing.enabled:
-            self.kv_scorer = KvOverlapScorer(self.kv_index, kv.scoring, self.metrics)
-            self.pipeline.scorers = (*self.pipeline.scorers, self.kv_scorer)
 
-    @staticmethod
-    def _needs_redis(config: RouterConfig) -> bool:
-        kv = config.kv_cache_index
-        return config.response_cache.backend == "redis" or (kv.enabled and kv.backend == "redis")
+    def _build_scorers(self, config: RouterConfig) -> None:
+        """The configured ``scorers``, loaded from ``continuum.scorers`` by name, in order.
+
+        Scorers only see requests with a prefix key, so none is built without
+        ``prefix_routing.enabled``; a scorer may also decline the config (``from_config``
+        returns None: ``KvOverlap`` without a KV index).
+        """
+        self.kv_scorer: KvOverlapScorer | None = None
+        if not config.prefix_routing.enabled:
+            return
+        built: list[BackendScorer] = []
+        for name in config.scorers:
+            scorer_cls = cast("type[BackendScorer]", self.registry.load(SCORERS, name))
+            scorer = scorer_cls.from_config(config, index=self.kv_index,
+                                            **self._collaborators())
+            if scorer is not None:
+                built.append(scorer)
+        self.pipeline.scorers = tuple(built)
+        self.kv_scorer = next((s for s in built if isinstance(s, KvOverlapScorer)), None)
 
     def _make_strategy(self, config: RouterConfig) -> SelectionStrategy:
         strategy: SelectionStrategy = self.registry.create(
@@ -143,11 +158,12 @@ class RouterService:
     def start(self) -> None:
         """Start background greenlets (health checks, store upkeep). Call in the worker."""
         self.health.start()
+        self.resources.start()
         self.response_cache.store.start()
-        if self.redis is not None:
-            self.redis.start()
         if self.kv_index is not None:
             self.kv_index.start()
+        for scorer in self.pipeline.scorers:
+            scorer.start()
         if self.kv_consumers is not None:
             self.kv_consumers.start()
 
@@ -156,13 +172,13 @@ class RouterService:
         self.health.stop()
         if self.kv_consumers is not None:
             self.kv_consumers.stop()
+        for scorer in self.pipeline.scorers:
+            scorer.close()
         if self.kv_index is not None:
             self.kv_index.close()
         self.response_cache.store.close()
         self.forwarder.close()
-        for link in (self.redis, *self._kept_links):
-            if link is not None:
-                link.close()
+        self.resources.close()  # whatever a plugin did not hand back
 
     def admit(
         self,
@@ -369,27 +385,15 @@ class RouterService:
         self.forwarder.retry_connect_errors = new.pool.retry_connect_errors
         self.forwarder.max_response_bytes = new.server.max_upstream_response_bytes
         self.forwarder.max_stream_seconds = new.server.max_stream_duration_seconds
-        self._reload_response_cache(old, new)
+        self._reload_response_cache(new)
         self.auth = ClientAuth(new.auth)
         return report
 
-    def _reload_response_cache(self, old: RouterConfig, new: RouterConfig) -> None:
-        """New Redis settings get a new pool and store; the KV index keeps its own."""
-        redis_changed = old.response_cache.redis != new.response_cache.redis
-        if not (redis_changed and new.response_cache.backend == "redis"
-                and old.response_cache.backend == "redis"):
-            self.response_cache.reconfigure(new.response_cache)
-            return
-        link = RedisLink(new.response_cache.redis, self.metrics)
-        store_cls = cast("type[CacheStore]", self.registry.load(CACHE_STORES, "redis"))
-        store = store_cls.from_config(new, metrics=self.metrics, redis=link)
-        link.start()
-        store.start()
-        self.response_cache.reconfigure(new.response_cache, store)
-        old_link, self.redis = self.redis, link
-        index_uses_old = self.kv_index is not None and old.kv_cache_index.backend == "redis"
-        if old_link is not None:
-            if index_uses_old:
-                self._kept_links.append(old_link)  # closed at stop()
-            else:
-                old_link.close()
+    def _reload_response_cache(self, new: RouterConfig) -> None:
+        """The store adjusts itself or builds its replacement (new connection settings:
+        a new pool); the old store is closed, and its connection with it unless another
+        plugin (a KV index on the same server) still holds it."""
+        replacement = self.response_cache.store.reconfigure(new, **self._collaborators())
+        if replacement is not None:
+            replacement.start()
+        self.response_cache.reconfigure(new.response_cache, replacement)

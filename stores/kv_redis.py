@@ -66,6 +66,7 @@ from stores.kv_memory import (
     rank_key,
     transition_table,
 )
+from stores.redis_link import lease_link
 from stores.redis_store import SCAN_COUNT, UNREACHABLE, glob_escape
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
 
     from continuum.config import RouterConfig
     from continuum.metrics import RouterMetrics
+    from continuum.resources import WorkerResources
     from stores.redis_link import RedisLink
 
 Clock = Callable[[], float]
@@ -134,6 +136,8 @@ class RedisKvIndex(KvCacheIndex):
         treat_eviction_as_offload: ``cache_evicted`` of a GpuHot entry demotes it.
         clock: wall-clock seconds, stored as ``updated_at`` (shared by routers, so not
             monotonic).
+        release: what :meth:`close` calls to hand the link back (:meth:`from_config`
+            passes its lease's); a link the caller passed in itself stays open.
 
     Raises:
         ValueError: empty ``key_prefix`` (``clear`` would match every key).
@@ -151,10 +155,12 @@ class RedisKvIndex(KvCacheIndex):
         storage_offloading: bool = False,
         treat_eviction_as_offload: bool = True,
         clock: Clock = time.time,
+        release: Callable[[], None] | None = None,
     ) -> None:
         if not key_prefix:
             raise ValueError("RedisKvIndex needs a non-empty key_prefix")
         self._link = link
+        self._release = release
         self.key_prefix = key_prefix
         self.entry_ttl_seconds = entry_ttl_seconds
         self._ttl = max(1, math.ceil(entry_ttl_seconds))
@@ -183,25 +189,34 @@ class RedisKvIndex(KvCacheIndex):
         cls,
         config: RouterConfig,
         *,
-        redis: RedisLink | None = None,
+        resources: WorkerResources | None = None,
         metrics: RouterMetrics | None = None,
         **_: Any,
     ) -> RedisKvIndex:
-        """The index for ``config.kv_cache_index`` on the app's shared link.
+        """The index for ``config.kv_cache_index``, on the link for
+        ``response_cache.redis`` leased from the worker's ``resources`` (the response
+        cache's pool when it is on Redis too). It keeps that link until closed: a reload
+        that gives the response cache new Redis settings leaves the index where it is.
 
         Raises:
-            ValueError: no ``redis`` link was passed.
+            ValueError: no ``resources`` were passed (the service passes its own).
         """
-        if redis is None:
+        if resources is None:
             raise ValueError(
-                "kv_cache_index.backend is 'redis' but no Redis link was given: pass "
-                "redis=RedisLink(config.response_cache.redis) to RedisKvIndex.from_config"
+                "kv_cache_index.backend is 'redis' but no worker resources were given: pass "
+                "resources=WorkerResources() to RedisKvIndex.from_config"
             )
         kv = config.kv_cache_index
-        return cls(redis, key_prefix=kv.redis_key_prefix,
-                   entry_ttl_seconds=kv.entry_ttl_seconds, max_entries=kv.max_entries,
-                   storage_offloading=kv.storage_offloading.enabled,
-                   treat_eviction_as_offload=kv.storage_offloading.treat_eviction_as_offload)
+        lease = lease_link(resources, config.response_cache.redis, metrics)
+        try:
+            return cls(lease.resource, key_prefix=kv.redis_key_prefix,
+                       entry_ttl_seconds=kv.entry_ttl_seconds, max_entries=kv.max_entries,
+                       storage_offloading=kv.storage_offloading.enabled,
+                       treat_eviction_as_offload=kv.storage_offloading.treat_eviction_as_offload,
+                       release=lease.release)
+        except BaseException:
+            lease.release()
+            raise
 
     @property
     def link(self) -> RedisLink:
@@ -222,10 +237,14 @@ class RedisKvIndex(KvCacheIndex):
         self._fallback.start()
 
     def close(self) -> None:
-        """Stop listening to the link and drop the fallback; the link itself stays open."""
+        """Stop listening to the link, drop the fallback and hand the link back (a leased
+        link closes once its last user is done; one passed in stays open)."""
         self._closed = True
         self._fallback.close()
         self._fallback.clear()
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     def apply(self, backend: str, event: str, prefix_hash: str, token_count: int = 0) -> None:
         """Apply one event from ``backend`` (transitions as in :mod:`stores.kv_memory`).

@@ -1,7 +1,9 @@
 """One Redis/Valkey connection pool per worker, with the fallback state machine.
 
 The response cache (Tier 3) and the KV index (Tier 4) share the same :class:`RedisLink`,
-so they reuse one pool and one credential set and agree on whether Redis is up.
+so they reuse one pool and one credential set and agree on whether Redis is up: both lease
+it from the worker's :class:`~continuum.resources.WorkerResources` with :func:`lease_link`,
+keyed by the connection settings, and the last one to let go closes it.
 
 States and transitions:
 
@@ -40,6 +42,7 @@ from continuum.errors import StoreError
 if TYPE_CHECKING:
     from continuum.config import RedisConfig
     from continuum.metrics import RouterMetrics
+    from continuum.resources import Lease, WorkerResources
 
 log = logging.getLogger(__name__)
 
@@ -185,3 +188,15 @@ class RedisLink:
         in_use = len(getattr(self.pool, "_in_use_connections", ()))
         created = len(getattr(self.pool, "_connections", ()))
         return {"active": in_use, "idle": max(created - in_use, 0)}
+
+
+def lease_link(
+    resources: WorkerResources, config: RedisConfig, metrics: RouterMetrics | None = None
+) -> Lease[RedisLink]:
+    """The worker's :class:`RedisLink` for ``config``, shared by every plugin that asks with
+    the same settings (created by the first, closed after the last lease is released).
+
+    Keyed by every ``response_cache.redis`` setting, so a reload that changes any of them
+    gets a pool of its own while a user of the old settings (a Redis KV index) keeps its.
+    """
+    return resources.acquire(("redis", config), lambda: RedisLink(config, metrics))

@@ -100,16 +100,13 @@ class ResponseCache:
         self.counts = {"hit": 0, "miss": 0, "skip": 0}
 
     def reconfigure(self, config: ResponseCacheConfig, store: CacheStore | None = None) -> None:
-        """Apply a reloaded ``response_cache`` section; ``store`` replaces the store (a new
-        Redis connection), else a memory store is resized in place."""
+        """Apply a reloaded ``response_cache`` section; ``store`` (what the old store's
+        :meth:`~continuum.interfaces.CacheStore.reconfigure` built) replaces the old one,
+        which is closed."""
         self.config = config
         if store is not None:
             old, self.store = self.store, store
             old.close()
-            return
-        resize = getattr(self.store, "resize", None)
-        if resize is not None and getattr(self.store, "capacity", None) != config.capacity:
-            resize(config.capacity)
 
     def _count(self, result: str) -> None:
         self.counts[result] += 1

@@ -87,6 +87,11 @@ def check_config(
             registry.load("continuum.strategies", config.selection_strategy)
         except PluginError as exc:
             issues.error("selection_strategy", exc.message, config.selection_strategy)
+        for i, name in enumerate(config.scorers):
+            try:
+                registry.load("continuum.scorers", name)
+            except PluginError as exc:
+                issues.error(f"scorers[{i}]", exc.message, name)
         try:
             registry.load("continuum.cache_stores", config.response_cache.backend)
         except PluginError as exc:

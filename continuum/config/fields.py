@@ -418,7 +418,7 @@ def _render(value: Any, meta: dict[str, Any]) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, tuple):
-        return "[]"
+        return "[" + ", ".join(_render(item, meta) for item in value) + "]"
     if isinstance(value, str):
         return '""' if value == "" else repr(value).replace("'", '"')
     return str(value)

@@ -521,6 +521,11 @@ class AdminConfig:
                         "admin.token or admin.token_env to use them")
 
 
+#: ``scorers`` by default: the built-in KV overlap scorer, which acts only when
+#: ``kv_cache_index.enabled`` gives it an index.
+DEFAULT_SCORERS: tuple[str, ...] = ("KvOverlap",)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """The whole router config file."""
@@ -531,6 +536,12 @@ class RouterConfig:
     )
     selection_strategy: str = setting(
         "RoundRobin", doc="strategy plugin name (entry-point group continuum.strategies)"
+    )
+    scorers: tuple[str, ...] = setting(
+        default_factory=lambda: DEFAULT_SCORERS,
+        doc="scorer plugin names (entry-point group continuum.scorers), run before the "
+        "strategy on requests with a prefix key; KvOverlap needs kv_cache_index.enabled",
+        restart=True,
     )
     health_check: HealthCheckConfig = setting(
         default_factory=HealthCheckConfig, doc="active health checks"
@@ -579,6 +590,7 @@ class RouterConfig:
         if kv.enabled and not self.prefix_routing.enabled:
             issues.warn("kv_cache_index.enabled",
                         "the KV scorer only runs with prefix_routing.enabled: true")
+        self._check_scorers(issues)
         if kv.cache_salt.enabled and kv.cache_salt.per_tenant:
             if not self.prefix_routing.enabled:
                 issues.warn("kv_cache_index.cache_salt.per_tenant", "salts are only issued "
@@ -593,3 +605,17 @@ class RouterConfig:
                 "name, pinning each model to one backend",
                 self.selection_strategy,
             )
+
+    def _check_scorers(self, issues: Issues) -> None:
+        """A name listed twice would score twice; a list of one's own (the default is
+        harmless) does nothing without prefix keys. Unknown names are reported by
+        :func:`continuum.config.check_config`, which has the plugin registry."""
+        first: dict[str, int] = {}
+        for i, name in enumerate(self.scorers):
+            if name in first:
+                issues.error(f"scorers[{i}]", f"listed twice (also scorers[{first[name]}])",
+                             name)
+            first.setdefault(name, i)
+        if self.scorers and self.scorers != DEFAULT_SCORERS and not self.prefix_routing.enabled:
+            issues.warn("scorers", "scorers only run on requests with a prefix key: set "
+                        "prefix_routing.enabled: true")

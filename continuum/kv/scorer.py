@@ -47,7 +47,7 @@ from continuum.interfaces import (
 )
 
 if TYPE_CHECKING:
-    from continuum.config import KvScoringConfig
+    from continuum.config import KvScoringConfig, RouterConfig
     from continuum.metrics import RouterMetrics
     from continuum.request import RequestContext
     from continuum.routing.backends import Backend
@@ -78,9 +78,12 @@ class _Snapshot:
 
 
 class KvOverlapScorer(BackendScorer):
-    """Scores holders of the request's prefix from the KV index (see module docstring)."""
+    """Scores holders of the request's prefix from the KV index (see module docstring).
 
-    name: ClassVar[str] = "KvOverlapScorer"
+    The built-in scorer, registered as ``KvOverlap`` in ``continuum.scorers``.
+    """
+
+    name: ClassVar[str] = "KvOverlap"
 
     def __init__(
         self,
@@ -115,6 +118,21 @@ class KvOverlapScorer(BackendScorer):
             f"on (epsilon={guard.load_factor_epsilon}, floor={guard.floor})"
             if guard.enabled else "off",
         )
+
+    @classmethod
+    def from_config(
+        cls,
+        config: RouterConfig,
+        *,
+        index: KvCacheIndex | None = None,
+        metrics: RouterMetrics | None = None,
+        **_: Any,
+    ) -> KvOverlapScorer | None:
+        """The scorer with ``kv_cache_index.scoring``'s weights over the worker's
+        ``index``; None without one (``kv_cache_index.enabled`` off): nothing to score."""
+        if index is None:
+            return None
+        return cls(index, config.kv_cache_index.scoring, metrics)
 
     def prepare(self, ctx: RequestContext, candidates: Sequence[Backend]) -> None:
         """Query the index and snapshot in-flight counts (cached 100 ms per prefix)."""

@@ -13,12 +13,14 @@ pytest is needed to use this package; it is in the ``test`` extra
 """
 
 from continuum.testing.kv_index import KvIndexContract
+from continuum.testing.scorers import ScorerContract
 from continuum.testing.stores import CacheStoreContract
 from continuum.testing.strategies import StrategyContract, make_backends, make_context
 
 __all__ = [
     "CacheStoreContract",
     "KvIndexContract",
+    "ScorerContract",
     "StrategyContract",
     "make_backends",
     "make_context",

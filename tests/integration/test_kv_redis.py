@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import redis
 
-from continuum.config import RouterConfig
+from continuum.config import parse_config
 from continuum.errors import StoreError
 from continuum.interfaces import (
     CACHE_CLEARED,
@@ -18,6 +18,7 @@ from continuum.interfaces import (
     TIER_STORAGE_WARM,
     KvCacheIndex,
 )
+from continuum.resources import WorkerResources
 from continuum.testing import KvIndexContract
 from stores.kv_memory import EMPTY
 from stores.kv_redis import RedisKvIndex
@@ -301,14 +302,18 @@ def test_closed_index_ignores_transitions(fresh_redis: RedisServer, links: Links
     assert index.stats()["fallback_entries"] == 1  # a closed index is not reset
 
 
-def test_from_config(redis_server: RedisServer, links: Links) -> None:
-    config = RouterConfig()
-    with pytest.raises(ValueError, match="no Redis link"):
-        RedisKvIndex.from_config(config, redis=None)
-    index = RedisKvIndex.from_config(config, redis=links.link(redis_server.url),
-                                     metrics=None, unknown="ignored")
+def test_from_config(redis_server: RedisServer) -> None:
+    config = parse_config({"response_cache": {"redis": {"url": redis_server.url}}})
+    with pytest.raises(ValueError, match="no worker resources"):
+        RedisKvIndex.from_config(config)
+    resources = WorkerResources()
+    index = RedisKvIndex.from_config(config, resources=resources, metrics=None,
+                                     unknown="ignored")
     assert isinstance(index, RedisKvIndex)
+    assert index.link.config == config.response_cache.redis  # response_cache.redis's link
+    assert resources.users(("redis", config.response_cache.redis)) == 1
     index.close()
+    assert len(resources) == 0  # the only user handed its link back: closed
     assert index.key_prefix == "cr:kvidx:"
     assert index.prefix_key("ab12") == "cr:kvidx:ab12"
     assert index.backend_key("vllm-1") == "cr:kvidx:backend:vllm-1"

@@ -11,11 +11,15 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from continuum.config import RouterConfig
+from continuum.config import RouterConfig, parse_config
 from continuum.errors import StoreError
-from continuum.interfaces import CacheStore
+from continuum.interfaces import CACHE_CREATED, CacheStore
 from continuum.metrics import RouterMetrics
+from continuum.registry import PluginRegistry
+from continuum.resources import WorkerResources
+from continuum.service import RouterService
 from continuum.testing import CacheStoreContract
+from stores.kv_redis import RedisKvIndex
 from stores.redis_link import RedisLink
 from stores.redis_store import RedisCacheStore, glob_escape
 from tests.redis_server import Links, RedisServer, free_port, unique_prefix
@@ -273,15 +277,120 @@ def test_fallback_entries_are_capped_by_fallback_settings(fresh_redis: RedisServ
     assert store._fallback.max_ttl == 7
 
 
-def test_from_config(redis_server: RedisServer, links: Links) -> None:
-    config = RouterConfig()
-    with pytest.raises(ValueError, match="no Redis link"):
-        RedisCacheStore.from_config(config, redis=None)
-    store = RedisCacheStore.from_config(config, redis=links.link(redis_server.url),
-                                        metrics=None, unknown="ignored")
+def test_from_config(redis_server: RedisServer) -> None:
+    config = parse_config({"response_cache": {"backend": "redis",
+                                              "redis": {"url": redis_server.url}}})
+    with pytest.raises(ValueError, match="no worker resources"):
+        RedisCacheStore.from_config(config)
+    resources = WorkerResources()
+    store = RedisCacheStore.from_config(config, resources=resources, metrics=None,
+                                        unknown="ignored")
     assert isinstance(store, RedisCacheStore)
     assert store.key_prefix == "cr:resp:"
     assert store.full_key("ab12") == "cr:resp:ab12"
+    assert store.reconfigure(config, resources=resources) is None  # same settings: kept
+    store.close()
+    assert len(resources) == 0
+
+
+def connected_clients(raw: redis.Redis) -> int:
+    return int(raw.info("clients")["connected_clients"])
+
+
+def wait_for_clients(raw: redis.Redis, count: int) -> int:
+    """The server's client count once it is ``count`` (the server notices a closed
+    socket on its next event-loop pass), or what it is after 5 s."""
+    deadline = time.monotonic() + 5
+    while connected_clients(raw) != count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return connected_clients(raw)
+
+
+def on_redis(url: str, *, kv_index: bool = True) -> dict[str, Any]:
+    """A config with the response cache (and a KV index) on the Redis at ``url``."""
+    return {
+        "response_cache": {"backend": "redis",
+                           "redis": {"url": url, "key_prefix": unique_prefix()}},
+        "kv_cache_index": {"enabled": kv_index, "backend": "redis",
+                           "redis_key_prefix": unique_prefix("kv")},
+    }
+
+
+def test_store_and_index_share_one_link_until_the_last_lets_go(fresh_redis: RedisServer,
+                                                                links: Links) -> None:
+    config = parse_config(on_redis(fresh_redis.url))
+    resources = WorkerResources()
+    store = RedisCacheStore.from_config(config, resources=resources)
+    index = RedisKvIndex.from_config(config, resources=resources)
+    assert store.link is index.link
+    raw = links.raw(fresh_redis.url)
+    store.set("k", b"v", 60)
+    index.apply("a", CACHE_CREATED, "a" * 64, 10)
+    assert wait_for_clients(raw, 2) == 2  # this client and the one shared pool connection
+    store.close()
+    assert [h.backend for h in index.query_backends("a" * 64)] == ["a"]  # still open
+    index.close()
+    assert wait_for_clients(raw, 1) == 1  # the last user closed the pool
+
+
+def redis_service(data: dict[str, Any]) -> RouterService:
+    """A worker's service for ``data``, its plugins loaded through the entry points."""
+    registry = PluginRegistry()
+    return RouterService(parse_config(data, registry=registry), registry=registry,
+                         metrics=RouterMetrics(CollectorRegistry()))
+
+
+def new_redis_url(config: RouterConfig, url: str) -> RouterConfig:
+    """``config`` with ``response_cache.redis.url`` changed (a hot-reloadable key)."""
+    cache = config.response_cache
+    return replace(config, response_cache=replace(cache, redis=replace(cache.redis, url=url)))
+
+
+def test_reload_moves_the_cache_to_new_redis_settings_and_the_index_stays(
+    fresh_redis: RedisServer, redis_server: RedisServer, links: Links
+) -> None:
+    service = redis_service(on_redis(fresh_redis.url))
+    try:
+        store, index = service.response_cache.store, service.kv_index
+        assert isinstance(store, RedisCacheStore) and isinstance(index, RedisKvIndex)
+        old_link = store.link
+        assert index.link is old_link
+
+        service.reload(replace(service.config, response_cache=replace(
+            service.config.response_cache, ttl=60.0)))
+        assert service.response_cache.store is store  # same Redis settings: same store
+
+        report = service.reload(new_redis_url(service.config, redis_server.url))
+        assert report.applied == ["response_cache.redis.url"]
+        new_store = service.response_cache.store
+        assert isinstance(new_store, RedisCacheStore)
+        assert new_store.link is not old_link
+        assert new_store.link.config.url == redis_server.url
+        new_store.set("k", b"v", 60)
+        assert links.raw(redis_server.url).get(new_store.full_key("k")) == b"v"
+        # The index keeps the link it started with, open, on the first server.
+        assert service.kv_index is index and index.link is old_link
+        index.apply("a", CACHE_CREATED, "b" * 64, 10)
+        assert links.raw(fresh_redis.url).exists(index.prefix_key("b" * 64)) == 1
+        assert len(service.resources) == 2
+    finally:
+        service.stop()
+    assert len(service.resources) == 0
+
+
+def test_reload_closes_the_old_link_when_nothing_else_uses_it(
+    fresh_redis: RedisServer, redis_server: RedisServer, links: Links
+) -> None:
+    service = redis_service(on_redis(fresh_redis.url, kv_index=False))
+    try:
+        raw = links.raw(fresh_redis.url)
+        service.response_cache.store.set("k", b"v", 60)
+        assert wait_for_clients(raw, 2) == 2
+        service.reload(new_redis_url(service.config, redis_server.url))
+        assert wait_for_clients(raw, 1) == 1  # the old pool is gone at once
+        assert len(service.resources) == 1
+    finally:
+        service.stop()
 
 
 def test_empty_prefix_is_refused(links: Links) -> None:

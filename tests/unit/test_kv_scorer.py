@@ -10,6 +10,7 @@ import pytest
 from continuum.config import parse_config
 from continuum.errors import StoreError
 from continuum.interfaces import (
+    CACHE_CREATED,
     TIER_GPU_HOT,
     TIER_NONE,
     TIER_STORAGE_WARM,
@@ -19,7 +20,9 @@ from continuum.interfaces import (
 from continuum.kv.scorer import KvOverlapScorer
 from continuum.metrics import RouterMetrics
 from continuum.routing.selection import SelectionPipeline
-from continuum.testing import make_backends, make_context
+from continuum.testing import ScorerContract, make_backends, make_context
+from continuum.testing.scorers import PREFIX_HASH
+from stores.kv_memory import InMemoryKvIndex
 from strategies.round_robin import RoundRobin
 
 PREFIX = bytes.fromhex("ab" * 32)
@@ -202,3 +205,25 @@ def test_load_guard_reads_live_in_flight_not_the_snapshot() -> None:
     burst = make_context(prefix=PREFIX)
     scorer.prepare(burst, backends)  # same cached snapshot
     assert scorer.score_with_tier(backends[0], burst) == (0.0, TIER_GPU_HOT)
+
+
+class TestKvOverlapContract(ScorerContract):
+    """The built-in scorer meets the shipped scorer contract, loaded by its config name."""
+
+    scorer_name = "KvOverlap"
+
+    def make_index(self) -> KvCacheIndex:
+        index = InMemoryKvIndex()
+        index.apply("b1", CACHE_CREATED, PREFIX_HASH, 400)
+        index.apply("b2", CACHE_CREATED, PREFIX_HASH, 100)
+        return index
+
+
+def test_kv_overlap_declines_without_an_index() -> None:
+    config = parse_config({"prefix_routing": {"enabled": True}})
+    assert KvOverlapScorer.from_config(config, index=None, metrics=None) is None
+    index = FakeIndex()
+    scorer = KvOverlapScorer.from_config(config, index=index, metrics=None, resources=None)
+    assert isinstance(scorer, KvOverlapScorer)
+    assert scorer.index is index
+    assert scorer.overlap_weight == config.kv_cache_index.scoring.overlap_weight

@@ -122,7 +122,7 @@ def _redis_server() -> Iterator[int | None]:
 
 def _redis_roundtrip(number: int, repeat: int) -> dict[str, float]:
     from continuum.config import parse_config
-    from stores.redis_link import RedisLink
+    from continuum.resources import WorkerResources
     from stores.redis_store import RedisCacheStore
 
     with _redis_server() as port:
@@ -130,8 +130,7 @@ def _redis_roundtrip(number: int, repeat: int) -> dict[str, float]:
             return {}
         config = parse_config({"response_cache": {"backend": "redis", "redis": {
             "url": f"redis://127.0.0.1:{port}/0"}}})
-        link = RedisLink(config.response_cache.redis)
-        store = RedisCacheStore.from_config(config, redis=link)
+        store = RedisCacheStore.from_config(config, resources=WorkerResources())
         value = os.urandom(4096)
         store.set("bench", value, 60)
         n = max(number // 50, 200)
@@ -139,31 +138,28 @@ def _redis_roundtrip(number: int, repeat: int) -> dict[str, float]:
             "redis_get_4KiB": measure(lambda: store.get("bench"), n, repeat),
             "redis_set_4KiB": measure(lambda: store.set("bench", value, 60), n, repeat),
         }
-        store.close()
-        link.close()
+        store.close()  # the last user of its link: closes it
         return out
 
 
 def _redis_kv_query(number: int, repeat: int) -> dict[str, float]:
     from continuum.config import parse_config
+    from continuum.resources import WorkerResources
     from stores.kv_redis import RedisKvIndex
-    from stores.redis_link import RedisLink
 
     with _redis_server() as port:
         if port is None:
             return {}
         config = parse_config({"response_cache": {"redis": {
             "url": f"redis://127.0.0.1:{port}/0"}}, "kv_cache_index": {"backend": "redis"}})
-        link = RedisLink(config.response_cache.redis)
-        index = RedisKvIndex.from_config(config, redis=link)
+        index = RedisKvIndex.from_config(config, resources=WorkerResources())
         prefix = "ab" * 32
         for i in range(3):
             index.apply(f"vllm-{i}", "cache_created", prefix, 512 * (i + 1))
         n = max(number // 50, 200)
         out = {"redis_query_hit_3_holders": measure(lambda: index.query_backends(prefix), n,
                                                     repeat)}
-        index.close()
-        link.close()
+        index.close()  # the last user of its link: closes it
         return out
 
 
