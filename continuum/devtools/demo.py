@@ -35,11 +35,10 @@ from typing import TYPE_CHECKING, Any
 from continuum.devtools.fleet import (
     MODEL,
     RUN_ENV,
-    ChildExited,
-    Children,
     Fleet,
     FleetShape,
     backend_names,
+    demo_children,
     engine_stats,
     kv_index_stats,
     listener_stats,
@@ -52,8 +51,8 @@ from continuum.devtools.fleet import (
     start_router,
     wait_listener_clear,
     wait_router_index_ready,
-    wait_until,
 )
+from continuum.devtools.procs import ChildExited, Children, wait_until
 
 if TYPE_CHECKING:
     import requests
@@ -239,8 +238,7 @@ def run_scenario(
             router, target = start_router(children, http, config, scenario.name)
             token = config["admin"]["token"]
             if scenario.kv_events:
-                start = wait_router_index_ready(http, target, token, proc=router,
-                                                children=children)
+                start = wait_router_index_ready(http, target, token, proc=router)
         if warmup is not None:
             done = replay(target, warmup, concurrency=1, max_seconds=60, timeout=30)
             if done.summary()["errors"]:
@@ -249,7 +247,7 @@ def run_scenario(
             if scenario.kv_events:
                 wait_until(lambda: kv_index_stats(http, target, token)["index"][
                     "entry_count"] >= len(warmup.sessions), "the warm-up in the KV index", 10,
-                    router, children)
+                    children=[router] if router else [], tail=0)
                 time.sleep(0.2)  # past the scorer's 100 ms snapshots
         if scenario.kv_events:
             measured_from = kv_index_stats(http, target, token)["routing_decisions"]
@@ -423,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     run_id = secrets.token_hex(8)
     workdir = Path(tempfile.mkdtemp(prefix="continuum-demo-"))
-    children = Children(workdir, run_id)
+    children = demo_children(workdir, run_id)
     rows: list[dict[str, Any]] = []
     listener: dict[str, int] | None = None
     try:
@@ -450,10 +448,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         # OSError: requests' errors, spawn failures
         print(f"continuum-router demo: {exc}", file=sys.stderr)
-        reported = exc.proc if isinstance(exc, ChildExited) else None
-        for proc in children.exited():  # whatever else died is likely the cause
-            if proc is not reported:
-                print(f"continuum-router demo: {children.exit_report(proc)}", file=sys.stderr)
+        reported = exc.child if isinstance(exc, ChildExited) else None
+        for child in children.exited():  # whatever else died is likely the cause
+            if child is not reported:
+                print(f"continuum-router demo: {child.exit_report()}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         print("continuum-router demo: interrupted", file=sys.stderr)

@@ -1,10 +1,12 @@
 """The processes of ``continuum-router demo``: engines, the KV listener and the router.
 
-:class:`Children` starts every process with output to a log file in the demo's work
-directory and an environment marker (:data:`RUN_ENV`), and stops each one by its PID;
-on Linux a child also gets SIGTERM when the demo itself dies. The ``start_*`` functions
-return once the process serves; the ``wait_*`` functions poll an HTTP view until a
-condition holds and raise :class:`RuntimeError` (with the log's tail) when it does not.
+:func:`demo_children` starts every process (:class:`~continuum.devtools.procs.Children`)
+with output to a log file in the demo's work directory and an environment marker
+(:data:`RUN_ENV`), and stops each one by its PID; on Linux a child also gets SIGTERM when
+the demo itself dies. The ``start_*`` functions return once the process serves; the
+``wait_*`` functions poll an HTTP view until a condition holds and raise
+:class:`RuntimeError` (with the log's tail) when it does not, or
+:class:`~continuum.devtools.procs.ChildExited` at once when the child they wait on dies.
 
 Topology with KV events (what ``conf/config.kv-listener.yaml.example`` describes for
 vLLM): the listener binds one ZMQ endpoint per source on 127.0.0.1, each fleet engine
@@ -20,15 +22,10 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
-import random
 import re
 import shutil
 import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +33,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
+
+from continuum.devtools.procs import (
+    Child,
+    Children,
+    WaitTimeout,
+    child_env,
+    free_port,
+    free_port_block,
+    http_status,
+    wait_until,
+)
 
 if TYPE_CHECKING:
     import requests
@@ -111,172 +119,10 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
     return total
 
 
-class Children:
-    """The processes the demo started, stopped by PID (quick-shutdown signal, then KILL)."""
-
-    def __init__(self, workdir: Path, run_id: str) -> None:
-        self.workdir = workdir
-        self.env = {**os.environ, RUN_ENV: run_id}
-        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
-            self.env.pop(name, None)
-        self.procs: list[tuple[subprocess.Popen[bytes], int]] = []
-        self.pids: list[int] = []
-        #: PID -> (log name, start time): what :meth:`exit_report` tells about a child.
-        self.started: dict[int, tuple[str, float]] = {}
-        self.preexec = _die_with_parent()
-
-    def spawn(
-        self, argv: list[str], log: str, env: dict[str, str] | None = None, stop_signal: int = 15
-    ) -> subprocess.Popen[bytes]:
-        """Start ``argv`` with output to ``workdir/log``."""
-        with open(self.workdir / log, "wb") as out:  # the child keeps its own descriptor
-            proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env={**self.env, **(env or {})},
-                stdin=subprocess.DEVNULL,
-                preexec_fn=self.preexec,
-            )
-        self.procs.append((proc, stop_signal))
-        self.pids.append(proc.pid)
-        self.started[proc.pid] = (log, time.monotonic())
-        return proc
-
-    def stop(self, proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
-        """Stop one child and wait for it."""
-        sig = next((s for p, s in self.procs if p is proc), signal.SIGTERM)
-        if proc.poll() is None:
-            proc.send_signal(sig)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        self.procs = [(p, s) for p, s in self.procs if p is not proc]
-
-    def stop_all(self) -> None:
-        """Stop every child still running, newest first."""
-        for proc, _ in reversed(list(self.procs)):
-            self.stop(proc)
-
-    def log_text(self, log: str) -> str:
-        """A child's whole log so far ("" when there is none)."""
-        try:
-            return (self.workdir / log).read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, log: str, lines: int = 20) -> str:
-        """The end of a child's log, for error messages."""
-        return "\n".join(self.log_text(log).splitlines()[-lines:])
-
-    def exit_report(self, proc: subprocess.Popen[bytes]) -> str | None:
-        """How a child that is gone ended: which one, its exit status or signal, how long
-        it ran, the last error its log names and the end of that log; None while it runs."""
-        code = proc.poll()
-        if code is None:
-            return None
-        log, began = self.started.get(proc.pid, ("", time.monotonic()))
-        how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
-        text = self.log_text(log) if log else ""
-        errors = ERROR_LINE.findall(text)
-        name = log.removesuffix(".log") or "process"
-        report = f"{name} (pid {proc.pid}) {how} after {time.monotonic() - began:.1f}s"
-        if errors:
-            report += f" ({errors[-1].strip()})"
-        if text:
-            report += f"; the end of {log}:\n" + self.log_tail(log)
-        return report
-
-    def exited(self) -> list[subprocess.Popen[bytes]]:
-        """The children that ended although the demo did not stop them."""
-        return [proc for proc, _ in self.procs if proc.poll() is not None]
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-#: A line of a log that names an exception (``ModuleNotFoundError: No module named 'x'``).
-ERROR_LINE = re.compile(r"^\s*((?:[A-Za-z_]\w*\.)*\w*(?:Error|Exception)\b.*)$", re.MULTILINE)
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking Linux to SIGTERM the child when the demo dies, so even a
-    SIGKILLed demo leaves nothing behind; None elsewhere. Resolved here, in the parent: the
-    child between fork and exec must not import anything."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return functools.partial(prctl, 1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_port_block(count: int, attempts: int = 200) -> int:
-    """The first of ``count`` consecutive ports on 127.0.0.1 that were all free a moment
-    ago (a fleet's member ``i`` publishes on ``port + i``). Drawn below the usual ephemeral
-    range, so outgoing connections are unlikely to take one meanwhile."""
-    rng = random.SystemRandom()
-    for _ in range(attempts):
-        base = rng.randrange(20000, 32000 - count)
-        held: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError(f"found no {count} consecutive free ports on 127.0.0.1")
-
-
-class ChildExited(RuntimeError):
-    """A child the demo waited on ended; the message says how (:meth:`Children.exit_report`)."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], message: str) -> None:
-        super().__init__(message)
-        self.proc = proc
-
-
-def wait_until(
-    condition: Callable[[], bool], what: str, timeout: float,
-    proc: subprocess.Popen[bytes] | None = None, children: Children | None = None,
-    log: str = "", interval: float = 0.05,
-) -> None:
-    """Poll ``condition`` until it holds; RuntimeError naming ``what`` after ``timeout``
-    seconds (with ``log``'s tail), or at once when ``proc`` exits (with how it ended)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if condition():
-                return
-        except OSError:  # requests' errors are OSErrors: not serving (yet)
-            pass
-        if proc is not None and proc.poll() is not None:
-            report = children.exit_report(proc) if children is not None else None
-            raise ChildExited(proc, f"while waiting for {what}: "
-                              f"{report or f'pid {proc.pid} exited with {proc.returncode}'}")
-        if time.monotonic() > deadline:
-            break
-        time.sleep(interval)
-    tail = children.log_tail(log) if children is not None and log else ""
-    raise RuntimeError(f"timed out waiting for {what}" + (f":\n{tail}" if tail else ""))
+def demo_children(workdir: Path, run_id: str) -> Children:
+    """The demo's process group: logs in ``workdir``, every child marked with
+    :data:`RUN_ENV` ``= run_id`` and told to die with the demo (Linux)."""
+    return Children(workdir, child_env({RUN_ENV: run_id}), die_with_parent=True)
 
 
 # -- engines ---------------------------------------------------------------------------------
@@ -285,7 +131,7 @@ def wait_until(
 def start_engines(
     children: Children, name: str, count: int, blocks: int, slots: int, scale: float,
     zmq_endpoint: str | None = None, timeout: float = 20.0,
-) -> tuple[subprocess.Popen[bytes], list[str]]:
+) -> tuple[Child, list[str]]:
     """Start ``continuum-sim --fleet count`` on free ports; return it and its URLs.
 
     With ``zmq_endpoint`` (``tcp://127.0.0.1:P``) member ``i`` connects its KV-event PUB
@@ -304,10 +150,10 @@ def start_engines(
 
     def started() -> bool:
         urls[:] = re.findall(r"^continuum-sim: engine \d+ .*?(http://\S+)",
-                             children.log_text(log), re.MULTILINE)
+                             proc.log_text(), re.MULTILINE)
         return len(urls) == count
 
-    wait_until(started, "the simulated engines", timeout, proc, children, log)
+    wait_until(started, "the simulated engines", timeout, children=[proc])
     return proc, urls
 
 
@@ -321,11 +167,12 @@ def reset_engines(http: requests.Session, urls: Sequence[str], timeout: float = 
     with KV events publishes ``AllBlocksCleared``, which the listener turns into
     ``cache_cleared``."""
     for url in urls:
-        deadline = time.monotonic() + timeout
-        while http.post(url + "/reset_prefix_cache", timeout=5).status_code != 200:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url}: prefix cache reset refused for {timeout}s")
-            time.sleep(0.1)
+        wait_until(functools.partial(_resets, http, url), f"{url} to reset its prefix cache",
+                   timeout, interval=0.1)
+
+
+def _resets(http: requests.Session, url: str) -> bool:
+    return http.post(url + "/reset_prefix_cache", timeout=5).status_code == 200
 
 
 # -- the KV listener -------------------------------------------------------------------------
@@ -357,7 +204,7 @@ def listener_config(
 def start_listener(
     children: Children, http: requests.Session, backends: Sequence[str],
     engines: Sequence[str], zmq_base: int, timeout: float = 30.0,
-) -> tuple[subprocess.Popen[bytes], str]:
+) -> tuple[Child, str]:
     """Start ``continuum-kv-listener`` for ``engines``; return it and its URL once every
     source has an engine connected and has applied one of its batches (a PUB socket drops
     what it publishes before the subscription arrives, so the engines' caches are reset
@@ -370,11 +217,11 @@ def start_listener(
     found: list[str] = []
 
     def serving() -> bool:
-        found[:] = re.findall(r"serving (http://\S+?)/events/", children.log_text(log))
+        found[:] = re.findall(r"serving (http://\S+?)/events/", proc.log_text())
         return bool(found)
 
     try:
-        wait_until(serving, "the KV listener", timeout, proc, children, log)
+        wait_until(serving, "the KV listener", timeout, children=[proc])
         url = found[0]
 
         def sources() -> dict[str, Any]:
@@ -382,7 +229,7 @@ def start_listener(
             return doc
 
         wait_until(lambda: all(s["connected"] for s in sources().values()),
-                   "the engines to connect to the KV listener", timeout, proc, children, log)
+                   "the engines to connect to the KV listener", timeout, children=[proc])
 
         def subscribed() -> bool:
             pending = [u for b, u in zip(backends, engines, strict=True)
@@ -390,8 +237,8 @@ def start_listener(
             reset_engines(http, pending)
             return not pending
 
-        wait_until(subscribed, "the KV listener's first event batches", timeout, proc,
-                   children, log, interval=0.2)
+        wait_until(subscribed, "the KV listener's first event batches", timeout,
+                   children=[proc], interval=0.2)
     except BaseException:
         children.stop(proc)
         raise
@@ -443,7 +290,7 @@ def slug(name: str) -> str:
 def start_router(
     children: Children, http: requests.Session, config: dict[str, Any], name: str,
     timeout: float = 30.0, attempts: int = 3,
-) -> tuple[subprocess.Popen[bytes], str]:
+) -> tuple[Child, str]:
     """Start the router under gunicorn with ``config``; return it once ``/health`` is 200
     and ``/admin/backends`` (with the config's admin token) lists the config's backends —
     so a process that took the free port meanwhile is never mistaken for this router (the
@@ -470,8 +317,8 @@ def start_router(
         proc = children.spawn(argv, log, env, stop_signal=signal.SIGQUIT)
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_until(functools.partial(_answers, http, url + "/health"),
-                       f"the router ({name})", timeout, proc, children, log, interval=0.1)
+            wait_until(functools.partial(_answers, url + "/health"),
+                       f"the router ({name})", timeout, children=[proc], interval=0.1)
             resp = http.get(url + "/admin/backends", timeout=5,
                             headers={"Authorization": f"Bearer {token}"})
             ours = resp.status_code == 200 and sorted(
@@ -479,7 +326,7 @@ def start_router(
         except BaseException:
             children.stop(proc)
             raise
-        if ours and proc.poll() is None:
+        if ours and proc.running():
             return proc, url
         children.stop(proc)
         if attempt + 1 == attempts:
@@ -488,8 +335,8 @@ def start_router(
                        f"process, {attempts} times")
 
 
-def _answers(http: requests.Session, url: str) -> bool:
-    return http.get(url, timeout=1).status_code == 200
+def _answers(url: str) -> bool:
+    return http_status(url) == 200
 
 
 def kv_index_stats(http: requests.Session, url: str, token: str) -> dict[str, Any]:
@@ -503,7 +350,7 @@ def kv_index_stats(http: requests.Session, url: str, token: str) -> dict[str, An
 
 def wait_router_index_ready(
     http: requests.Session, url: str, token: str, timeout: float = 15.0,
-    proc: subprocess.Popen[bytes] | None = None, children: Children | None = None,
+    proc: Child | None = None,
 ) -> dict[str, Any]:
     """Wait until every event source of the router streams and its index is empty (a
     fresh subscription starts with ``cache_cleared`` and the listener's snapshot, which is
@@ -516,11 +363,9 @@ def wait_router_index_ready(
                 and stats["index"]["entry_count"] == 0)
 
     try:
-        wait_until(ready, "the router's KV index to be connected and empty", timeout, proc,
-                   children)
-    except ChildExited:
-        raise
-    except RuntimeError as exc:
+        wait_until(ready, "the router's KV index to be connected and empty", timeout,
+                   children=[proc] if proc else [], tail=0)
+    except WaitTimeout as exc:
         raise RuntimeError(f"{exc}: {stats.get('index')}, {stats.get('event_sources')}") \
             from None
     return stats

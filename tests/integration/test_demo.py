@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from continuum.devtools.fleet import ChildExited, Children, wait_until
+from continuum.devtools.procs import Child, free_port, wait_http
 from continuum.sim.replay import replay
 from continuum.sim.workload import multi_turn
-from tests.conftest import ROOT, Proc, free_port, wait_http
 
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 16
 
 
@@ -130,13 +130,13 @@ def test_demo_load_scenario_guard_keeps_tail_latency_down() -> None:
 @pytest.mark.e2e
 def test_follow_up_turns_hit_the_engine_cache(tmp_path: Path) -> None:
     port = free_port()
-    sim = Proc(
+    sim = Child(
         [sys.executable, "-m", "continuum.sim.cli", "--port", str(port), "--fast"],
         log=tmp_path / "sim.log",
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health", proc=sim.popen)
+        wait_http(url + "/health", children=[sim])
         workload = multi_turn(3, conversations=2, turns=(3, 3), prompts=2, rate=None,
                               think_seconds=0)
         result = replay(url, workload, concurrency=1, max_seconds=60, timeout=10)
@@ -177,30 +177,3 @@ def test_demo_reports_why_a_child_died_instead_of_timing_out() -> None:
     assert "the end of router-roundrobin.log:" in stderr, stderr
     assert "timed out" not in stderr, stderr
 
-
-def test_exit_report_names_the_child_its_status_and_its_error(tmp_path: Path) -> None:
-    children = Children(tmp_path, "test")
-    failed = children.spawn([sys.executable, "-c", "import sys; print('starting', flush=True);"
-                             "raise SystemExit('LookupError: no engine named x')"], "engine.log")
-    killed = children.spawn([sys.executable, "-c",
-                             "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], "sim.log")
-    running = children.spawn([sys.executable, "-c", "import time; time.sleep(30)"], "idle.log")
-    try:
-        failed.wait(10)
-        killed.wait(10)
-        assert children.exited() == [failed, killed]
-        report = children.exit_report(failed)
-        assert report is not None
-        head, _, tail = report.partition("\n")
-        assert re.fullmatch(rf"engine \(pid {failed.pid}\) exited with status 1 after \d+\.\ds "
-                            r"\(LookupError: no engine named x\); the end of engine.log:", head)
-        assert tail == "starting\nLookupError: no engine named x"
-        assert re.fullmatch(rf"sim \(pid {killed.pid}\) was killed by SIGKILL after \d+\.\ds",
-                            children.exit_report(killed) or "")
-        assert children.exit_report(running) is None
-        with pytest.raises(ChildExited) as err:
-            wait_until(lambda: False, "the engine", 10, failed, children)
-        assert err.value.proc is failed
-        assert str(err.value) == f"while waiting for the engine: {children.exit_report(failed)}"
-    finally:
-        children.stop_all()
