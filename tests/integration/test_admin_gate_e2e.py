@@ -10,13 +10,14 @@ from typing import Any
 import pytest
 import requests
 
-from tests.conftest import Router
+from continuum.testing.servers import RouterProcess
 
 BACKENDS = [{"name": "a", "url": "http://127.0.0.1:9", "models": ["m"]}]
 BASE = {"backends": BACKENDS, "health_check": {"enabled": False}}
 
 
-def test_no_token_means_403_for_every_admin_call(router_factory: Callable[..., Router]) -> None:
+def test_no_token_means_403_for_every_admin_call(
+        router_factory: Callable[..., RouterProcess]) -> None:
     router = router_factory({**BASE, "admin": {}})
     for method, path in (("GET", "/admin/backends"), ("POST", "/admin/config/reload"),
                          ("POST", "/admin/response-cache/invalidate")):
@@ -25,21 +26,21 @@ def test_no_token_means_403_for_every_admin_call(router_factory: Callable[..., R
         error = resp.json()["error"]
         assert error["code"] == "admin_token_not_configured"
         assert "admin.token" in error["message"]
-    assert "no token: every /admin endpoint answers 403" in router.proc.output()
+    assert "no token: every /admin endpoint answers 403" in router.proc.log_text()
 
 
 def test_opt_out_opens_admin_and_warns_at_start(
-        router_factory: Callable[..., Router]) -> None:
+        router_factory: Callable[..., RouterProcess]) -> None:
     config: dict[str, Any] = {**BASE, "admin": {"allow_unauthenticated": True}}
     router = router_factory(config)
     resp = requests.get(router.url + "/admin/backends", timeout=5)
     assert resp.status_code == 200 and resp.json()["backends"][0]["name"] == "a"
-    log = router.proc.output()
+    log = router.proc.log_text()
     assert "WARNING continuum.web.app: config: " in log
     assert log.count("admin.allow_unauthenticated: every /admin endpoint is open") == 1, log
 
 
-def test_token_env_unset_stops_the_start(router_factory: Callable[..., Router],
+def test_token_env_unset_stops_the_start(router_factory: Callable[..., RouterProcess],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CR_E2E_UNSET_TOKEN", raising=False)
     planted = "plant-e2e-api-key-93x"

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import requests
 
-from tests.conftest import Router, Upstream, metric_value
-from tests.integration.pipeline import wait_for
+from continuum.devtools.fleet import metric_sum
+from continuum.devtools.procs import wait_until
+from continuum.testing.servers import FakeUpstream, RouterProcess
 
 pytestmark = pytest.mark.e2e
 
@@ -26,7 +27,7 @@ REQUEST_ABORTS = 5
 BROKEN_STREAMS = 3
 
 
-def _post_raw(router: Router, body: dict[str, Any]) -> socket.socket:
+def _post_raw(router: RouterProcess, body: dict[str, Any]) -> socket.socket:
     """Send a chat request on a raw socket (so the test decides when the client leaves)."""
     data = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", router.port), timeout=10)
@@ -35,18 +36,18 @@ def _post_raw(router: Router, body: dict[str, Any]) -> socket.socket:
     return sock
 
 
-def _backend(router: Router, name: str) -> dict[str, Any]:
+def _backend(router: RouterProcess, name: str) -> dict[str, Any]:
     rows = requests.get(router.url + "/admin/backends", timeout=5).json()["backends"]
     return next(row for row in rows if row["name"] == name)  # type: ignore[no-any-return]
 
 
-def _count(router: Router, status: str) -> float:
-    return metric_value(router.metrics(), "continuum_requests_total", backend="a",
-                        status=status)
+def _count(router: RouterProcess, status: str) -> float:
+    return metric_sum(router.metrics(), "continuum_requests_total", backend="a",
+                      status=status)
 
 
 def test_disconnects_leave_backend_health_alone_but_upstream_failures_count(
-    upstreams: Callable[[str], Upstream], router_factory: Callable[..., Router]
+    upstreams: Callable[[str], FakeUpstream], router_factory: Callable[..., RouterProcess]
 ) -> None:
     a = upstreams("a")
     router = router_factory({
@@ -59,8 +60,8 @@ def test_disconnects_leave_backend_health_alone_but_upstream_failures_count(
     # The backend does answer, so these are real successes with real latencies.
     for _ in range(REQUEST_ABORTS):
         _post_raw(router, {"model": "m", "messages": MSG, "x_test": {"hang": 0.2}}).close()
-    wait_for(lambda: _count(router, "200") == REQUEST_ABORTS,
-             "the abandoned requests to finish upstream")
+    wait_until(lambda: _count(router, "200") == REQUEST_ABORTS,
+               "the abandoned requests to finish upstream")
     before = _backend(router, "a")
     assert before["success_rate"] == 1.0 and before["latency_ewma_ms"] is not None
 
@@ -74,18 +75,18 @@ def test_disconnects_leave_backend_health_alone_but_upstream_failures_count(
             assert chunk, "router closed the stream before the first event"
             received += chunk
         sock.close()
-    wait_for(lambda: _count(router, "499") == STREAM_ABORTS,
-             "the router to notice every disconnect")
-    wait_for(lambda: _backend(router, "a")["in_flight"] == 0, "in-flight to drop to 0")
-    wait_for(lambda: a.stats()["streams_aborted"] == STREAM_ABORTS,  # closed upstream too
-             "the upstream to see the streams go")
+    wait_until(lambda: _count(router, "499") == STREAM_ABORTS,
+               "the router to notice every disconnect")
+    wait_until(lambda: _backend(router, "a")["in_flight"] == 0, "in-flight to drop to 0")
+    wait_until(lambda: a.stats()["streams_aborted"] == STREAM_ABORTS,  # closed upstream too
+               "the upstream to see the streams go")
 
     after = _backend(router, "a")
     assert after["success_rate"] == 1.0
     assert after["healthy"] is True
     assert after["latency_ewma_ms"] == before["latency_ewma_ms"]  # no truncated sample
-    assert metric_value(router.metrics(), "continuum_backend_health_transitions_total",
-                        backend="a") == 0
+    assert metric_sum(router.metrics(), "continuum_backend_health_transitions_total",
+                      backend="a") == 0
 
     # A real upstream failure (the backend drops the stream midway) still counts.
     for _ in range(BROKEN_STREAMS):
@@ -93,7 +94,7 @@ def test_disconnects_leave_backend_health_alone_but_upstream_failures_count(
             "model": "m", "messages": MSG, "stream": True,
             "x_test": {"chunks": 5, "break_after": 1}})
         assert b"broke" in resp.content
-    wait_for(lambda: _count(router, "502") == BROKEN_STREAMS,
-             "the broken streams to be recorded")
+    wait_until(lambda: _count(router, "502") == BROKEN_STREAMS,
+               "the broken streams to be recorded")
     rate = _backend(router, "a")["success_rate"]
     assert rate == round(REQUEST_ABORTS / (REQUEST_ABORTS + BROKEN_STREAMS), 4)

@@ -10,14 +10,15 @@ from typing import Any
 import pytest
 import requests
 
-from tests.conftest import Router, Upstream, free_port
+from continuum.devtools.procs import free_port
+from continuum.testing.servers import FakeUpstream, RouterProcess
 
 pytestmark = pytest.mark.e2e
 
 BASE = '{"model":"m","messages":[{"role":"user","content":"x"}],'
 
 
-def _worker_pid(router: Router) -> int:
+def _worker_pid(router: RouterProcess) -> int:
     return int(requests.get(router.url + "/admin/backends", timeout=5).json()["worker_pid"])
 
 
@@ -32,7 +33,7 @@ def _raw_http(port: int, request: bytes) -> bytes:
 
 
 def test_reported_inputs_get_400_and_the_worker_survives(
-    upstreams: Callable[[str], Upstream], router_factory: Callable[..., Router]
+    upstreams: Callable[[str], FakeUpstream], router_factory: Callable[..., RouterProcess]
 ) -> None:
     up = upstreams("up")
     router = router_factory({"backends": [{"name": "up", "url": up.url, "models": ["m"]}],
@@ -57,11 +58,11 @@ def test_reported_inputs_get_400_and_the_worker_survives(
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == \
         "hello from up"
     assert _worker_pid(router) == pid
-    assert "Traceback" not in router.proc.output()
+    assert "Traceback" not in router.proc.log_text()
 
 
 def test_the_deepest_configurable_nesting_is_served_by_a_real_worker(
-    upstreams: Callable[[str], Upstream], router_factory: Callable[..., Router]
+    upstreams: Callable[[str], FakeUpstream], router_factory: Callable[..., RouterProcess]
 ) -> None:
     """server.max_json_depth at its maximum: json.loads, the cache key and the salted body
     (json.dumps) all handle that depth inside a gevent worker."""
@@ -91,7 +92,7 @@ def test_the_deepest_configurable_nesting_is_served_by_a_real_worker(
 
 
 def test_gunicorn_answers_malformed_http_itself_in_html(
-    upstreams: Callable[[str], Upstream], router_factory: Callable[..., Router]
+    upstreams: Callable[[str], FakeUpstream], router_factory: Callable[..., RouterProcess]
 ) -> None:
     """What README and the man page document: these never reach the app, so they are
     gunicorn's HTML pages with Connection: close."""

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import re
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 from gunicorn.ctl.client import ControlClient
+
+from continuum.devtools.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -23,13 +24,10 @@ LISTENING = re.compile(r"Control socket listening at (\S+)")
 
 def _control_socket(router: Any, timeout: float = 20.0) -> str:
     """The control socket path the router's gunicorn master announced in its log."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = LISTENING.findall(router.proc.output())
-        if found:
-            return str(found[-1])
-        time.sleep(0.05)
-    raise AssertionError("no control socket announced:\n" + router.proc.output())
+    found = wait_until(lambda: LISTENING.findall(router.proc.log_text()),
+                       "the control socket announced in the router's log", timeout,
+                       children=[router.proc])
+    return str(found[-1])
 
 
 def _listeners(path: str) -> list[str]:

@@ -17,6 +17,7 @@ log shows which event ids the consumer applied, in which order, and how often.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import http.server
 import json
@@ -36,6 +37,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from continuum.config.schema import KvEventSourceConfig
+from continuum.devtools import procs
 from continuum.errors import StoreError
 from continuum.interfaces import KvCacheIndex, KvHolding
 from continuum.kv.consumer import Backoff, KvEventConsumerManager, SourceConsumer
@@ -47,13 +49,8 @@ BASE_MS = 100
 DEADLINE = 20.0
 
 
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
+#: Waits poll often: the consumers under test run in threads of this process.
+wait_until = functools.partial(procs.wait_until, timeout=DEADLINE, interval=0.005)
 
 
 class RecordingIndex(KvCacheIndex):

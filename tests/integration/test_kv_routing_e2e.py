@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import requests
 
+from continuum.devtools.procs import wait_until
 from continuum.prefix import request_prefix_key
 
 pytestmark = pytest.mark.e2e
@@ -98,14 +99,14 @@ def _config(ups: list[Any], streams: EventStreams, **kv: Any) -> dict[str, Any]:
 
 
 def _wait_holders(router: Any, expected: int) -> None:
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        stats = requests.get(router.url + "/admin/kv-index/stats", timeout=5).json()
-        if stats["index"]["entry_count"] >= expected:
-            time.sleep(0.15)  # let the scorer's 100 ms snapshot of the old state expire
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"index never reached {expected} entries: {stats}")
+    stats: dict[str, Any] = {}
+
+    def reached() -> bool:
+        stats.update(requests.get(router.url + "/admin/kv-index/stats", timeout=5).json())
+        return bool(stats["index"]["entry_count"] >= expected)
+
+    wait_until(reached, lambda: f"the index to reach {expected} entries: {stats}", 15)
+    time.sleep(0.15)  # let the scorer's 100 ms snapshot of the old state expire
 
 
 def _backend(router: Any, body: dict[str, Any]) -> str:
@@ -139,9 +140,7 @@ def test_requests_go_to_the_holder_with_most_tokens(upstreams, router_factory, s
     assert other == {"a", "b", "c"}
 
     streams.push("b", "cache_evicted", prefix, 0)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _backend(router, _body()) != "a":
-        time.sleep(0.05)
+    wait_until(lambda: _backend(router, _body()) == "a", "the eviction to reach routing", 10)
     assert _backend(router, _body()) == "a"  # a still holds 512 tokens
 
     stats = requests.get(router.url + "/admin/kv-index/stats", timeout=5).json()

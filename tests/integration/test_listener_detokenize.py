@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import requests
 
+from continuum.devtools.procs import free_port
 from listener.config import DetokenizeConfig, LimitsConfig, SourceConfig
 from listener.processor import DefaultSourceProcessor
 from listener.recovery import EngineClient, PromptRecovery
-from tests.conftest import free_port
 
 MIB = 1024 * 1024
 #: Bytes of ``prompt`` an oversize reply offers.

@@ -9,11 +9,13 @@ a deadline; nothing asserts on time.
 
 from __future__ import annotations
 
+import functools
 import json
 import queue
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +29,8 @@ import yaml
 import zmq.green as zmq
 
 from continuum.config.schema import KvEventSourceConfig
+from continuum.devtools import procs
+from continuum.devtools.procs import Child, free_port, wait_http
 from continuum.kv.consumer import KvEventConsumerManager
 from continuum.kv_events import KvEventBatch
 from continuum.wire.sse import SseTransport
@@ -36,12 +40,11 @@ from listener.model import CACHE_CLEARED, CACHE_CREATED, CACHE_EVICTED, PrefixEv
 from listener.server import create_app, make_server, parse_listen
 from listener.sources_zmq import ZapAuthenticator, ZmqSource
 from stores.kv_memory import InMemoryKvIndex
-from tests.conftest import PYTHON, ROOT, Proc, free_port, wait_http
-from tests.integration.pipeline import listener_snapshot
 
 pytestmark = pytest.mark.timeout(180)
 
-LISTENER = [PYTHON, "-m", "listener.cli"]
+ROOT = Path(__file__).resolve().parents[2]
+LISTENER = [sys.executable, "-m", "listener.cli"]
 Record = tuple[str | None, str | None, Any]
 
 
@@ -49,14 +52,8 @@ def prefix(n: int) -> str:
     return f"{n:064x}"
 
 
-def wait_until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    """Yield to gevent until ``cond()`` holds; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        gevent.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+#: Waits yield to gevent (``gevent.sleep``), so the server greenlets in this thread run.
+wait_until = functools.partial(procs.wait_until, sleep=gevent.sleep, interval=0.02)
 
 
 class Reader:
@@ -407,7 +404,7 @@ def test_importing_the_cli_imports_nothing_network_related() -> None:
         "bad = {'gevent', 'zmq', 'falcon', 'requests', 'socket', 'ssl'} & set(sys.modules)\n"
         "assert not bad, bad\n"
     )
-    subprocess.run([PYTHON, "-c", code], check=True, timeout=30)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
 
 
 def test_check_and_print_defaults(tmp_path: Path) -> None:
@@ -454,10 +451,10 @@ class ListenerProcess:
         self.config_path = tmp / f"{name}.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.url = "http://" + config["listen"]
-        self.proc = Proc([*LISTENER, "--config", str(self.config_path)],
-                         log=tmp / f"{name}-{time.monotonic_ns()}.log")
+        self.proc = Child([*LISTENER, "--config", str(self.config_path)],
+                          log=tmp / f"{name}-{time.monotonic_ns()}.log")
         try:
-            wait_http(self.url + "/health", proc=self.proc.popen)
+            wait_http(self.url + "/health", children=[self.proc])
         except BaseException:
             self.proc.stop(signal.SIGKILL)
             raise
@@ -465,10 +462,6 @@ class ListenerProcess:
     def health(self) -> dict[str, Any]:
         doc: dict[str, Any] = requests.get(self.url + "/health", timeout=5).json()
         return doc
-
-    def snapshot(self, backend: str) -> dict[str, int]:
-        """The backend's current prefixes, from a fresh subscription's snapshot."""
-        return listener_snapshot(self.url, backend)
 
 
 def listener_config(port: int, zmq_port: int, sim_port: int,
@@ -492,11 +485,11 @@ def test_sigterm_sends_draining_and_exits_zero(tmp_path: Path) -> None:
         assert records[0][1] == CACHE_CLEARED and records[0][0] is not None
         wait_until(lambda: listener.health()["sources"]["vllm-1"]["subscribers"] == 1,
                    "the subscription")
-        listener.proc.popen.send_signal(signal.SIGTERM)
+        listener.proc.send_signal(signal.SIGTERM)
         assert [r[1] for r in reader.ended()] == ["draining"]
-        listener.proc.popen.wait(30)
-        assert listener.proc.popen.returncode == 0, listener.proc.output()
-        log = listener.proc.output()
+        listener.proc.wait(30)
+        assert listener.proc.returncode == 0, listener.proc.log_text()
+        log = listener.proc.log_text()
         assert "draining 1 subscriber(s) of vllm-1" in log
     finally:
         reader.close()
@@ -524,7 +517,7 @@ def test_listener_process_wires_token_and_subscriber_cap(tmp_path: Path) -> None
     finally:
         manager.stop(timeout=10)
         listener.proc.stop()
-    assert "proc-s3cret" not in listener.proc.output()
+    assert "proc-s3cret" not in listener.proc.log_text()
 
 
 def chat(sim_url: str, n: int) -> None:
@@ -552,16 +545,17 @@ def _holds_exactly(index: InMemoryKvIndex, prefixes: dict[str, int]) -> bool:
     return index_view(index, prefixes) == prefixes and len(index) == len(prefixes)
 
 
-def test_router_resumes_across_a_listener_kill_and_restart(tmp_path: Path) -> None:
+def test_router_resumes_across_a_listener_kill_and_restart(
+        tmp_path: Path, listener_snapshot: Callable[[str, str], dict[str, int]]) -> None:
     """The router's consumer ends with exactly the listener's state, before and after a
     ``kill -9`` of the listener and a restart (which rebuilds from the engine's replay)."""
     port, zmq_port, sim_port, replay_port = free_port(), free_port(), free_port(), free_port()
     config = listener_config(port, zmq_port, sim_port, replay_port)
     first = ListenerProcess(tmp_path, config, "first")
-    sim = Proc([PYTHON, "-m", "continuum.sim.cli", "--fast", "--port", str(sim_port),
-                "--zmq-endpoint", f"tcp://127.0.0.1:{zmq_port}", "--zmq-connect",
-                "--zmq-replay-endpoint", f"tcp://127.0.0.1:{replay_port}"],
-               log=tmp_path / "sim.log")
+    sim = Child([sys.executable, "-m", "continuum.sim.cli", "--fast", "--port", str(sim_port),
+                 "--zmq-endpoint", f"tcp://127.0.0.1:{zmq_port}", "--zmq-connect",
+                 "--zmq-replay-endpoint", f"tcp://127.0.0.1:{replay_port}"],
+                log=tmp_path / "sim.log")
     sim_url = f"http://127.0.0.1:{sim_port}"
     index = InMemoryKvIndex()
     manager = KvEventConsumerManager(
@@ -570,7 +564,7 @@ def test_router_resumes_across_a_listener_kill_and_restart(tmp_path: Path) -> No
     consumer = manager.consumers[0]
     second: ListenerProcess | None = None
     try:
-        wait_http(sim_url + "/health", proc=sim.popen)
+        wait_http(sim_url + "/health", children=[sim])
         manager.start()
         wait_until(lambda: consumer.connected, "the router's consumer")
         wait_until(lambda: first.health()["sources"]["vllm-1"]["connected"], "the engine")
@@ -582,11 +576,12 @@ def test_router_resumes_across_a_listener_kill_and_restart(tmp_path: Path) -> No
         for _ in range(3):
             chat(sim_url, n)
             n += 1
-        wait_until(lambda: len(first.snapshot("vllm-1")) >= 3, "prefixes on the first listener")
+        wait_until(lambda: len(listener_snapshot(first.url, "vllm-1")) >= 3,
+                   "prefixes on the first listener")
         # One snapshot per check: a late event of the priming chats may still add a prefix.
-        wait_until(lambda: _holds_exactly(index, first.snapshot("vllm-1")),
+        wait_until(lambda: _holds_exactly(index, listener_snapshot(first.url, "vllm-1")),
                    "the router to hold the first listener's state")
-        before = dict(first.snapshot("vllm-1"))
+        before = dict(listener_snapshot(first.url, "vllm-1"))
         resume_id = consumer.last_event_id
         assert resume_id is not None and resume_id.startswith(first.health()["epoch"])
 
@@ -604,11 +599,12 @@ def test_router_resumes_across_a_listener_kill_and_restart(tmp_path: Path) -> No
         assert second.health()["epoch"] != resume_id.split("-")[0]
         # The replayed chains (the first listener's and the two sent in between) are
         # attributed one /detokenize at a time: wait for all of them, not just the first.
-        wait_until(lambda: second is not None and set(before) <= set(second.snapshot(
-            "vllm-1")) and len(second.snapshot("vllm-1")) >= len(before) + 2,
+        wait_until(lambda: second is not None and set(before) <= set(listener_snapshot(
+            second.url, "vllm-1")) and len(listener_snapshot(second.url, "vllm-1"))
+            >= len(before) + 2,
             "the second listener to rebuild the first one's prefixes and the two missed "
             "ones by replay")
-        after = second.snapshot("vllm-1")
+        after = listener_snapshot(second.url, "vllm-1")
         wait_until(lambda: _holds_exactly(index, after),
                    "the router to hold exactly the second listener's state")
         assert consumer.malformed == 0 and consumer.reconnect_count >= 1
@@ -619,7 +615,8 @@ def test_router_resumes_across_a_listener_kill_and_restart(tmp_path: Path) -> No
         assert 'continuum_kv_listener_subscriptions_total{backend="vllm-1",start="snapshot"}' \
             in metrics
         for proc in (first.proc, second.proc):  # debug logs, and still no prompt text
-            assert "question" not in proc.output() and "assistant number" not in proc.output()
+            assert "question" not in proc.log_text()
+            assert "assistant number" not in proc.log_text()
     finally:
         manager.stop(timeout=10)
         if second is not None:

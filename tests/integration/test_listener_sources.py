@@ -11,8 +11,10 @@ follows.
 
 from __future__ import annotations
 
+import functools
 import http.server
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +26,8 @@ import pytest
 import requests
 import zmq.green as zmq
 
+from continuum.devtools import procs
+from continuum.devtools.procs import Child, free_port, wait_http
 from continuum.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
 from continuum.sim.hashing import block_hash_chain, hasher_for
 from continuum.sim.kv_publish import ZmqKvPublisher
@@ -39,12 +43,11 @@ from listener.sources_zmq import (
     zmq_endpoint_host,
     zmq_source_issues,
 )
-from tests.conftest import PYTHON, Proc, free_port, wait_http
 
 pytestmark = pytest.mark.timeout(120)
 
 BACKEND = "b1"
-SIM = [PYTHON, "-m", "continuum.sim.cli", "--fast"]
+SIM = [sys.executable, "-m", "continuum.sim.cli", "--fast"]
 WORDS = "the listener turns engine block events into prefix events for the router " * 3
 
 
@@ -87,14 +90,8 @@ class StubProcessor:
         return [e for b in self.batches for e in b.events if isinstance(e, BlockStored)]
 
 
-def wait_until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    """Yield to gevent until ``cond()`` holds; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        gevent.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+#: Waits yield to gevent (``gevent.sleep``), so the server greenlets in this thread run.
+wait_until = functools.partial(procs.wait_until, sleep=gevent.sleep, interval=0.02)
 
 
 def zmq_config(endpoint: str, mode: str = "bind", *, engine: str = "vllm",
@@ -153,10 +150,10 @@ class Sim:
     def __init__(self, tmp: Path, *args: str, port: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = Proc([*SIM, "--port", str(self.port), *args],
-                         log=tmp / f"sim-{time.monotonic_ns()}.log")
+        self.proc = Child([*SIM, "--port", str(self.port), *args],
+                          log=tmp / f"sim-{time.monotonic_ns()}.log")
         try:
-            wait_http(self.url + "/health", proc=self.proc.popen)
+            wait_http(self.url + "/health", children=[self.proc])
         except BaseException:
             self.proc.stop()
             raise
@@ -173,7 +170,7 @@ class Sim:
 
     def stop(self) -> int | None:
         self.proc.stop()
-        return self.proc.popen.returncode
+        return self.proc.returncode
 
 
 # -- simulated vLLM / SGLang engines, both socket modes ------------------------------------

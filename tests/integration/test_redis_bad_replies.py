@@ -3,7 +3,8 @@
 Two real servers on 127.0.0.1: a tiny RESP server that answers every data command with an
 array nested 100 000 levels deep (redis-py's parser recurses per level: ``RecursionError``),
 and a real ``redis-server`` holding a crafted KV-index entry whose tier is not UTF-8. The
-router is the real app in-process, talking to a real upstream (``tests/fake_upstream.py``).
+router is the real app in-process, talking to a real upstream
+(``continuum.testing.fake_upstream``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import falcon.testing
 import pytest
 
 from continuum.config import parse_config
+from continuum.devtools.fleet import metric_sum
 from continuum.prefix import request_prefix_key
 from continuum.registry import PluginRegistry
+from continuum.testing.redis_server import RedisServer, unique_prefix
+from continuum.testing.servers import FakeUpstream
 from continuum.web.app import create_app
-from tests.conftest import Upstream, metric_value
-from tests.redis_server import Links, RedisServer, unique_prefix
 
 #: Array levels of the poisoned reply.
 DEPTH = 100_000
@@ -137,7 +139,7 @@ def app_factory() -> Iterator[Callable[[dict[str, Any]], falcon.testing.TestClie
         app.service.stop()
 
 
-def _config(upstream: Upstream, redis_url: str, **sections: Any) -> dict[str, Any]:
+def _config(upstream: FakeUpstream, redis_url: str, **sections: Any) -> dict[str, Any]:
     return {"backends": [{"name": "a", "url": upstream.url, "models": ["m"]}],
             "health_check": {"enabled": False},
             "response_cache": {"redis": {"url": redis_url, "key_prefix": unique_prefix()}},
@@ -157,8 +159,8 @@ def test_deeply_nested_reply_to_a_cache_get_is_a_miss(
         assert resp.json["choices"][0]["message"]["content"] == "hello from a"
     assert nested_redis.poisoned >= 2
     metrics = client.simulate_get("/metrics").text
-    assert metric_value(metrics, "continuum_cache_redis_errors_total", kind="protocol") >= 2
-    assert metric_value(metrics, "continuum_response_cache_requests_total", result="miss") == 2
+    assert metric_sum(metrics, "continuum_cache_redis_errors_total", kind="protocol") >= 2
+    assert metric_sum(metrics, "continuum_response_cache_requests_total", result="miss") == 2
     stats = client.app.service.response_cache.stats()
     assert stats["redis"]["errors"]["protocol"] >= 2
     assert stats["redis"]["fallback_active"] is False  # reachable, just unusable: no fallback
@@ -176,19 +178,18 @@ def test_deeply_nested_reply_to_a_kv_index_query_falls_back_to_the_strategy(
     scorer = client.app.service.kv_scorer
     assert scorer.query_errors == 1
     metrics = client.simulate_get("/metrics").text
-    assert metric_value(metrics, "continuum_cache_redis_errors_total", kind="protocol") >= 1
+    assert metric_sum(metrics, "continuum_cache_redis_errors_total", kind="protocol") >= 1
 
 
 @pytest.mark.redis
 def test_crafted_kv_entry_in_a_real_redis_is_a_counted_miss(
-        upstreams: Any, redis_server: RedisServer, app_factory: Any) -> None:
+        upstreams: Any, redis_server: RedisServer, app_factory: Any, links: Any) -> None:
     a = upstreams("a")
     prefix = unique_prefix("kv")
     client = app_factory(_config(
         a, redis_server.url, prefix_routing={"enabled": True},
         kv_cache_index={"enabled": True, "backend": "redis", "redis_key_prefix": prefix}))
     key = prefix + (request_prefix_key(CHAT, "m") or b"").hex()
-    links = Links()
     raw = links.raw(redis_server.url)
     try:
         raw.zadd(key, {"a": 100})
@@ -199,7 +200,6 @@ def test_crafted_kv_entry_in_a_real_redis_is_a_counted_miss(
         assert resp.status_code == 200, resp.text
         assert client.app.service.kv_scorer.query_errors == 1
         metrics = client.simulate_get("/metrics").text
-        assert metric_value(metrics, "continuum_cache_redis_errors_total", kind="protocol") == 1
+        assert metric_sum(metrics, "continuum_cache_redis_errors_total", kind="protocol") == 1
     finally:
         raw.delete(key, key + ":tier")
-        links.close()

@@ -11,7 +11,8 @@ import openai
 import pytest
 import requests
 
-from tests.conftest import free_port, metric_value
+from continuum.devtools.fleet import metric_sum
+from continuum.devtools.procs import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -133,7 +134,7 @@ def test_connect_failure_retries_then_502(upstreams, router_factory) -> None:
     client = _client(router)
     for _ in range(6):  # round robin hits "dead" half the time; every call must succeed
         assert client.chat.completions.create(model="m", messages=MSG).choices
-    assert metric_value(router.metrics(), "continuum_upstream_retries_total", backend="dead") >= 1
+    assert metric_sum(router.metrics(), "continuum_upstream_retries_total", backend="dead") >= 1
 
     only_dead = router_factory({"backends": [{"name": "dead", "url": dead, "models": ["m"]}],
                                 "health_check": {"enabled": False}})
@@ -168,7 +169,7 @@ def test_client_disconnect_closes_upstream_and_releases_in_flight(
     received = b""
     while received.count(b"data:") < 3:
         received += sock.recv(4096)
-    assert metric_value(router.metrics(), "continuum_backend_in_flight", backend="a") == 1
+    assert metric_sum(router.metrics(), "continuum_backend_in_flight", backend="a") == 1
     sock.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and a.stats()["streams_aborted"] < 1:
@@ -176,10 +177,10 @@ def test_client_disconnect_closes_upstream_and_releases_in_flight(
     stats = a.stats()
     assert stats["streams_aborted"] == 1 and stats["streams_finished"] == 0
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and metric_value(
+    while time.monotonic() < deadline and metric_sum(
             router.metrics(), "continuum_backend_in_flight", backend="a") != 0:
         time.sleep(0.05)
-    assert metric_value(router.metrics(), "continuum_backend_in_flight", backend="a") == 0
+    assert metric_sum(router.metrics(), "continuum_backend_in_flight", backend="a") == 0
 
 
 def test_health_checks_move_traffic_and_bring_backend_back(upstreams, router_factory) -> None:
@@ -227,7 +228,7 @@ def test_metrics_aggregate_two_workers(upstreams, router_factory) -> None:
         statuses = list(pool.map(call, range(48)))
     assert statuses == [200] * 48
     text = router.metrics()
-    assert metric_value(text, "continuum_requests_total", backend="a", status="200") == 48
+    assert metric_sum(text, "continuum_requests_total", backend="a", status="200") == 48
     per_worker = [line for line in text.splitlines()
                   if line.startswith("continuum_worker_requests{")]
     assert len(per_worker) == 2, per_worker  # both workers' samples are in one answer

@@ -218,8 +218,8 @@ def test_k_gevent_gets_the_router_worker_and_other_classes_are_warned_about(
         sock.settimeout(TIMEOUT + 10)
         answer = sock.recv(4096)
     assert answer.startswith(b"HTTP/1.1 408 "), answer
-    log = router.proc.output()
+    log = router.proc.log_text()
     assert "-k gevent: using continuum.gunicorn_worker.GeventWorker" in log, log
     assert "has no client_header_timeout_seconds" not in log, log
     default = router_factory(_config(upstreams("b")))
-    assert "client_header_timeout_seconds" not in default.proc.output()
+    assert "client_header_timeout_seconds" not in default.proc.log_text()

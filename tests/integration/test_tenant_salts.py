@@ -17,7 +17,7 @@ import requests
 
 from continuum.cache_salt import make_salt, verify_salt
 from continuum.prefix import request_prefix_key
-from tests.conftest import Router, Upstream
+from continuum.testing.servers import FakeUpstream, RouterProcess
 
 pytestmark = pytest.mark.e2e
 
@@ -27,7 +27,7 @@ MSG = [{"role": "system", "content": "You answer questions about caches."},
 KEYS = {"acme": "sk-acme", "globex": "sk-globex"}
 
 
-def _config(up: Upstream, per_tenant: bool) -> dict[str, Any]:
+def _config(up: FakeUpstream, per_tenant: bool) -> dict[str, Any]:
     """Backend ``a`` is salted (it has an event source); ``plain`` (same upstream, model
     ``other``) is not."""
     return {
@@ -43,14 +43,14 @@ def _config(up: Upstream, per_tenant: bool) -> dict[str, Any]:
     }
 
 
-def _send(router: Router, tenant: str | None, model: str = "m",
+def _send(router: RouterProcess, tenant: str | None, model: str = "m",
           **extra: Any) -> requests.Response:
     headers = {"Authorization": f"Bearer {KEYS[tenant]}"} if tenant else {}
     return requests.post(router.url + "/v1/chat/completions", timeout=10, headers=headers,
                          json={"model": model, "messages": MSG, **extra})
 
 
-def _salt_sent(router: Router, up: Upstream, tenant: str | None) -> str:
+def _salt_sent(router: RouterProcess, up: FakeUpstream, tenant: str | None) -> str:
     """The ``cache_salt`` the upstream received for one request of ``tenant``."""
     assert _send(router, tenant).status_code == 200
     salt = up.stats()["last_body"].get("cache_salt")
@@ -65,7 +65,7 @@ def _prefix_hash() -> str:
 
 
 def test_per_tenant_salts_isolate_tenants_and_refuse_client_salts(
-    upstreams: Callable[[str], Upstream], router_factory: Callable[..., Router]
+    upstreams: Callable[[str], FakeUpstream], router_factory: Callable[..., RouterProcess]
 ) -> None:
     up = upstreams("a")
     router = router_factory(_config(up, per_tenant=True))
@@ -96,7 +96,7 @@ def test_per_tenant_salts_isolate_tenants_and_refuse_client_salts(
 
 
 def test_without_per_tenant_salts_are_shared_and_client_salts_forwarded(
-    upstreams: Callable[[str], Upstream], router_factory: Callable[..., Router]
+    upstreams: Callable[[str], FakeUpstream], router_factory: Callable[..., RouterProcess]
 ) -> None:
     up = upstreams("a")
     router = router_factory(_config(up, per_tenant=False))

@@ -22,9 +22,9 @@ import pytest
 import requests
 
 from continuum.config import parse_config
+from continuum.devtools.fleet import metric_sum
 from continuum.registry import PluginRegistry
 from continuum.web.app import create_app
-from tests.conftest import metric_value
 
 MIB = 1024 * 1024
 PIECE = b"x" * 65536
@@ -164,7 +164,7 @@ def test_oversize_body_is_502_without_reading_it_into_memory(big_upstream: Any,
     if mode == "sized":  # Content-Length over the cap: refused before reading the body
         assert peak < MIB, peak
     metrics = client.simulate_get("/metrics").text
-    assert metric_value(metrics, "continuum_upstream_errors_total", backend="big",
+    assert metric_sum(metrics, "continuum_upstream_errors_total", backend="big",
                         kind="too_large") == 1
 
 
@@ -199,9 +199,9 @@ def test_never_ending_stream_ends_with_an_error_event(big_upstream: Any) -> None
         "upstream stream exceeded server.max_stream_duration_seconds")
     assert up.client_gone.wait(10)  # the router closed the upstream connection
     metrics = client.simulate_get("/metrics").text
-    assert metric_value(metrics, "continuum_upstream_errors_total", backend="big",
+    assert metric_sum(metrics, "continuum_upstream_errors_total", backend="big",
                         kind="stream_duration") == 1
-    assert metric_value(metrics, "continuum_backend_in_flight", backend="big") == 0
+    assert metric_sum(metrics, "continuum_backend_in_flight", backend="big") == 0
 
 
 @pytest.mark.e2e

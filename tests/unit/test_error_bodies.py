@@ -12,9 +12,10 @@ import falcon.testing
 import pytest
 
 from continuum.config import parse_config
+from continuum.devtools.procs import free_port
 from continuum.registry import PluginRegistry
+from continuum.testing.servers import FakeUpstream
 from continuum.web.app import RouterApp, create_app
-from tests.conftest import Upstream, free_port
 
 CHAT = "/v1/chat/completions"
 ANTHROPIC = "/anthropic/v1/messages"
@@ -89,7 +90,7 @@ def test_a_generated_request_id_is_the_same_in_header_body_and_log(
 
 
 def test_504_names_the_request_id_and_logs_the_address(
-    upstreams: Callable[[str], Upstream], client_for: Callable[..., falcon.testing.TestClient],
+    upstreams: Callable[[str], FakeUpstream], client_for: Callable[..., falcon.testing.TestClient],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     up = upstreams("slow")
@@ -106,7 +107,7 @@ def test_504_names_the_request_id_and_logs_the_address(
 
 @pytest.mark.parametrize(("path", "type_"), [(CHAT, "openai"), (ANTHROPIC, "anthropic")])
 def test_a_broken_stream_ends_with_an_event_naming_only_the_request_id(
-    path: str, type_: str, upstreams: Callable[[str], Upstream],
+    path: str, type_: str, upstreams: Callable[[str], FakeUpstream],
     client_for: Callable[..., falcon.testing.TestClient], caplog: pytest.LogCaptureFixture,
 ) -> None:
     up = upstreams("breaks")
@@ -126,7 +127,7 @@ def test_a_broken_stream_ends_with_an_event_naming_only_the_request_id(
 
 
 def test_every_answer_carries_the_request_id(
-    upstreams: Callable[[str], Upstream], client_for: Callable[..., falcon.testing.TestClient]
+    upstreams: Callable[[str], FakeUpstream], client_for: Callable[..., falcon.testing.TestClient]
 ) -> None:
     client = client_for(upstreams("ok").url)
     ok = client.simulate_post(CHAT, json=BODY, headers={"X-Request-Id": "mine"})

@@ -1,8 +1,8 @@
 """Hostile input through the real app never gets a 5xx (hypothesis, real fake upstream).
 
 The app runs in-process (falcon.testing) with every tier that reads the body switched on,
-in front of a real ``tests/fake_upstream.py`` on 127.0.0.1 that answers whatever gets
-through, so a 5xx here is the router's, never a missing upstream's.
+in front of a real ``continuum.testing.fake_upstream`` on 127.0.0.1 that answers whatever
+gets through, so a 5xx here is the router's, never a missing upstream's.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from continuum.config import parse_config
 from continuum.registry import PluginRegistry
 from continuum.request import DEFAULT_MAX_JSON_DEPTH, NUMBER_FIELDS
+from continuum.testing.servers import FakeUpstream
 from continuum.web.app import create_app
-from tests.conftest import Upstream
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/anthropic/v1/messages")
 #: Also parses a client request and derives its keys (admin API, opened by the config).
@@ -56,7 +56,7 @@ def _config(url: str) -> dict[str, Any]:
 
 
 @pytest.fixture
-def client(upstreams: Callable[[str], Upstream]) -> Iterator[falcon.testing.TestClient]:
+def client(upstreams: Callable[[str], FakeUpstream]) -> Iterator[falcon.testing.TestClient]:
     app = create_app(parse_config(_config(upstreams("up").url)), registry=PluginRegistry())
     yield falcon.testing.TestClient(app)
     app.service.stop()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ import requests
 import zmq
 
 from continuum.cache_salt import make_salt
+from continuum.devtools.procs import Child, free_port, wait_http
 from continuum.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch
 from continuum.prefix import request_prefix_key
 from continuum.sim.engine import EngineConfig, GenerationRequest, SimEngine
@@ -37,7 +39,6 @@ from listener.config import DetokenizeConfig, LimitsConfig, SourceConfig
 from listener.decode import decode_trtllm_events, decode_zmq_frames, decode_zmq_payload
 from listener.model import CACHE_CLEARED, CACHE_CREATED, PrefixEvent
 from listener.processor import DefaultSourceProcessor
-from tests.conftest import PYTHON, Proc, free_port, wait_http
 
 MODEL = "sim-model"
 BACKEND = "engine-a"
@@ -361,11 +362,11 @@ class SimProcess:
         zmq_port, port = free_port(), free_port()
         self.sub.bind(f"tcp://127.0.0.1:{zmq_port}")
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = Proc([PYTHON, "-m", "continuum.sim.cli", "--port", str(port), "--fast",
-                          "--template", template, "--block-size", "8",
-                          "--zmq-endpoint", f"tcp://127.0.0.1:{zmq_port}"],
-                         log=tmp / f"sim-{template}.log")
-        wait_http(self.url + "/health", proc=self.proc.popen)
+        self.proc = Child([sys.executable, "-m", "continuum.sim.cli", "--port", str(port),
+                           "--fast", "--template", template, "--block-size", "8",
+                           "--zmq-endpoint", f"tcp://127.0.0.1:{zmq_port}"],
+                          log=tmp / f"sim-{template}.log")
+        wait_http(self.url + "/health", children=[self.proc])
         self.http = requests.Session()
 
     def chat(self, body: dict[str, Any]) -> None:
@@ -413,7 +414,7 @@ def test_template_learned_from_a_real_engine(
                     time.monotonic() < deadline):
                 for batch in sim.batches():
                     processor.handle_batch(batch)
-            assert router_key(body) in {e.prefix_hash for e in out}, (name, sim.proc.output())
+            assert router_key(body) in {e.prefix_hash for e in out}, (name, sim.proc.log_text())
         assert processor.stats()["detokenize_errors"] == 0
     finally:
         processor.close()

@@ -1,37 +1,49 @@
 """A scriptable OpenAI-compatible upstream for router tests (real HTTP on 127.0.0.1).
 
-Run: ``python tests/fake_upstream.py PORT [NAME]``. Requests steer it with an ``x_test``
-object in the JSON body (the router forwards bodies unchanged):
+Run: ``python -m continuum.testing.fake_upstream PORT [NAME]``, or start it with
+:class:`continuum.testing.servers.FakeUpstream`. It answers ``/v1/chat/completions``,
+``/v1/completions`` and ``/v1/embeddings`` with OpenAI's JSON bodies and streams chat
+completions as OpenAI's SSE chunks ending in ``data: [DONE]``. Requests steer it with an
+``x_test`` object in the JSON body (the router forwards bodies unchanged):
 
 * ``chunks`` (int), ``delay`` (seconds between stream chunks)
 * ``status`` (int): answer with this status and an OpenAI error body
 * ``hang`` (seconds): sleep before answering
 * ``break_after`` (int): drop the connection after this many stream chunks
 
-``GET /_test/stats`` reports what it saw: request count, the last request's headers,
-streams started, finished and aborted by the client.
+``GET /_test/stats`` reports what it saw: request count, the last request's headers and
+body, streams started, finished and aborted by the client. ``/_test/sick`` and
+``/_test/well`` make ``/health`` answer 503 or 200.
+
+Run as a program it monkey-patches itself for gevent first; importing it patches nothing.
 """
 
 from __future__ import annotations
 
-from gevent import monkey
+if __name__ == "__main__":  # before anything below imports socket
+    from gevent import monkey
 
-monkey.patch_all()
+    monkey.patch_all()
 
-import json  # noqa: E402
-import socket  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import json
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
-import gevent  # noqa: E402
-from gevent.pywsgi import WSGIHandler, WSGIServer  # noqa: E402
+import gevent
+from gevent.pywsgi import WSGIHandler, WSGIServer
 
-STATS = {"requests": 0, "streams_started": 0, "streams_finished": 0, "streams_aborted": 0,
-         "last_headers": {}, "last_body": None, "healthy": True}
+StartResponse = Callable[..., Any]
+
+STATS: dict[str, Any] = {"requests": 0, "streams_started": 0, "streams_finished": 0,
+                         "streams_aborted": 0, "last_headers": {}, "last_body": None,
+                         "healthy": True}
 NAME = "up"
 
 
-class _Handler(WSGIHandler):
+class _Handler(WSGIHandler):  # type: ignore[misc]  # gevent has no type hints
     def handle(self) -> None:
         self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         super().handle()
@@ -41,20 +53,20 @@ class _Broken(Exception):
     pass
 
 
-def _json(start, status, doc):  # type: ignore[no-untyped-def]
+def _json(start: StartResponse, status: int, doc: Any) -> list[bytes]:
     body = json.dumps(doc).encode()
     start(f"{status} X", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
     return [body]
 
 
-def _completion(model: str, text: str) -> dict:
+def _completion(model: str, text: str) -> dict[str, Any]:
     return {"id": "chatcmpl-1", "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [{"index": 0, "finish_reason": "stop",
             "message": {"role": "assistant", "content": text}}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
 
 
-def _stream(model: str, n: int, delay: float, break_after: int | None):  # type: ignore[no-untyped-def]
+def _stream(model: str, n: int, delay: float, break_after: int | None) -> Iterator[bytes]:
     STATS["streams_started"] += 1
     finished = False
     try:
@@ -75,7 +87,8 @@ def _stream(model: str, n: int, delay: float, break_after: int | None):  # type:
             STATS["streams_aborted"] += 1
 
 
-def app(environ, start):  # type: ignore[no-untyped-def]
+def app(environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
+    """The WSGI app."""
     path = environ["PATH_INFO"]
     if path == "/health":
         return _json(start, 200 if STATS["healthy"] else 503, {"ok": STATS["healthy"]})
@@ -118,7 +131,14 @@ def app(environ, start):  # type: ignore[no-untyped-def]
     return _json(start, 200, _completion(model, f"hello from {NAME}"))
 
 
-if __name__ == "__main__":
-    port = int(sys.argv[1])
-    NAME = sys.argv[2] if len(sys.argv) > 2 else "up"
+def main(argv: list[str] | None = None) -> None:
+    """``PORT [NAME]``: serve on 127.0.0.1:PORT until killed."""
+    global NAME
+    args = sys.argv[1:] if argv is None else argv
+    port = int(args[0])
+    NAME = args[1] if len(args) > 1 else "up"
     WSGIServer(("127.0.0.1", port), app, handler_class=_Handler, log=None).serve_forever()
+
+
+if __name__ == "__main__":
+    main()
