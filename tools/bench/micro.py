@@ -26,13 +26,8 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 import timeit
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -82,42 +77,17 @@ def tier1(number: int, repeat: int) -> dict[str, float]:
     return results
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _redis_server() -> Iterator[int | None]:
     """A throwaway redis-server on a free port (None when none is installed)."""
-    exe = shutil.which("redis-server")
-    if exe is None:
+    from continuum.testing.redis_server import RedisServer, redis_available
+
+    if redis_available() is None:
         print("redis-server not installed; Redis figures skipped", file=sys.stderr)
         yield None
         return
-    import redis
-
-    port = _free_port()
-    tmp = tempfile.mkdtemp(prefix="bench-redis-")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", tmp],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        client = redis.Redis(port=port)
-        while time.monotonic() < deadline:
-            try:
-                if client.ping():
-                    break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        client.close()
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(tmp, ignore_errors=True)
+    with RedisServer() as server:
+        yield server.port
 
 
 def _redis_roundtrip(number: int, repeat: int) -> dict[str, float]:
