@@ -17,7 +17,9 @@ router does. Hooks a subclass may override:
   that reads the KV index gets one holding :data:`PREFIX_HASH` here).
 
 Every case scores the candidates built from the config's backends for one request whose
-prefix key is :data:`PREFIX`.
+prefix key is :data:`PREFIX`. A case the scorer cannot meet is named in the class's
+``unsupported`` mapping with the reason, and reported as skipped
+(:mod:`continuum.testing.contract`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from continuum.request import RequestContext
 from continuum.resources import WorkerResources
 from continuum.routing.backends import Backend
 from continuum.routing.selection import SCORER_THRESHOLD, SelectionPipeline
+from continuum.testing.contract import Contract
 from continuum.testing.strategies import make_context
 
 SCORER_GROUP = "continuum.scorers"
@@ -65,7 +68,7 @@ class _LastCandidate(SelectionStrategy):
         return candidates[-1]
 
 
-class ScorerContract:
+class ScorerContract(Contract):
     """Subclass as ``Test<Something>`` and set ``scorer_name`` (or override a hook)."""
 
     #: Config name of the scorer under test, resolved through the entry points.
@@ -153,3 +156,6 @@ class ScorerContract:
         pipeline = SelectionPipeline(_LastCandidate(), [self.scorer_factory()])
         chosen = pipeline.select(candidates, make_context(prefix=PREFIX))
         assert chosen is candidates[best]
+
+
+ScorerContract.full_contract = ScorerContract

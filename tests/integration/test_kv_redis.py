@@ -20,7 +20,7 @@ from continuum.interfaces import (
     KvCacheIndex,
 )
 from continuum.resources import WorkerResources
-from continuum.testing import KvIndexContract
+from continuum.testing.kv_index import KvIndexCases
 from continuum.testing.redis_server import RedisServer, unique_prefix
 from stores.kv_memory import EMPTY
 from stores.kv_redis import RedisKvIndex
@@ -44,7 +44,7 @@ class FakeClock:
         self.now += seconds
 
 
-class TestRedisKvContract(KvIndexContract):
+class TestRedisKvContract(KvIndexCases):
     """The contract every KV index meets, on the session's redis-server."""
 
     counts_entries = False  # stats() never SCANs Redis

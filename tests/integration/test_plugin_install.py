@@ -133,7 +133,8 @@ def test_installed_plugin_is_selected_by_config_name(plugin_site: tuple[Path, Pa
 
 
 def _contract_outcomes(site: Path, source: Path) -> dict[str | None, str]:
-    """Run the installed plugin's own tests; each case's outcome by name."""
+    """Run the installed plugin's own tests; each case's outcome by name (a skipped case's
+    as ``skipped: <reason>``)."""
     report = site.parent / "contract.xml"
     _run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"],
@@ -142,8 +143,10 @@ def _contract_outcomes(site: Path, source: Path) -> dict[str | None, str]:
     )
     outcomes = {}
     for case in ElementTree.parse(report).iter("testcase"):
-        tags = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
-        outcome = tags[0] if tags else "passed"
+        tags = [child for child in case if child.tag in ("failure", "error", "skipped")]
+        outcome = tags[0].tag if tags else "passed"
+        if outcome == "skipped":
+            outcome += f": {tags[0].get('message')}"
         outcomes[case.get("name")] = outcome
     return outcomes
 
@@ -156,9 +159,15 @@ def test_plugin_passes_the_shipped_strategy_contract(plugin_site: tuple[Path, Pa
     assert outcomes["test_empty_candidates_raise_no_healthy_backend"] == "passed"
     assert outcomes["test_same_request_gets_same_backend"] == "passed"
     assert outcomes["test_select_does_not_mutate_candidates"] == "passed"
-    # Declared sticky: "every candidate is selected" does not apply to it.
-    assert "test_every_candidate_is_selected_eventually" not in outcomes  # sticky: removed
-    assert "skipped" not in outcomes.values()
+    assert outcomes["test_fresh_instances_give_the_same_sequence"] == "passed"
+    assert outcomes["test_includes_every_case_that_applies"] == "passed"
+    # Declared sticky and not weighted: the cases that do not apply show up as skipped,
+    # saying why, rather than vanishing from the run.
+    assert {name: o for name, o in outcomes.items() if o.startswith("skipped")} == {
+        "test_every_candidate_is_selected_eventually":
+            "skipped: sticky: the same request always gets the same backend",
+        "test_weights_are_respected": "skipped: not weighted",
+    }
     assert outcomes["test_first_candidate_wins"] == "passed"
 
 
