@@ -197,16 +197,10 @@ def test_two_routers_sharing_a_redis_index_agree(upstreams, router_factory, stre
     systems = [f"System prompt number {i}. " * 10 for i in range(3)]
     for i, system in enumerate(systems):
         streams.push(["a", "b", "c"][i], "cache_created", _prefix(system), 100 + i)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        sources = requests.get(one.url + "/admin/kv-index/backends", timeout=5).json()
-        if all(s["events"]["index_created"] == 1 for s in sources["backends"]):
-            break
-        time.sleep(0.05)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if [_backend(two, _body(s)) for s in systems] == ["a", "b", "c"]:
-            break
-        time.sleep(0.1)
+    wait_until(lambda: all(s["events"]["index_created"] == 1 for s in requests.get(
+        one.url + "/admin/kv-index/backends", timeout=5).json()["backends"]),
+        "the first router to index one entry per backend", 10)
+    wait_until(lambda: [_backend(two, _body(s)) for s in systems] == ["a", "b", "c"],
+               "the second router to route by the shared index", 10, interval=0.1)
     assert [_backend(one, _body(s)) for s in systems] == ["a", "b", "c"]
     assert [_backend(two, _body(s)) for s in systems] == ["a", "b", "c"]

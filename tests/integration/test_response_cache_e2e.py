@@ -15,6 +15,7 @@ import requests
 from continuum.caching.cache_key import cache_key
 from continuum.caching.response_cache import decode_entry
 from continuum.devtools.fleet import metric_sum
+from continuum.devtools.procs import wait_until
 from continuum.request import CHAT, parse_request
 
 pytestmark = pytest.mark.e2e
@@ -174,19 +175,13 @@ def test_redis_outage_falls_back_without_client_errors(
         time.sleep(0.5)
         assert gauge() == 0
         fresh_redis.stop()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and gauge() != 1:
-            time.sleep(0.1)
-        assert gauge() == 1
+        wait_until(lambda: gauge() == 1, "the fallback gauge to go up", 10, interval=0.1)
         stats = requests.get(router.url + "/admin/response-cache/stats", timeout=5).json()
         assert stats["redis"]["fallback_active"] is True
         assert stats["redis"]["errors"]["connection"] + stats["redis"]["errors"]["timeout"] >= 1
         time.sleep(0.5)  # traffic keeps flowing from the in-memory fallback
         fresh_redis.start()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and gauge() != 0:
-            time.sleep(0.1)
-        assert gauge() == 0
+        wait_until(lambda: gauge() == 0, "the fallback gauge to go down", 10, interval=0.1)
     finally:
         stop.set()
         thread.join(30)

@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from continuum.devtools.fleet import metric_sum
-from continuum.devtools.procs import free_port
+from continuum.devtools.procs import free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -147,9 +147,8 @@ def test_no_healthy_backend_is_503(upstreams, router_factory) -> None:
     a = upstreams("a")
     router = router_factory(_config(a))
     requests.get(a.url + "/_test/sick", timeout=5)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and requests.get(router.url + "/health").status_code != 503:
-        time.sleep(0.1)
+    wait_until(lambda: requests.get(router.url + "/health", timeout=5).status_code == 503,
+               "the router to see no healthy backend", 10, interval=0.1)
     with pytest.raises(openai.InternalServerError) as unavailable:
         _client(router).chat.completions.create(model="m", messages=MSG)
     assert unavailable.value.status_code == 503
@@ -171,16 +170,12 @@ def test_client_disconnect_closes_upstream_and_releases_in_flight(
         received += sock.recv(4096)
     assert metric_sum(router.metrics(), "continuum_backend_in_flight", backend="a") == 1
     sock.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and a.stats()["streams_aborted"] < 1:
-        time.sleep(0.05)
+    wait_until(lambda: a.stats()["streams_aborted"] >= 1, "the upstream stream to be aborted",
+               10)
     stats = a.stats()
     assert stats["streams_aborted"] == 1 and stats["streams_finished"] == 0
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and metric_sum(
-            router.metrics(), "continuum_backend_in_flight", backend="a") != 0:
-        time.sleep(0.05)
-    assert metric_sum(router.metrics(), "continuum_backend_in_flight", backend="a") == 0
+    wait_until(lambda: metric_sum(router.metrics(), "continuum_backend_in_flight",
+                                  backend="a") == 0, "in-flight to drop to 0", 5)
 
 
 def test_health_checks_move_traffic_and_bring_backend_back(upstreams, router_factory) -> None:
@@ -188,15 +183,14 @@ def test_health_checks_move_traffic_and_bring_backend_back(upstreams, router_fac
     router = router_factory(_config(a, b))
     client = _client(router)
 
-    requests.get(a.url + "/_test/sick", timeout=5)
-    deadline = time.monotonic() + 10
     admin = router.url + "/admin/backends"
-    while time.monotonic() < deadline:
-        state = {x["name"]: x["healthy"] for x in requests.get(admin).json()["backends"]}
-        if not state["a"]:
-            break
-        time.sleep(0.1)
-    assert state == {"a": False, "b": True}
+
+    def health() -> dict[str, bool]:
+        return {x["name"]: x["healthy"] for x in requests.get(admin, timeout=5).json()["backends"]}
+
+    requests.get(a.url + "/_test/sick", timeout=5)
+    wait_until(lambda: not health()["a"], "a to be marked unhealthy", 10, interval=0.1)
+    assert health() == {"a": False, "b": True}
     before = a.stats()["requests"]
     for _ in range(8):
         assert client.chat.completions.create(model="m", messages=MSG).choices[0].message.content \
@@ -204,11 +198,7 @@ def test_health_checks_move_traffic_and_bring_backend_back(upstreams, router_fac
     assert a.stats()["requests"] == before
 
     requests.get(a.url + "/_test/well", timeout=5)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if all(x["healthy"] for x in requests.get(admin).json()["backends"]):
-            break
-        time.sleep(0.1)
+    wait_until(lambda: all(health().values()), "a to be healthy again", 10, interval=0.1)
     answers = {client.chat.completions.create(model="m", messages=MSG).choices[0].message.content
                for _ in range(6)}
     assert answers == {"hello from a", "hello from b"}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import requests
 import zmq
 
 from continuum.cache_salt import make_salt
-from continuum.devtools.procs import Child, free_port, wait_http
+from continuum.devtools.procs import Child, free_port, wait_http, wait_until
 from continuum.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch
 from continuum.prefix import request_prefix_key
 from continuum.sim.engine import EngineConfig, GenerationRequest, SimEngine
@@ -409,12 +408,14 @@ def test_template_learned_from_a_real_engine(
             raise AssertionError("no KV events from the simulated engine")
         for name, body in BODIES.items():
             sim.chat(body)
-            deadline = time.monotonic() + 20
-            while router_key(body) not in {e.prefix_hash for e in out} and (
-                    time.monotonic() < deadline):
+
+            def learned(body: dict[str, Any] = body) -> bool:
                 for batch in sim.batches():
                     processor.handle_batch(batch)
-            assert router_key(body) in {e.prefix_hash for e in out}, (name, sim.proc.log_text())
+                return router_key(body) in {e.prefix_hash for e in out}
+
+            wait_until(learned, f"the router's key of {name} among the prefix events", 20,
+                       children=[sim.proc], interval=0.01)
         assert processor.stats()["detokenize_errors"] == 0
     finally:
         processor.close()

@@ -7,12 +7,12 @@ import socket
 import ssl
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from continuum.devtools.procs import wait_until
 from continuum.wire import http_client as uh
 from continuum.wire.http_client import ConnectionPool
 
@@ -493,9 +493,7 @@ def test_idle_connection_closed_by_the_server_is_not_reused(
     server, pool = serve(answer(ok, close=True))  # the server closes after one answer
     assert pool.request("GET", "/").read() == b"ok"
     assert pool.idle == 1
-    deadline = time.monotonic() + 5
-    while not pool._idle[0].dropped() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(pool._idle[0].dropped, "the pool to see the server's close", 5, interval=0.01)
     assert pool.request("GET", "/").read() == b"ok"
     assert server.connections == 2
     assert len(server.requests) == 2  # never sent into the closed connection first
