@@ -1,7 +1,7 @@
 """Shared fixtures: real servers on free ports, started and stopped by PID.
 
 The plumbing (ports, child processes, waits) is :mod:`continuum.devtools.procs`; the
-servers are :mod:`continuum.testing.servers`. Tests never import this module: they ask
+servers are :mod:`continuum.devtools.servers`. Tests never import this module: they ask
 for its fixtures.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from continuum.devtools.procs import PROXY_VARIABLES
-from continuum.testing.servers import FakeUpstream, RouterProcess
+from continuum.devtools.servers import FakeUpstream, RouterProcess
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from continuum.testing.redis_server import RedisServer, redis_available, unique_prefix
+from continuum.devtools.redis_server import RedisServer, redis_available, unique_prefix
 from continuum.wire.sse import SseTransport
 
 REQUIRE_REDIS_ENV = "CONTINUUM_REQUIRE_REDIS"

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import requests
 
-from continuum.testing.servers import RouterProcess
+from continuum.devtools.servers import RouterProcess
 
 BACKENDS = [{"name": "a", "url": "http://127.0.0.1:9", "models": ["m"]}]
 BASE = {"backends": BACKENDS, "health_check": {"enabled": False}}

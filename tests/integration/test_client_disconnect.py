@@ -17,7 +17,7 @@ import requests
 
 from continuum.devtools.fleet import metric_sum
 from continuum.devtools.procs import wait_until
-from continuum.testing.servers import FakeUpstream, RouterProcess
+from continuum.devtools.servers import FakeUpstream, RouterProcess
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from continuum.devtools.procs import free_port
-from continuum.testing.servers import FakeUpstream, RouterProcess
+from continuum.devtools.servers import FakeUpstream, RouterProcess
 
 pytestmark = pytest.mark.e2e
 

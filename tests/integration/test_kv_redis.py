@@ -10,6 +10,7 @@ import redis
 
 from continuum.config import parse_config
 from continuum.devtools.procs import free_port
+from continuum.devtools.redis_server import RedisServer, unique_prefix
 from continuum.errors import StoreError
 from continuum.interfaces import (
     CACHE_CLEARED,
@@ -21,7 +22,6 @@ from continuum.interfaces import (
 )
 from continuum.resources import WorkerResources
 from continuum.testing.kv_index import KvIndexCases
-from continuum.testing.redis_server import RedisServer, unique_prefix
 from stores.kv_memory import EMPTY
 from stores.kv_redis import RedisKvIndex
 from stores.redis_link import RedisLink

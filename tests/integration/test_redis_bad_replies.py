@@ -4,7 +4,7 @@ Two real servers on 127.0.0.1: a tiny RESP server that answers every data comman
 array nested 100 000 levels deep (redis-py's parser recurses per level: ``RecursionError``),
 and a real ``redis-server`` holding a crafted KV-index entry whose tier is not UTF-8. The
 router is the real app in-process, talking to a real upstream
-(``continuum.testing.fake_upstream``).
+(``continuum.devtools.fake_upstream``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import pytest
 
 from continuum.config import parse_config
 from continuum.devtools.fleet import metric_sum
+from continuum.devtools.redis_server import RedisServer, unique_prefix
+from continuum.devtools.servers import FakeUpstream
 from continuum.prefix import request_prefix_key
 from continuum.registry import PluginRegistry
-from continuum.testing.redis_server import RedisServer, unique_prefix
-from continuum.testing.servers import FakeUpstream
 from continuum.web.app import create_app
 
 #: Array levels of the poisoned reply.

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from continuum.config import RouterConfig, parse_config
 from continuum.devtools.procs import free_port, wait_until
+from continuum.devtools.redis_server import RedisServer, unique_prefix
 from continuum.errors import StoreError
 from continuum.interfaces import CACHE_CREATED, CacheStore
 from continuum.metrics import RouterMetrics
@@ -19,7 +20,6 @@ from continuum.registry import PluginRegistry
 from continuum.resources import WorkerResources
 from continuum.service import RouterService
 from continuum.testing import CacheStoreContract
-from continuum.testing.redis_server import RedisServer, unique_prefix
 from stores.kv_redis import RedisKvIndex
 from stores.redis_link import RedisLink
 from stores.redis_store import RedisCacheStore, glob_escape

@@ -16,8 +16,8 @@ import pytest
 import requests
 
 from continuum.cache_salt import make_salt, verify_salt
+from continuum.devtools.servers import FakeUpstream, RouterProcess
 from continuum.prefix import request_prefix_key
-from continuum.testing.servers import FakeUpstream, RouterProcess
 
 pytestmark = pytest.mark.e2e
 

@@ -13,8 +13,8 @@ import pytest
 
 from continuum.config import parse_config
 from continuum.devtools.procs import free_port
+from continuum.devtools.servers import FakeUpstream
 from continuum.registry import PluginRegistry
-from continuum.testing.servers import FakeUpstream
 from continuum.web.app import RouterApp, create_app
 
 CHAT = "/v1/chat/completions"

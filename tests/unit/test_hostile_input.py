@@ -1,7 +1,7 @@
 """Hostile input through the real app never gets a 5xx (hypothesis, real fake upstream).
 
 The app runs in-process (falcon.testing) with every tier that reads the body switched on,
-in front of a real ``continuum.testing.fake_upstream`` on 127.0.0.1 that answers whatever
+in front of a real ``continuum.devtools.fake_upstream`` on 127.0.0.1 that answers whatever
 gets through, so a 5xx here is the router's, never a missing upstream's.
 """
 
@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from continuum.config import parse_config
+from continuum.devtools.servers import FakeUpstream
 from continuum.registry import PluginRegistry
 from continuum.request import DEFAULT_MAX_JSON_DEPTH, NUMBER_FIELDS
-from continuum.testing.servers import FakeUpstream
 from continuum.web.app import create_app
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/anthropic/v1/messages")

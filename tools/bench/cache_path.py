@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from continuum.devtools.procs import Child
-from continuum.testing.redis_server import RedisServer
+from continuum.devtools.redis_server import RedisServer
 from tools.bench.overhead import (
     MODEL,
     Conn,

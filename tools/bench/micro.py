@@ -80,7 +80,7 @@ def tier1(number: int, repeat: int) -> dict[str, float]:
 @contextlib.contextmanager
 def _redis_server() -> Iterator[int | None]:
     """A throwaway redis-server on a free port (None when none is installed)."""
-    from continuum.testing.redis_server import RedisServer, redis_available
+    from continuum.devtools.redis_server import RedisServer, redis_available
 
     if redis_available() is None:
         print("redis-server not installed; Redis figures skipped", file=sys.stderr)

@@ -1,7 +1,7 @@
 """A scriptable OpenAI-compatible upstream for router tests (real HTTP on 127.0.0.1).
 
-Run: ``python -m continuum.testing.fake_upstream PORT [NAME]``, or start it with
-:class:`continuum.testing.servers.FakeUpstream`. It answers ``/v1/chat/completions``,
+Run: ``python -m continuum.devtools.fake_upstream PORT [NAME]``, or start it with
+:class:`continuum.devtools.servers.FakeUpstream`. It answers ``/v1/chat/completions``,
 ``/v1/completions`` and ``/v1/embeddings`` with OpenAI's JSON bodies and streams chat
 completions as OpenAI's SSE chunks ending in ``data: [DONE]``. Requests steer it with an
 ``x_test`` object in the JSON body (the router forwards bodies unchanged):

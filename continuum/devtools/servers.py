@@ -4,7 +4,7 @@ Both are child processes on free ports of 127.0.0.1 with their output in a log f
 stopped by their PID (:class:`continuum.devtools.procs.Child`). A plugin's end-to-end test
 puts the router with its plugin in front of fake upstreams::
 
-    from continuum.testing.servers import FakeUpstream, RouterProcess
+    from continuum.devtools.servers import FakeUpstream, RouterProcess
 
     up = FakeUpstream("a", tmp_path)
     router = RouterProcess({"backends": [{"name": "a", "url": up.url}],
@@ -34,14 +34,14 @@ from continuum.devtools.procs import Child, free_port, http_get, wait_http
 
 
 class FakeUpstream:
-    """A running :mod:`continuum.testing.fake_upstream` called ``name`` (its answers say
+    """A running :mod:`continuum.devtools.fake_upstream` called ``name`` (its answers say
     "hello from <name>"), logging to ``tmp/upstream-<name>.log``."""
 
     def __init__(self, name: str, tmp: Path, timeout: float = 20.0) -> None:
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = Child([sys.executable, "-m", "continuum.testing.fake_upstream",
+        self.proc = Child([sys.executable, "-m", "continuum.devtools.fake_upstream",
                            str(self.port), name], tmp / f"upstream-{name}.log")
         try:
             wait_http(self.url + "/health", timeout, children=[self.proc])

@@ -4,7 +4,7 @@ by its PID.
 A Redis-backed plugin runs the shipped contract against a real server with it, never the
 machine's shared Redis::
 
-    from continuum.testing.redis_server import RedisServer, unique_prefix
+    from continuum.devtools.redis_server import RedisServer, unique_prefix
 
     server = RedisServer()
     try:
