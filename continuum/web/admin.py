@@ -25,7 +25,7 @@ from continuum.errors import (
     StoreError,
 )
 from continuum.service import RouterService
-from continuum.web.app import read_body, request_id_of
+from continuum.web.http import read_body, request_id_of
 from continuum.web.reload import ConfigReloader
 
 
