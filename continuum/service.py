@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -14,7 +14,7 @@ from continuum.caching.cache_key import cache_key
 from continuum.caching.response_cache import BYPASS, HIT, MISS, ResponseCache
 from continuum.config import restart_required
 from continuum.config.fields import keep_restart_fields, walk
-from continuum.errors import ContinuumError, RequestError
+from continuum.errors import ContinuumError, RequestError, UpstreamConnectError
 from continuum.kv.consumer import KvEventConsumerManager
 from continuum.kv.scorer import KvOverlapScorer
 from continuum.metrics import RouterMetrics
@@ -23,7 +23,12 @@ from continuum.registry import PluginRegistry
 from continuum.request import parse_request
 from continuum.routing.anthropic import injected_body, should_inject
 from continuum.routing.backends import Backend, BackendPool
-from continuum.routing.forwarder import Forwarder, anthropic_error_event, openai_error_event
+from continuum.routing.forwarder import (
+    Forwarder,
+    Upstream,
+    anthropic_error_event,
+    openai_error_event,
+)
 from continuum.routing.health import HealthMonitor
 from continuum.routing.selection import SelectionPipeline
 from stores.redis_link import RedisLink
@@ -238,16 +243,9 @@ class RouterService:
     def _forward(
         self, ctx: RequestContext, path: str, cache: ResponseCache | None = None
     ) -> ProxyResult:
-        body: bytes | Callable[[Backend], bytes] = ctx.raw
-        error_event = openai_error_event
-        if ctx.protocol == "anthropic":
-            body = self._anthropic_body(ctx)
-            error_event = anthropic_error_event
-        elif self._salt_secret is not None and ctx.prefix_key is not None \
-                and "cache_salt" not in ctx.body:
-            body = self._salted_body(ctx, self._salt_secret)
-        upstream = self.forwarder.open(ctx, self.pipeline.select, path, body,
-                                       ctx.state.get("forward_headers"))
+        error_event = anthropic_error_event if ctx.protocol == "anthropic" \
+            else openai_error_event
+        upstream = self._send(ctx, path)
         headers = upstream.headers()
         headers["X-Continuum-Backend"] = upstream.backend.name
         content_type = headers.get("content-type", "application/json")
@@ -262,6 +260,28 @@ class RouterService:
             cache.store_body(ctx, upstream.status, content_type, data)
         return ProxyResult(upstream.status, headers, body=data)
 
+    def _send(self, ctx: RequestContext, path: str) -> Upstream:
+        """Select a backend, build the body for it and send it; after a connect failure
+        (nothing was sent) once more to another candidate, when the forwarder allows it.
+
+        Raises:
+            ModelNotFoundError, NoHealthyBackendError: nothing can take the request.
+            UpstreamConnectError: the backend (and the retry, if any) was unreachable.
+            UpstreamTimeoutError: the backend accepted the request but did not answer in time.
+        """
+        forwarder, select = self.forwarder, self.pipeline.select
+        headers = ctx.state.get("forward_headers")
+        candidates = forwarder.candidates(ctx)
+        backend = select(candidates, ctx)
+        try:
+            return forwarder.send(backend, ctx, path, self._body_for(ctx, backend), headers)
+        except UpstreamConnectError:
+            if not forwarder.may_retry(candidates):
+                raise
+            forwarder.retrying(backend, ctx)
+        backend = select([b for b in candidates if b is not backend], ctx)
+        return forwarder.send(backend, ctx, path, self._body_for(ctx, backend), headers)
+
     def _refuse_client_salt(self, ctx: RequestContext) -> None:
         """With per-tenant salts, a client's own ``cache_salt`` would let tenants that pick
         the same value share an engine's prefix cache again: refused for any model a salted
@@ -271,35 +291,23 @@ class RouterService:
             raise RequestError("'cache_salt' is issued by the router per tenant for this "
                                "model; remove it from the request", param="cache_salt")
 
-    def _salted_body(self, ctx: RequestContext, secret: bytes) -> Callable[[Backend], bytes]:
-        """Per-backend body carrying the router-issued ``cache_salt`` for backends with a
-        KV event source (a client's own ``cache_salt`` is never replaced; with per-tenant
-        salts it is refused before this)."""
-        prefix_hash = ctx.prefix_hash or ""
-        tenant = ctx.tenant if self._salt_per_tenant else None
-
-        def body_for(backend: Backend) -> bytes:
-            if backend.name not in self._salted_backends:
-                return ctx.raw
-            salt = make_salt(secret, backend.name, prefix_hash, tenant)
-            return json.dumps({**ctx.body, "cache_salt": salt}).encode()
-
-        return body_for
-
-    def _anthropic_body(self, ctx: RequestContext) -> Callable[[Backend], bytes]:
-        """Per-backend body: with cache_control injected where the precedence says so."""
-        global_injection = self.config.prefix_routing.anthropic_cache_control_injection
-        injected: list[bytes | None] = []
-
-        def body_for(backend: Backend) -> bytes:
-            if not should_inject(global_injection, backend.config.anthropic_auto_cache_control):
-                return ctx.raw
-            if not injected:  # serialise at most once, whatever the retries
-                injected.append(injected_body(ctx.body))
-            ctx.state["cache_control_injected"] = injected[0] is not None
-            return injected[0] or ctx.raw
-
-        return body_for
+    def _body_for(self, ctx: RequestContext, backend: Backend) -> bytes:
+        """The bytes to send ``backend``: the client's own, except for Anthropic backends
+        that get ``cache_control`` injected (where the precedence says so) and backends
+        with a KV event source, which get a router-issued ``cache_salt`` (a client's own is
+        never replaced; with per-tenant salts it is refused before this)."""
+        if ctx.protocol == "anthropic":
+            if should_inject(self.config.prefix_routing.anthropic_cache_control_injection,
+                             backend.config.anthropic_auto_cache_control):
+                return injected_body(ctx.body) or ctx.raw
+            return ctx.raw
+        secret = self._salt_secret
+        if secret is None or ctx.prefix_key is None or backend.name not in \
+                self._salted_backends or "cache_salt" in ctx.body:
+            return ctx.raw
+        salt = make_salt(secret, backend.name, ctx.prefix_hash or "",
+                         ctx.tenant if self._salt_per_tenant else None)
+        return json.dumps({**ctx.body, "cache_salt": salt}).encode()
 
     def explain(self, ctx: RequestContext) -> dict[str, Any]:
         """What routing would do with ``ctx`` (from :meth:`admit`) and why; sends nothing
