@@ -193,8 +193,7 @@ class RouterService:
         try:
             ctx = parse_request(raw, endpoint, tenant=tenant, request_id=request_id,
                                 max_depth=self.config.server.max_json_depth)
-            if forward_headers:
-                ctx.state["forward_headers"] = forward_headers
+            ctx.forward_headers = forward_headers or None
             self.prepare(ctx, cache_control, caching=caching)
         except ContinuumError:
             raise
@@ -210,14 +209,14 @@ class RouterService:
         self, ctx: RequestContext, cache_control: str | None = None, *, caching: bool = True
     ) -> None:
         """Derive what routing and caching need from the parsed request: the prefix key
-        and, when the response cache may answer it, the cache key (``ctx.state``)."""
+        and, when the response cache may answer it, the cache key."""
         settings = self.config.prefix_routing
         if settings.enabled:
             ctx.prefix_key = request_prefix_key(
                 ctx.body, ctx.model, max_prefix_length=settings.max_prefix_length
             )
         if caching and self.response_cache.eligible(ctx, cache_control):
-            ctx.state["cache_key"] = cache_key(ctx)
+            ctx.cache_key = cache_key(ctx)
 
     def proxy(self, ctx: RequestContext, path: str) -> ProxyResult:
         """Answer ``ctx`` (from :meth:`admit`) from the response cache, or send it to the
@@ -225,7 +224,7 @@ class RouterService:
         if self._salt_per_tenant and "cache_salt" in ctx.body:
             self._refuse_client_salt(ctx)
         cache = self.response_cache
-        if "cache_key" not in ctx.state:
+        if ctx.cache_key is None:
             result = self._forward(ctx, path)
             result.headers["X-Cache"] = BYPASS
             return result
@@ -270,7 +269,7 @@ class RouterService:
             UpstreamTimeoutError: the backend accepted the request but did not answer in time.
         """
         forwarder, select = self.forwarder, self.pipeline.select
-        headers = ctx.state.get("forward_headers")
+        headers = ctx.forward_headers
         candidates = forwarder.candidates(ctx)
         backend = select(candidates, ctx)
         try:

@@ -124,7 +124,7 @@ class KvOverlapScorer(BackendScorer):
         now = self.clock()
         snapshot = self._snapshots.get(prefix)
         if snapshot is not None and now - snapshot.taken_at < SNAPSHOT_TTL:
-            ctx.state["kv_snapshot"] = snapshot
+            ctx.kv_snapshot = snapshot
             return
         started = time.perf_counter()
         try:
@@ -146,7 +146,7 @@ class KvOverlapScorer(BackendScorer):
         self._snapshots[prefix] = snapshot
         # Kept per request: a concurrent prepare() for the same prefix may replace the
         # shared slot before this request reads its scores or records its tier.
-        ctx.state["kv_snapshot"] = snapshot
+        ctx.kv_snapshot = snapshot
 
     def score(self, backend: Backend, ctx: RequestContext) -> float:
         """The composite score of ``backend`` (0 for non-holders)."""
@@ -154,8 +154,8 @@ class KvOverlapScorer(BackendScorer):
 
     def score_with_tier(self, backend: Backend, ctx: RequestContext) -> tuple[float, str]:
         """Score and held tier from the request's snapshot, in one read."""
-        snapshot: _Snapshot | None = ctx.state.get("kv_snapshot")
-        if snapshot is None:
+        snapshot = ctx.kv_snapshot
+        if not isinstance(snapshot, _Snapshot):
             return 0.0, TIER_NONE
         holding = snapshot.holdings.get(backend.name)
         if holding is None or snapshot.max_tokens <= 0:
@@ -189,7 +189,7 @@ class KvOverlapScorer(BackendScorer):
 
     def explain(self, ctx: RequestContext, candidates: Sequence[Backend]) -> list[dict[str, Any]]:
         """Every candidate's inputs and composite score for ``ctx`` (after ``prepare``)."""
-        snapshot: _Snapshot | None = ctx.state.get("kv_snapshot")
+        snapshot = ctx.kv_snapshot if isinstance(ctx.kv_snapshot, _Snapshot) else None
         rows = []
         for backend in candidates:
             holding = snapshot.holdings.get(backend.name) if snapshot else None
