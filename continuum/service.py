@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from continuum import views
 from continuum.auth import ClientAuth
 from continuum.cache_salt import make_salt
 from continuum.caching.cache_key import cache_key
@@ -351,6 +352,50 @@ class RouterService:
             doc["decision"] = {"reason": f"{self.config.selection_strategy} does not explain "
                                "its decisions; it picks among the healthy candidates"}
         return doc
+
+    # --- views for the admin API ----------------------------------------------------------
+
+    def strategies_view(self) -> views.StrategiesView:
+        """The configured strategy, the registered ones and the plugins loaded so far."""
+        return views.StrategiesView(
+            selection_strategy=self.config.selection_strategy,
+            available=self.registry.names(STRATEGIES),
+            loaded=[views.plugin_view(p) for p in self.registry.loaded()],
+        )
+
+    def backend_views(self) -> list[views.BackendView]:
+        """Every configured backend, in config order."""
+        return [views.backend_view(b) for b in self.pool]
+
+    def prefix_routing_view(self) -> views.PrefixRoutingView:
+        """Prefix routing settings and the strategy's decisions, if it routes by prefix."""
+        return views.prefix_routing_view(self.config.prefix_routing,
+                                         self.config.selection_strategy, self.strategy,
+                                         self.pool.routable())
+
+    def kv_index_view(self) -> views.KvIndexView:
+        """Tier 4 at a glance: index counters, event sources, scorer decisions."""
+        scorer = self.kv_scorer.stats() if self.kv_scorer is not None else None
+        sources = self.kv_consumers.stats() if self.kv_consumers is not None else []
+        return views.kv_index_view(self.config.kv_cache_index, self.kv_index, scorer, sources)
+
+    def kv_sources_view(self) -> views.KvSourcesView:
+        """Every KV event source in detail."""
+        sources = self.kv_consumers.stats() if self.kv_consumers is not None else []
+        return views.KvSourcesView(self.config.kv_cache_index.enabled,
+                                   [views.kv_source_view(s) for s in sources])
+
+    def clear_kv_index(self) -> views.KvIndexCleared | None:
+        """Drop every KV index entry (events rebuild it); None when there is no index.
+
+        Raises:
+            StoreError: the index could not be cleared.
+        """
+        index = self.kv_index
+        if index is None:
+            return None
+        before = views.index_counts(index).entry_count
+        return views.KvIndexCleared(entries_before_clear=before, cleared_entries=index.clear())
 
     def reload(self, new: RouterConfig) -> ReloadReport:
         """Apply ``new`` to the running worker; report what needs a restart instead."""

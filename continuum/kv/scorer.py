@@ -34,6 +34,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from continuum.errors import StoreError
@@ -57,6 +58,27 @@ log = logging.getLogger(__name__)
 SNAPSHOT_TTL = 0.1
 _MAX_SNAPSHOTS = 4096
 _EMPTY: dict[str, KvHolding] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class KvDecisions:
+    """Scoring passes won by a holder (``kv_aware``) or left to the strategy."""
+
+    kv_aware: int = 0
+    fallback: int = 0
+    total: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KvScorerStats:
+    """The scorer's counters (this worker's)."""
+
+    routing_decisions: KvDecisions
+    #: Index queries (one per ``prepare`` that missed the 100 ms snapshot).
+    query_latency_count: int
+    query_errors: int
+    #: Scores recorded in the overlap histogram (one per ``kv_aware`` decision).
+    overlap_score_count: int
 
 
 class _Snapshot:
@@ -208,9 +230,10 @@ class KvOverlapScorer(BackendScorer):
             })
         return rows
 
-    def stats(self) -> dict[str, Any]:
-        """Decision counters for the admin API."""
-        total = self.decisions["kv_aware"] + self.decisions["fallback"]
-        return {"routing_decisions": {**self.decisions, "total": total},
-                "query_latency_count": self.query_count, "query_errors": self.query_errors,
-                "overlap_score_count": self.decisions["kv_aware"]}
+    def stats(self) -> KvScorerStats:
+        """Decision and query counters for the admin API."""
+        kv_aware, fallback = self.decisions["kv_aware"], self.decisions["fallback"]
+        return KvScorerStats(
+            routing_decisions=KvDecisions(kv_aware, fallback, kv_aware + fallback),
+            query_latency_count=self.query_count, query_errors=self.query_errors,
+            overlap_score_count=kv_aware)
