@@ -70,7 +70,10 @@ class ReloadReport:
 class RouterService:
     """Holds one worker's run-time state and proxies requests through it.
 
-    The web layer calls :meth:`proxy` and reads the attributes for admin views.
+    One request: :meth:`admit` parses it and derives its keys; :meth:`proxy` answers it
+    from the response cache or selects a backend, builds the body for that backend and
+    has the forwarder send it (retrying once elsewhere after a connect failure). The web
+    layer calls those, :meth:`explain`, and the ``*_view`` methods for the admin API.
     """
 
     def __init__(
