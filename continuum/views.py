@@ -13,17 +13,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from continuum.config.addresses import redact_url
-from continuum.interfaces import (
-    PrefixRoutingDecisions,
-    PrefixRoutingSettings,
-    PrefixRoutingStats,
-    SelectionStrategy,
-)
+from continuum.interfaces import PrefixRoutingDecisions, PrefixRoutingSettings, PrefixRoutingStats
 from continuum.kv.scorer import KvDecisions
 
 if TYPE_CHECKING:
     from continuum.config import KvCacheIndexConfig, PrefixRoutingConfig
-    from continuum.interfaces import KvCacheIndex
+    from continuum.interfaces import KvCacheIndex, SelectionStrategy
     from continuum.kv.consumer import SourceStats
     from continuum.kv.scorer import KvScorerStats
     from continuum.registry import PluginInfo
