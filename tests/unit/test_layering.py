@@ -33,7 +33,7 @@ CONFIG = ROOT / ".importlinter"
 
 # lint-imports, run by this interpreter (its console script may not be on PATH). Rich and
 # click both honour COLUMNS: wide enough that no contract name is wrapped.
-_LINT = "import sys; from importlinter.cli import lint_imports_command; lint_imports_command()"
+_LINT = "from importlinter.cli import lint_imports_command; lint_imports_command()"
 
 
 def contract_names() -> dict[str, str]:
