@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from continuum import __version__
 from continuum.config import CONFIG_ENV, check_config_file, defaults_text
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="continuum-router", description="Prefix- and KV-cache-aware LLM router"
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the router under gunicorn with gevent workers")

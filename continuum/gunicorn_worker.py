@@ -10,7 +10,7 @@ once the next request's first byte has arrived (for a connection's first request
 is accepted), its whole header, and whatever the previous request left unread of its body,
 must arrive within ``server.client_header_timeout_seconds``. A slower client gets a 408
 with a JSON error body and is closed. The body's own deadline is the application's
-(:func:`continuum.web.app.read_body`, ``server.client_body_timeout_seconds``).
+(:func:`continuum.web.http.read_body`, ``server.client_body_timeout_seconds``).
 
 ``continuum.gunicorn_conf`` selects this worker (``worker_class``), and puts it back when
 ``-k gevent`` on the command line asked for gunicorn's plain one.
@@ -86,7 +86,7 @@ class _HeaderDeadline:
 
 def _answer_timeout(sock: Any, message: str) -> None:
     """Send a 408 with an OpenAI-shaped error body, without waiting on the client."""
-    from continuum.web.app import error_body  # loaded in the worker by now; not in the master
+    from continuum.web.http import error_body  # loaded in the worker by now; not in the master
 
     body = error_body(message, "invalid_request_error", "request_timeout")
     head = (f"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"

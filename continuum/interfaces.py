@@ -25,6 +25,38 @@ if TYPE_CHECKING:
     from continuum.routing.backends import Backend
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixRoutingSettings:
+    """The ``prefix_routing`` parameters a prefix-routing strategy works with."""
+
+    max_prefix_length: int
+    load_factor_epsilon: float
+    virtual_nodes: int
+    anthropic_cache_control_injection: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRoutingDecisions:
+    """How a prefix-routing strategy decided: on the key's owner, on the next backend under
+    the load bound, or without a prefix key."""
+
+    total: int = 0
+    prefix_hash: int = 0
+    overflow: int = 0
+    fallback: int = 0
+    #: ``overflow / total`` with four decimals (a string, as the admin API shows it).
+    overflow_rate: str = "0.0000"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRoutingStats:
+    """What a prefix-routing strategy reports to ``/admin/prefix-routing/stats``."""
+
+    config: PrefixRoutingSettings
+    routing_decisions: PrefixRoutingDecisions
+    unique_prefixes: int
+
+
 class SelectionStrategy(abc.ABC):
     """Picks one backend from the healthy candidates for a request.
 
@@ -54,6 +86,11 @@ class SelectionStrategy(abc.ABC):
     def stats(self) -> dict[str, Any]:
         """Strategy-specific statistics for the admin API."""
         return {}
+
+    def prefix_routing_stats(self) -> PrefixRoutingStats | None:
+        """A strategy that routes by prefix key reports its decisions here (they are
+        ``/admin/prefix-routing/stats``); None, the default, for any other strategy."""
+        return None
 
 
 #: The tier of the KV data a backend holds for a prefix.

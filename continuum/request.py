@@ -15,7 +15,7 @@ import json
 import re
 import sys
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from continuum.errors import RequestError
@@ -42,8 +42,9 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 class RequestContext:
     """Everything the routing and caching stages need to know about one request.
 
-    Built once by :func:`parse_request`; stages add to ``state`` (e.g. the KV tier of the
-    chosen backend) rather than re-reading the body.
+    Built once by :func:`parse_request`; the router then derives the keys
+    (:meth:`~continuum.service.RouterService.admit`), and the stages read those rather than
+    re-reading the body.
     """
 
     endpoint: str
@@ -59,7 +60,14 @@ class RequestContext:
     tenant: str | None = None
     request_id: str = ""
     prefix_key: bytes | None = None
-    state: dict[str, Any] = field(default_factory=dict)
+    #: Client headers sent upstream as they are (Anthropic's version and betas); they can
+    #: change the answer's shape, so they are part of the cache key.
+    forward_headers: dict[str, str] | None = None
+    #: The response cache key, set when the cache may answer the request.
+    cache_key: str | None = None
+    #: What the KV scorer read from the index for this request (its ``prepare``), kept per
+    #: request so that every later read sees the same moment; opaque to other stages.
+    kv_snapshot: object | None = None
 
     @property
     def protocol(self) -> str:

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from continuum import views
 from continuum.auth import ClientAuth
 from continuum.cache_salt import make_salt
 from continuum.caching.cache_key import cache_key
 from continuum.caching.response_cache import BYPASS, HIT, MISS, ResponseCache
 from continuum.config import restart_required
 from continuum.config.fields import keep_restart_fields, walk
-from continuum.errors import ContinuumError, RequestError
+from continuum.errors import ContinuumError, RequestError, UpstreamConnectError
 from continuum.kv.consumer import KvEventConsumerManager
 from continuum.kv.scorer import KvOverlapScorer
 from continuum.metrics import RouterMetrics
@@ -24,7 +25,12 @@ from continuum.request import parse_request
 from continuum.resources import WorkerResources
 from continuum.routing.anthropic import injected_body, should_inject
 from continuum.routing.backends import Backend, BackendPool
-from continuum.routing.forwarder import Forwarder, anthropic_error_event, openai_error_event
+from continuum.routing.forwarder import (
+    Forwarder,
+    Upstream,
+    anthropic_error_event,
+    openai_error_event,
+)
 from continuum.routing.health import HealthMonitor
 from continuum.routing.selection import SelectionPipeline
 
@@ -65,7 +71,10 @@ class ReloadReport:
 class RouterService:
     """Holds one worker's run-time state and proxies requests through it.
 
-    The web layer calls :meth:`proxy` and reads the attributes for admin views.
+    One request: :meth:`admit` parses it and derives its keys; :meth:`proxy` answers it
+    from the response cache or selects a backend, builds the body for that backend and
+    has the forwarder send it (retrying once elsewhere after a connect failure). The web
+    layer calls those, :meth:`explain`, and the ``*_view`` methods for the admin API.
     """
 
     def __init__(
@@ -204,8 +213,7 @@ class RouterService:
         try:
             ctx = parse_request(raw, endpoint, tenant=tenant, request_id=request_id,
                                 max_depth=self.config.server.max_json_depth)
-            if forward_headers:
-                ctx.state["forward_headers"] = forward_headers
+            ctx.forward_headers = forward_headers or None
             self.prepare(ctx, cache_control, caching=caching)
         except ContinuumError:
             raise
@@ -221,14 +229,14 @@ class RouterService:
         self, ctx: RequestContext, cache_control: str | None = None, *, caching: bool = True
     ) -> None:
         """Derive what routing and caching need from the parsed request: the prefix key
-        and, when the response cache may answer it, the cache key (``ctx.state``)."""
+        and, when the response cache may answer it, the cache key."""
         settings = self.config.prefix_routing
         if settings.enabled:
             ctx.prefix_key = request_prefix_key(
                 ctx.body, ctx.model, max_prefix_length=settings.max_prefix_length
             )
         if caching and self.response_cache.eligible(ctx, cache_control):
-            ctx.state["cache_key"] = cache_key(ctx)
+            ctx.cache_key = cache_key(ctx)
 
     def proxy(self, ctx: RequestContext, path: str) -> ProxyResult:
         """Answer ``ctx`` (from :meth:`admit`) from the response cache, or send it to the
@@ -236,7 +244,7 @@ class RouterService:
         if self._salt_per_tenant and "cache_salt" in ctx.body:
             self._refuse_client_salt(ctx)
         cache = self.response_cache
-        if "cache_key" not in ctx.state:
+        if ctx.cache_key is None:
             result = self._forward(ctx, path)
             result.headers["X-Cache"] = BYPASS
             return result
@@ -254,16 +262,9 @@ class RouterService:
     def _forward(
         self, ctx: RequestContext, path: str, cache: ResponseCache | None = None
     ) -> ProxyResult:
-        body: bytes | Callable[[Backend], bytes] = ctx.raw
-        error_event = openai_error_event
-        if ctx.protocol == "anthropic":
-            body = self._anthropic_body(ctx)
-            error_event = anthropic_error_event
-        elif self._salt_secret is not None and ctx.prefix_key is not None \
-                and "cache_salt" not in ctx.body:
-            body = self._salted_body(ctx, self._salt_secret)
-        upstream = self.forwarder.open(ctx, self.pipeline.select, path, body,
-                                       ctx.state.get("forward_headers"))
+        error_event = anthropic_error_event if ctx.protocol == "anthropic" \
+            else openai_error_event
+        upstream = self._send(ctx, path)
         headers = upstream.headers()
         headers["X-Continuum-Backend"] = upstream.backend.name
         content_type = headers.get("content-type", "application/json")
@@ -278,6 +279,28 @@ class RouterService:
             cache.store_body(ctx, upstream.status, content_type, data)
         return ProxyResult(upstream.status, headers, body=data)
 
+    def _send(self, ctx: RequestContext, path: str) -> Upstream:
+        """Select a backend, build the body for it and send it; after a connect failure
+        (nothing was sent) once more to another candidate, when the forwarder allows it.
+
+        Raises:
+            ModelNotFoundError, NoHealthyBackendError: nothing can take the request.
+            UpstreamConnectError: the backend (and the retry, if any) was unreachable.
+            UpstreamTimeoutError: the backend accepted the request but did not answer in time.
+        """
+        forwarder, select = self.forwarder, self.pipeline.select
+        headers = ctx.forward_headers
+        candidates = forwarder.candidates(ctx)
+        backend = select(candidates, ctx)
+        try:
+            return forwarder.send(backend, ctx, path, self._body_for(ctx, backend), headers)
+        except UpstreamConnectError:
+            if not forwarder.may_retry(candidates):
+                raise
+            forwarder.retrying(backend, ctx)
+        backend = select([b for b in candidates if b is not backend], ctx)
+        return forwarder.send(backend, ctx, path, self._body_for(ctx, backend), headers)
+
     def _refuse_client_salt(self, ctx: RequestContext) -> None:
         """With per-tenant salts, a client's own ``cache_salt`` would let tenants that pick
         the same value share an engine's prefix cache again: refused for any model a salted
@@ -287,35 +310,23 @@ class RouterService:
             raise RequestError("'cache_salt' is issued by the router per tenant for this "
                                "model; remove it from the request", param="cache_salt")
 
-    def _salted_body(self, ctx: RequestContext, secret: bytes) -> Callable[[Backend], bytes]:
-        """Per-backend body carrying the router-issued ``cache_salt`` for backends with a
-        KV event source (a client's own ``cache_salt`` is never replaced; with per-tenant
-        salts it is refused before this)."""
-        prefix_hash = ctx.prefix_hash or ""
-        tenant = ctx.tenant if self._salt_per_tenant else None
-
-        def body_for(backend: Backend) -> bytes:
-            if backend.name not in self._salted_backends:
-                return ctx.raw
-            salt = make_salt(secret, backend.name, prefix_hash, tenant)
-            return json.dumps({**ctx.body, "cache_salt": salt}).encode()
-
-        return body_for
-
-    def _anthropic_body(self, ctx: RequestContext) -> Callable[[Backend], bytes]:
-        """Per-backend body: with cache_control injected where the precedence says so."""
-        global_injection = self.config.prefix_routing.anthropic_cache_control_injection
-        injected: list[bytes | None] = []
-
-        def body_for(backend: Backend) -> bytes:
-            if not should_inject(global_injection, backend.config.anthropic_auto_cache_control):
-                return ctx.raw
-            if not injected:  # serialise at most once, whatever the retries
-                injected.append(injected_body(ctx.body))
-            ctx.state["cache_control_injected"] = injected[0] is not None
-            return injected[0] or ctx.raw
-
-        return body_for
+    def _body_for(self, ctx: RequestContext, backend: Backend) -> bytes:
+        """The bytes to send ``backend``: the client's own, except for Anthropic backends
+        that get ``cache_control`` injected (where the precedence says so) and backends
+        with a KV event source, which get a router-issued ``cache_salt`` (a client's own is
+        never replaced; with per-tenant salts it is refused before this)."""
+        if ctx.protocol == "anthropic":
+            if should_inject(self.config.prefix_routing.anthropic_cache_control_injection,
+                             backend.config.anthropic_auto_cache_control):
+                return injected_body(ctx.body) or ctx.raw
+            return ctx.raw
+        secret = self._salt_secret
+        if secret is None or ctx.prefix_key is None or backend.name not in \
+                self._salted_backends or "cache_salt" in ctx.body:
+            return ctx.raw
+        salt = make_salt(secret, backend.name, ctx.prefix_hash or "",
+                         ctx.tenant if self._salt_per_tenant else None)
+        return json.dumps({**ctx.body, "cache_salt": salt}).encode()
 
     def explain(self, ctx: RequestContext) -> dict[str, Any]:
         """What routing would do with ``ctx`` (from :meth:`admit`) and why; sends nothing
@@ -360,6 +371,50 @@ class RouterService:
             doc["decision"] = {"reason": f"{self.config.selection_strategy} does not explain "
                                "its decisions; it picks among the healthy candidates"}
         return doc
+
+    # --- views for the admin API ----------------------------------------------------------
+
+    def strategies_view(self) -> views.StrategiesView:
+        """The configured strategy, the registered ones and the plugins loaded so far."""
+        return views.StrategiesView(
+            selection_strategy=self.config.selection_strategy,
+            available=self.registry.names(STRATEGIES),
+            loaded=[views.plugin_view(p) for p in self.registry.loaded()],
+        )
+
+    def backend_views(self) -> list[views.BackendView]:
+        """Every configured backend, in config order."""
+        return [views.backend_view(b) for b in self.pool]
+
+    def prefix_routing_view(self) -> views.PrefixRoutingView:
+        """Prefix routing settings and the strategy's decisions, if it routes by prefix."""
+        return views.prefix_routing_view(self.config.prefix_routing,
+                                         self.config.selection_strategy, self.strategy,
+                                         self.pool.routable())
+
+    def kv_index_view(self) -> views.KvIndexView:
+        """Tier 4 at a glance: index counters, event sources, scorer decisions."""
+        scorer = self.kv_scorer.stats() if self.kv_scorer is not None else None
+        sources = self.kv_consumers.stats() if self.kv_consumers is not None else []
+        return views.kv_index_view(self.config.kv_cache_index, self.kv_index, scorer, sources)
+
+    def kv_sources_view(self) -> views.KvSourcesView:
+        """Every KV event source in detail."""
+        sources = self.kv_consumers.stats() if self.kv_consumers is not None else []
+        return views.KvSourcesView(self.config.kv_cache_index.enabled,
+                                   [views.kv_source_view(s) for s in sources])
+
+    def clear_kv_index(self) -> views.KvIndexCleared | None:
+        """Drop every KV index entry (events rebuild it); None when there is no index.
+
+        Raises:
+            StoreError: the index could not be cleared.
+        """
+        index = self.kv_index
+        if index is None:
+            return None
+        before = views.index_counts(index).entry_count
+        return views.KvIndexCleared(entries_before_clear=before, cleared_entries=index.clear())
 
     def reload(self, new: RouterConfig) -> ReloadReport:
         """Apply ``new`` to the running worker; report what needs a restart instead."""

@@ -18,6 +18,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from continuum import __version__
+
 if TYPE_CHECKING:  # annotations only: main() must monkey-patch before these are imported
     from continuum.errors import ConfigIssue
     from listener.config import ListenerConfig
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Turn engine KV-cache events into per-backend prefix event streams "
         "(SSE at /events/<backend>) for continuum-router.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--config", metavar="FILE", help="listener config (YAML)")
     parser.add_argument("--check", action="store_true",
                         help="validate --config, print every error and warning, and exit")

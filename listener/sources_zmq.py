@@ -1,6 +1,6 @@
 """ZeroMQ KV-event sources (vLLM, SGLang): a SUB socket feeding one backend's processor.
 
-``kv-events.md`` §1: each message is ``[topic, seq, payload]``, ``seq`` an 8-byte big-endian
+``docs/kv-events.md`` §1: each message is ``[topic, seq, payload]``, ``seq`` an 8-byte big-endian
 counter from 0 per publisher. The source binds (engines connect to it) or connects, per
 ``zmq_mode``; it keeps polling its socket from a greenlet (a bound SUB's subscription only
 reaches a connecting PUB once the SUB is serviced, §1.4). Sockets come from ``zmq.green``.

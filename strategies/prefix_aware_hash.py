@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from continuum.cardinality import DistinctCounter
 from continuum.config import PrefixRoutingConfig
 from continuum.errors import NoHealthyBackendError
+from continuum.interfaces import PrefixRoutingDecisions, PrefixRoutingSettings, PrefixRoutingStats
 from strategies.consistent_hash import ConsistentHash
 
 if TYPE_CHECKING:
@@ -130,20 +132,25 @@ class PrefixAwareHash(ConsistentHash):
                 "load_bound": bound, "ring_order": order}
 
     def stats(self) -> dict[str, Any]:
+        """:meth:`prefix_routing_stats` as a dict."""
+        return asdict(self.prefix_routing_stats())
+
+    def prefix_routing_stats(self) -> PrefixRoutingStats:
         """Decisions, overflow rate, unique prefixes and the live config."""
         total = sum(self.decisions.values())
         settings = self.settings
-        return {
-            "config": {
-                "max_prefix_length": settings.max_prefix_length,
-                "load_factor_epsilon": settings.load_factor_epsilon,
-                "virtual_nodes": self._virtual_nodes,
-                "anthropic_cache_control_injection": settings.anthropic_cache_control_injection,
-            },
-            "routing_decisions": {
-                "total": total,
-                **self.decisions,
-                "overflow_rate": f"{(self.decisions[OVERFLOW] / total if total else 0.0):.4f}",
-            },
-            "unique_prefixes": self.prefixes.count(),
-        }
+        overflow = self.decisions[OVERFLOW]
+        return PrefixRoutingStats(
+            config=PrefixRoutingSettings(
+                max_prefix_length=settings.max_prefix_length,
+                load_factor_epsilon=settings.load_factor_epsilon,
+                virtual_nodes=self._virtual_nodes,
+                anthropic_cache_control_injection=settings.anthropic_cache_control_injection,
+            ),
+            routing_decisions=PrefixRoutingDecisions(
+                total=total, prefix_hash=self.decisions[PREFIX_HASH], overflow=overflow,
+                fallback=self.decisions[FALLBACK],
+                overflow_rate=f"{(overflow / total if total else 0.0):.4f}",
+            ),
+            unique_prefixes=self.prefixes.count(),
+        )

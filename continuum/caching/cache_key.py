@@ -106,7 +106,7 @@ def cache_key(ctx: RequestContext) -> str:
             payload = body[name]
             break
     rest = {k: v for k, v in body.items() if k not in _SKIP}
-    headers = ctx.state.get("forward_headers")
+    headers = ctx.forward_headers
     if headers:  # anthropic-version / anthropic-beta can change the answer's shape
         rest["\x00headers"] = headers
     return hashlib.sha256(_SEP.join((

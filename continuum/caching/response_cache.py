@@ -127,9 +127,8 @@ class ResponseCache:
         return ok
 
     def lookup(self, ctx: RequestContext) -> CachedResponse | None:
-        """The cached answer for ``ctx``; counts hit or miss. The key is the one already in
-        ``ctx.state`` (derived when the request was admitted), else computed and kept there."""
-        key = ctx.state["cache_key"] = ctx.state.get("cache_key") or cache_key(ctx)
+        """The cached answer for ``ctx``; counts hit or miss."""
+        key = _key_of(ctx)
         try:
             value = self.store.get(key)
         except StoreError as exc:
@@ -174,7 +173,7 @@ class ResponseCache:
         if len(body) > self.config.max_response_size:
             self.metrics.child(self.metrics.response_cache_stores, "too_large").inc()
             return
-        self._store(ctx.state["cache_key"], encode_entry("body", content_type, body))
+        self._store(_key_of(ctx), encode_entry("body", content_type, body))
 
     def tee_stream(
         self,
@@ -206,7 +205,7 @@ class ResponseCache:
             if buffer is not None and finished and completed():
                 marker = _STREAM_END[ctx.protocol]
                 if marker in buffer[-256:]:
-                    self._store(ctx.state["cache_key"],
+                    self._store(_key_of(ctx),
                                 encode_entry("sse", content_type, bytes(buffer)))
                 else:
                     self.metrics.child(self.metrics.response_cache_stores, "incomplete").inc()
@@ -256,6 +255,14 @@ class ResponseCache:
                                               "other": 0}),
             }
         return doc
+
+
+def _key_of(ctx: RequestContext) -> str:
+    """``ctx.cache_key`` (derived when the request was admitted), else computed and kept."""
+    key = ctx.cache_key
+    if key is None:
+        key = ctx.cache_key = cache_key(ctx)
+    return key
 
 
 def _duration(seconds: float) -> str:

@@ -53,6 +53,7 @@ import re
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -153,6 +154,24 @@ class KvConsumerMetrics:
         self.connected.labels(backend).set(0)
         for counter in (self.dropped, self.reconnects, self.malformed):
             counter.labels(backend)
+
+
+@dataclass(frozen=True, slots=True)
+class SourceStats:
+    """One event source's state and counters (the admin API's ``/admin/kv-index/...``)."""
+
+    backend_name: str
+    state: str
+    connected: bool
+    events_received: int
+    events_dropped: int
+    malformed: int
+    #: When the last event arrived, ``2026-03-13T10:24:17Z``; None before the first.
+    last_event_at: str | None
+    reconnect_count: int
+    index_created: int
+    index_evicted: int
+    last_event_id: str | None
 
 
 def iso_utc(ts: float | None) -> str | None:
@@ -357,21 +376,21 @@ class SourceConsumer:
         self.events_dropped += 1
         self.metrics.dropped.labels(self.backend).inc()
 
-    def stats(self) -> dict[str, Any]:
-        """The admin API's view of this source."""
-        return {
-            "backend_name": self.backend,
-            "state": self.state,
-            "connected": self.connected,
-            "events_received": self.events_received,
-            "events_dropped": self.events_dropped,
-            "malformed": self.malformed,
-            "last_event_at": iso_utc(self.last_event_at),
-            "reconnect_count": self.reconnect_count,
-            "index_created": self.index_created,
-            "index_evicted": self.index_evicted,
-            "last_event_id": self.last_event_id,
-        }
+    def stats(self) -> SourceStats:
+        """This source's counters, read together."""
+        return SourceStats(
+            backend_name=self.backend,
+            state=self.state,
+            connected=self.connected,
+            events_received=self.events_received,
+            events_dropped=self.events_dropped,
+            malformed=self.malformed,
+            last_event_at=iso_utc(self.last_event_at),
+            reconnect_count=self.reconnect_count,
+            index_created=self.index_created,
+            index_evicted=self.index_evicted,
+            last_event_id=self.last_event_id,
+        )
 
 
 class KvEventConsumerManager:
@@ -433,6 +452,6 @@ class KvEventConsumerManager:
                 return consumer
         raise KeyError(backend)
 
-    def stats(self) -> list[dict[str, Any]]:
+    def stats(self) -> list[SourceStats]:
         """Per-source statistics, in config order."""
         return [consumer.stats() for consumer in self.consumers]

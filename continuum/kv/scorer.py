@@ -34,6 +34,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from continuum.errors import StoreError
@@ -57,6 +58,27 @@ log = logging.getLogger(__name__)
 SNAPSHOT_TTL = 0.1
 _MAX_SNAPSHOTS = 4096
 _EMPTY: dict[str, KvHolding] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class KvDecisions:
+    """Scoring passes won by a holder (``kv_aware``) or left to the strategy."""
+
+    kv_aware: int = 0
+    fallback: int = 0
+    total: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KvScorerStats:
+    """The scorer's counters (this worker's)."""
+
+    routing_decisions: KvDecisions
+    #: Index queries (one per ``prepare`` that missed the 100 ms snapshot).
+    query_latency_count: int
+    query_errors: int
+    #: Scores recorded in the overlap histogram (one per ``kv_aware`` decision).
+    overlap_score_count: int
 
 
 class _Snapshot:
@@ -142,7 +164,7 @@ class KvOverlapScorer(BackendScorer):
         now = self.clock()
         snapshot = self._snapshots.get(prefix)
         if snapshot is not None and now - snapshot.taken_at < SNAPSHOT_TTL:
-            ctx.state["kv_snapshot"] = snapshot
+            ctx.kv_snapshot = snapshot
             return
         started = time.perf_counter()
         try:
@@ -164,7 +186,7 @@ class KvOverlapScorer(BackendScorer):
         self._snapshots[prefix] = snapshot
         # Kept per request: a concurrent prepare() for the same prefix may replace the
         # shared slot before this request reads its scores or records its tier.
-        ctx.state["kv_snapshot"] = snapshot
+        ctx.kv_snapshot = snapshot
 
     def score(self, backend: Backend, ctx: RequestContext) -> float:
         """The composite score of ``backend`` (0 for non-holders)."""
@@ -172,8 +194,8 @@ class KvOverlapScorer(BackendScorer):
 
     def score_with_tier(self, backend: Backend, ctx: RequestContext) -> tuple[float, str]:
         """Score and held tier from the request's snapshot, in one read."""
-        snapshot: _Snapshot | None = ctx.state.get("kv_snapshot")
-        if snapshot is None:
+        snapshot = ctx.kv_snapshot
+        if not isinstance(snapshot, _Snapshot):
             return 0.0, TIER_NONE
         holding = snapshot.holdings.get(backend.name)
         if holding is None or snapshot.max_tokens <= 0:
@@ -207,7 +229,7 @@ class KvOverlapScorer(BackendScorer):
 
     def explain(self, ctx: RequestContext, candidates: Sequence[Backend]) -> list[dict[str, Any]]:
         """Every candidate's inputs and composite score for ``ctx`` (after ``prepare``)."""
-        snapshot: _Snapshot | None = ctx.state.get("kv_snapshot")
+        snapshot = ctx.kv_snapshot if isinstance(ctx.kv_snapshot, _Snapshot) else None
         rows = []
         for backend in candidates:
             holding = snapshot.holdings.get(backend.name) if snapshot else None
@@ -226,9 +248,10 @@ class KvOverlapScorer(BackendScorer):
             })
         return rows
 
-    def stats(self) -> dict[str, Any]:
-        """Decision counters for the admin API."""
-        total = self.decisions["kv_aware"] + self.decisions["fallback"]
-        return {"routing_decisions": {**self.decisions, "total": total},
-                "query_latency_count": self.query_count, "query_errors": self.query_errors,
-                "overlap_score_count": self.decisions["kv_aware"]}
+    def stats(self) -> KvScorerStats:
+        """Decision and query counters for the admin API."""
+        kv_aware, fallback = self.decisions["kv_aware"], self.decisions["fallback"]
+        return KvScorerStats(
+            routing_decisions=KvDecisions(kv_aware, fallback, kv_aware + fallback),
+            query_latency_count=self.query_count, query_errors=self.query_errors,
+            overlap_score_count=kv_aware)

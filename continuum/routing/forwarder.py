@@ -7,9 +7,12 @@ hook and environment handling, and urllib3/http.client still a quarter of the ro
 sub-millisecond budget. Health checks and admin paths use ``requests``.
 
 Lifecycle of one dispatch:
-  * :meth:`Forwarder.open` picks a backend, takes an in-flight :class:`Lease`, and opens the
-    upstream request. A connect failure before any byte was sent releases the lease and is
-    retried once on the next candidate.
+  * The service picks a backend among :meth:`Forwarder.candidates` and builds the body for
+    it; :meth:`Forwarder.send` takes an in-flight :class:`Lease` and opens the upstream
+    request. A connect failure before any byte was sent releases the lease and raises
+    :class:`~continuum.errors.UpstreamConnectError`; the service then sends once more to
+    another candidate when :meth:`Forwarder.may_retry` allows it (:meth:`Forwarder.retrying`
+    counts and logs that).
   * Non-streaming: the body is read (at most ``server.max_upstream_response_bytes``; a
     larger one is cut off and answered 502), the lease released, the result returned.
   * Streaming: :meth:`Forwarder.relay` yields upstream chunks as they arrive; its ``finally``
@@ -120,12 +123,12 @@ class Upstream:
         return {name: raw[name] for name in PASS_HEADERS if name in raw}
 
 
-Selector = Callable[["Sequence[Backend]", "RequestContext"], "Backend"]
 PassiveHealth = Callable[["Backend", bool], None]
 
 
 class Forwarder:
-    """Opens upstream requests with retry-on-connect-failure and relays their bodies."""
+    """Opens upstream requests and relays their bodies; says when a connect failure may be
+    retried elsewhere."""
 
     def __init__(
         self,
@@ -189,48 +192,32 @@ class Forwarder:
             )
         raise NoHealthyBackendError(f"no healthy backend for model '{ctx.model}'")
 
-    def open(
-        self,
-        ctx: RequestContext,
-        select: Selector,
-        path: str,
-        body: bytes | Callable[[Backend], bytes],
-        extra_headers: dict[str, str] | None = None,
-    ) -> Upstream:
-        """Select a backend and send the request; retry once on another after a connect error.
+    def may_retry(self, candidates: Sequence[Backend]) -> bool:
+        """Whether a connect failure may be retried on another of ``candidates``: nothing
+        was sent, so repeating the request is safe (``pool.retry_connect_errors``)."""
+        return self.retry_connect_errors and len(candidates) > 1
 
-        ``body`` is the bytes to send, or a function of the chosen backend that returns
-        them (for per-backend rewriting such as Anthropic cache_control injection).
+    def retrying(self, failed: Backend, ctx: RequestContext) -> None:
+        """Count and log that ``ctx`` is sent again after ``failed`` could not be reached."""
+        self.metrics.child(self.metrics.retries, failed.name).inc()
+        log.warning("request %s: connect to backend %s failed; retrying on another",
+                    ctx.request_id, failed.name)
 
-        Raises:
-            UpstreamConnectError: the chosen backend (and the retry, if any) was unreachable.
-            UpstreamTimeoutError: the backend accepted the request but did not answer in time.
-        """
-        candidates = self.candidates(ctx)
-        backend = select(candidates, ctx)
-        attempts = 2 if self.retry_connect_errors and len(candidates) > 1 else 1
-        for attempt in range(attempts):
-            try:
-                data = body if isinstance(body, bytes) else body(backend)
-                return self._send(backend, ctx, path, data, extra_headers)
-            except UpstreamConnectError:
-                if attempt + 1 >= attempts:
-                    raise
-                remaining = [b for b in candidates if b is not backend]
-                self.metrics.child(self.metrics.retries, backend.name).inc()
-                log.warning("request %s: connect to backend %s failed; retrying on another",
-                            ctx.request_id, backend.name)
-                backend = select(remaining, ctx)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _send(
+    def send(
         self,
         backend: Backend,
         ctx: RequestContext,
         path: str,
         body: bytes,
-        extra_headers: dict[str, str] | None,
+        extra_headers: dict[str, str] | None = None,
     ) -> Upstream:
+        """POST ``body`` to ``backend`` under an in-flight lease; the opened response.
+
+        Raises:
+            UpstreamConnectError: ``backend`` was unreachable, or closed the connection
+                before a response head (nothing was processed: safe to send elsewhere).
+            UpstreamTimeoutError: the backend accepted the request but did not answer in time.
+        """
         headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id}
         cfg = backend.config
         key = cfg.resolved_api_key()

@@ -2,8 +2,10 @@
 
 A scorer's verdict wins only when the best composite score is strictly greater than
 :data:`SCORER_THRESHOLD` (the seed's ``DEFAULT_SCORER_THRESHOLD``); otherwise the
-configured :class:`~continuum.interfaces.SelectionStrategy` decides. The tier of the
-chosen backend is kept in ``ctx.state["kv_tier"]`` for metric labels.
+configured :class:`~continuum.interfaces.SelectionStrategy` decides. Every scorer is told
+the outcome of the pass (:meth:`~continuum.interfaces.BackendScorer.observe`: the winner,
+its score and the tier it holds, or None when the strategy took over); the KV scorer
+labels ``continuum_kv_index_routing_decisions_total{decision,tier}`` with it.
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ class SelectionPipeline:
             chosen = self._score(candidates, ctx)
             if chosen is not None:
                 return chosen
-        ctx.state.setdefault("decision", "strategy")  # "scorer_fallback" when scorers ran
         return self.strategy.select(candidates, ctx)
 
     def _score(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend | None:
@@ -65,10 +66,4 @@ class SelectionPipeline:
             won = scorer is best_scorer
             scorer.observe(ctx, best if won else None, best_score if won else 0.0,
                            best_tier if won else TIER_NONE)
-        if best is None:
-            ctx.state["decision"] = "scorer_fallback"
-            return None
-        ctx.state["decision"] = "scorer"
-        ctx.state["score"] = best_score
-        ctx.state["kv_tier"] = best_tier
         return best

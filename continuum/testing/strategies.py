@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any, ClassVar
 
 try:
@@ -44,7 +45,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from continuum.config import BackendConfig
 from continuum.errors import NoHealthyBackendError
-from continuum.interfaces import SelectionStrategy
+from continuum.interfaces import PrefixRoutingStats, SelectionStrategy
 from continuum.registry import PluginRegistry
 from continuum.request import CHAT, RequestContext, parse_request
 from continuum.routing.backends import Backend
@@ -188,6 +189,21 @@ class StrategyCases(Contract):
         stats: Any = strategy.stats()
         assert isinstance(stats, dict)
         assert json.loads(json.dumps(stats)) == stats
+
+    def test_prefix_routing_stats_are_none_or_count_every_selection(self) -> None:
+        strategy = self.strategy_factory()
+        backends = make_backends(3)
+        for prefix in (b"p1", b"p2", None):
+            strategy.select(backends, make_context(prefix=prefix))
+        stats: Any = strategy.prefix_routing_stats()
+        if stats is None:  # not a prefix-routing strategy
+            return
+        assert isinstance(stats, PrefixRoutingStats)
+        decisions = stats.routing_decisions
+        assert decisions.total == 3
+        assert decisions.prefix_hash + decisions.overflow + decisions.fallback == 3
+        doc = asdict(stats)
+        assert json.loads(json.dumps(doc)) == doc
 
 
 class SpreadingCases(StrategyCases):

@@ -11,12 +11,12 @@ from __future__ import annotations
 import hmac
 import json
 import os
+from dataclasses import asdict
 from typing import Any
 
 import falcon
 
 from continuum import request as rq
-from continuum.config.addresses import redact_url
 from continuum.errors import (
     AuthenticationError,
     ConfigError,
@@ -25,7 +25,7 @@ from continuum.errors import (
     StoreError,
 )
 from continuum.service import RouterService
-from continuum.web.app import read_body, request_id_of
+from continuum.web.http import read_body, request_id_of
 from continuum.web.reload import ConfigReloader
 
 
@@ -91,70 +91,21 @@ class StrategiesResource(AdminResource):
     """``GET /admin/strategies``: available and loaded plugins with their distributions."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        registry = self.service.registry
-        loaded = [
-            {"group": p.group, "name": p.name, "distribution": p.distribution,
-             "version": p.version, "object": p.value}
-            for p in registry.loaded()
-        ]
-        self._send(resp, {
-            "selection_strategy": self.service.config.selection_strategy,
-            "available": registry.names("continuum.strategies"),
-            "loaded": loaded,
-        })
+        self._send(resp, asdict(self.service.strategies_view()))
 
 
 class BackendsResource(AdminResource):
     """``GET /admin/backends``: health, in-flight, latency and success rate per backend."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        backends = [
-            {
-                "name": b.name,
-                "url": redact_url(b.url),
-                "type": b.config.type,
-                "enabled": b.config.enabled,
-                "internal": b.config.internal,
-                "healthy": b.healthy,
-                "in_flight": b.in_flight,
-                "latency_ewma_ms": (
-                    None if b.latency_ewma is None else round(b.latency_ewma * 1000, 3)
-                ),
-                "success_rate": round(b.success_rate, 4),
-                "models": sorted(b.models),
-                "weight": b.weight,
-            }
-            for b in self.service.pool
-        ]
-        self._send(resp, {"backends": backends})
+        self._send(resp, {"backends": [asdict(b) for b in self.service.backend_views()]})
 
 
 class PrefixRoutingStatsResource(AdminResource):
     """``GET /admin/prefix-routing/stats``: the seed's response shape."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        service = self.service
-        settings = service.config.prefix_routing
-        stats = service.strategy.stats() if service.config.selection_strategy == \
-            "PrefixAwareHash" else {}
-        decisions = stats.get("routing_decisions") or {
-            "total": 0, "prefix_hash": 0, "overflow": 0, "fallback": 0, "overflow_rate": "0.0000"}
-        self._send(resp, {
-            "enabled": settings.enabled,
-            "selection_strategy": service.config.selection_strategy,
-            "config": stats.get("config") or {
-                "max_prefix_length": settings.max_prefix_length,
-                "load_factor_epsilon": settings.load_factor_epsilon,
-                "virtual_nodes": settings.virtual_nodes,
-                "anthropic_cache_control_injection": settings.anthropic_cache_control_injection,
-            },
-            "routing_decisions": decisions,
-            "backend_distribution": [
-                {"backend": b.name, "in_flight_requests": b.in_flight}
-                for b in service.pool.routable()
-            ],
-            "unique_prefixes": stats.get("unique_prefixes", 0),
-        })
+        self._send(resp, asdict(self.service.prefix_routing_view()))
 
 
 class ExplainResource(AdminResource):
@@ -222,87 +173,29 @@ class KvIndexStatsResource(AdminResource):
     """``GET /admin/kv-index/stats``: the seed's response shape."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        service = self.service
-        kv = service.config.kv_cache_index
-        scoring = kv.scoring
-        index_stats = service.kv_index.stats() if service.kv_index is not None else {}
-        scorer = service.kv_scorer.stats() if service.kv_scorer is not None else {}
-        decisions = scorer.get("routing_decisions", {"kv_aware": 0, "fallback": 0, "total": 0})
-        sources = service.kv_consumers.stats() if service.kv_consumers is not None else []
-        self._send(resp, {
-            "enabled": kv.enabled,
-            "scorer_active": service.kv_scorer is not None,
-            "config": {
-                "backend": kv.backend,
-                "max_entries": kv.max_entries,
-                "entry_ttl_seconds": kv.entry_ttl_seconds,
-                "event_sources_count": len(kv.event_sources),
-                "scoring": {
-                    "overlap_weight": scoring.overlap_weight,
-                    "load_weight": scoring.load_weight,
-                    "health_weight": scoring.health_weight,
-                    "min_overlap_threshold": scoring.min_overlap_threshold,
-                    "gpu_tier_weight": scoring.gpu_tier_weight,
-                    "storage_tier_weight": scoring.storage_tier_weight,
-                    "load_guard": scoring.load_guard.enabled,
-                },
-            },
-            "index": {key: index_stats.get(key, 0) for key in
-                      ("prefix_count", "entry_count", "total_hits", "total_evictions")},
-            "event_sources": [
-                {key: source[key] for key in ("backend_name", "connected", "events_received",
-                                              "events_dropped", "last_event_at",
-                                              "reconnect_count")}
-                for source in sources
-            ],
-            "routing_decisions": decisions,
-            "query_latency_count": scorer.get("query_latency_count", 0),
-            "overlap_score_count": scorer.get("overlap_score_count", 0),
-        })
+        self._send(resp, asdict(self.service.kv_index_view()))
 
 
 class KvIndexBackendsResource(AdminResource):
     """``GET /admin/kv-index/backends``: per-backend event statistics."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        consumers = self.service.kv_consumers
-        sources = consumers.stats() if consumers is not None else []
-        self._send(resp, {
-            "enabled": self.service.config.kv_cache_index.enabled,
-            "backends": [
-                {
-                    "backend_name": s["backend_name"],
-                    "connection": {"connected": s["connected"],
-                                   "reconnect_count": s["reconnect_count"],
-                                   "last_event_at": s["last_event_at"]},
-                    "events": {"received": s["events_received"],
-                               "dropped": s["events_dropped"],
-                               "malformed": s["malformed"],
-                               "index_created": s["index_created"],
-                               "index_evicted": s["index_evicted"]},
-                    "last_event_id": s["last_event_id"],
-                }
-                for s in sources
-            ],
-        })
+        self._send(resp, asdict(self.service.kv_sources_view()))
 
 
 class KvIndexClearResource(AdminResource):
     """``POST /admin/kv-index/clear``: drop every entry; events rebuild the index."""
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        index = self.service.kv_index
-        if index is None:
-            self._send(resp, {"success": False, "error": "KV cache index is not enabled"})
-            return
-        before = index.stats().get("entry_count", 0)
         try:
-            cleared = index.clear()
+            cleared = self.service.clear_kv_index()
         except StoreError as exc:
             self._send(resp, {"success": False, "error": exc.message}, status=503)
             return
-        self._send(resp, {"success": True, "entries_before_clear": before,
-                          "cleared_entries": cleared})
+        if cleared is None:
+            self._send(resp, {"success": False, "error": "KV cache index is not enabled"})
+            return
+        self._send(resp, {"success": True, **asdict(cleared)})
 
 
 class _NoConfigFile(ContinuumError):

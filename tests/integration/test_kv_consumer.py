@@ -29,7 +29,7 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -402,7 +402,7 @@ def test_events_applied_in_order_with_event_precedence(
         ("b1", "cache_cleared", "", 0),
         ("b1", "cache_created", "00ab", 7),
     ]
-    stats = run.manager.stats()[0]
+    stats = asdict(run.manager.stats()[0])
     assert stats == {
         "backend_name": "b1", "state": "streaming", "connected": True, "events_received": 6,
         "events_dropped": 0, "malformed": 0, "last_event_at": "2026-03-13T10:24:17Z",
@@ -425,7 +425,7 @@ def test_in_memory_index_is_fed(servers: list[ScriptedServer]) -> None:
     manager = KvEventConsumerManager([source], index, clock=FakeClock())
     manager.start()
     try:
-        wait_until(lambda: manager.stats()[0]["events_received"] == 3, "three events")
+        wait_until(lambda: manager.stats()[0].events_received == 3, "three events")
         assert [(h.backend, h.token_count) for h in index.query_backends("0001")] == [("b1", 64)]
         assert list(index.query_backends("0002")) == []
     finally:
@@ -535,8 +535,8 @@ def test_malformed_records_are_counted_and_skipped(
     assert [(e, p) for _, e, p, _ in run.index.log] == [
         ("cache_created", "0001"), ("cache_cleared", ""), ("cache_created", "000b")]
     stats = run.manager.stats()[0]
-    assert (stats["malformed"], stats["events_dropped"], stats["events_received"]) == (7, 1, 4)
-    assert (stats["connected"], stats["reconnect_count"]) == (True, 0)
+    assert (stats.malformed, stats.events_dropped, stats.events_received) == (7, 1, 4)
+    assert (stats.connected, stats.reconnect_count) == (True, 0)
     assert run.metric("continuum_kv_malformed_records_total") == 7
     assert run.metric("continuum_kv_event_dropped_total") == 1
 
@@ -577,7 +577,7 @@ def test_connected_gauge_and_state_follow_the_stream(
     server.kick()
     wait_until(lambda: len(clock.delays_ms) == 1, "the backoff")
     assert run.metric("continuum_kv_consumer_connected") == 0
-    assert run.manager.stats()[0]["connected"] is False
+    assert run.manager.stats()[0].connected is False
     assert run.consumer.state == "backoff"
     clock.allow(1)
     wait_until(lambda: len(run.index.log) == 2, "the second event")
@@ -655,8 +655,8 @@ def test_ws_delivers_events_and_resumes_with_last_event_id(
         (OP_CLOSE, struct.pack("!H", 1001), True),
     ]
     stats = run.manager.stats()[0]
-    assert (stats["malformed"], stats["events_received"], stats["reconnect_count"]) == (1, 8, 2)
-    assert stats["last_event_id"] == "8"
+    assert (stats.malformed, stats.events_received, stats.reconnect_count) == (1, 8, 2)
+    assert stats.last_event_id == "8"
     assert run.metric("continuum_kv_consumer_connected") == 1
 
 
@@ -740,6 +740,7 @@ from gevent import monkey
 monkey.patch_all()
 
 import json, sys, time
+from dataclasses import asdict
 import gevent
 from continuum.config.schema import KvEventSourceConfig
 from continuum.interfaces import KvCacheIndex
@@ -766,7 +767,8 @@ while len(index.seen) < 4 and time.monotonic() < deadline:
     gevent.sleep(0.01)
 kind = type(manager._handles[0]).__module__
 manager.stop()
-print(json.dumps({"seen": index.seen, "handle": kind, "stats": manager.stats()}))
+print(json.dumps({"seen": index.seen, "handle": kind,
+                  "stats": [asdict(s) for s in manager.stats()]}))
 """
 
 

@@ -5,7 +5,7 @@ The processor here is a stub implementing the ``SourceProcessor`` protocol (one
 on reset), so these tests see exactly what the sources hand over. Every wait is bounded by a
 deadline and yields to gevent (``gevent.sleep``) so the source greenlets run; nothing asserts
 on time. A bound SUB only gets a connecting PUB's messages once its subscription has arrived
-(``kv-events.md`` §1.4), so tests publish until a first batch arrives and assert on what
+(``docs/kv-events.md`` §1.4), so tests publish until a first batch arrives and assert on what
 follows.
 """
 

@@ -68,6 +68,14 @@ def make_scorer(index: FakeIndex, clock: Clock | None = None, **scoring: Any) ->
     return KvOverlapScorer(index, cfg, RouterMetrics(), clock=clock or Clock())
 
 
+def decisions(scorer: KvOverlapScorer, decision: str, tier: str) -> float:
+    """``continuum_kv_index_routing_decisions_total{decision, tier}`` of ``scorer``."""
+    assert scorer.metrics is not None
+    value = scorer.metrics.registry.get_sample_value(
+        "continuum_kv_index_routing_decisions_total", {"decision": decision, "tier": tier})
+    return value or 0.0
+
+
 def scores(scorer: KvOverlapScorer, backends: list, prefix: bytes = PREFIX) -> dict:  # type: ignore[type-arg]
     ctx = make_context(prefix=prefix)
     scorer.prepare(ctx, backends)
@@ -101,7 +109,8 @@ def test_idle_backend_holding_nothing_never_passes_threshold() -> None:
     scorer._snapshots.clear()
     ctx2 = make_context(prefix=PREFIX)
     pipeline.select(backends, ctx2)
-    assert ctx2.state["decision"] == "scorer_fallback"
+    assert decisions(scorer, "fallback", TIER_NONE) == 1
+    assert decisions(scorer, "kv_aware", TIER_GPU_HOT) == 1
     assert scorer.decisions == {"kv_aware": 1, "fallback": 1}
 
 
@@ -121,10 +130,11 @@ def test_gpu_tier_weight_below_threshold_always_falls_back() -> None:
     index.hold(PREFIX, b0=(4096, TIER_GPU_HOT))
     scorer = make_scorer(index, gpu_tier_weight=0.25)
     pipeline = SelectionPipeline(RoundRobin(), [scorer])
-    for _ in range(5):
+    for count in range(1, 6):
         ctx = make_context(prefix=PREFIX)
         pipeline.select(make_backends(3), ctx)
-        assert ctx.state["decision"] == "scorer_fallback"
+        assert decisions(scorer, "fallback", TIER_NONE) == count
+    assert decisions(scorer, "kv_aware", TIER_GPU_HOT) == 0
 
 
 def test_snapshot_cached_for_100ms_and_kept_per_request() -> None:
@@ -150,7 +160,9 @@ def test_snapshot_cached_for_100ms_and_kept_per_request() -> None:
     pipeline = SelectionPipeline(RoundRobin(), [scorer])
     third = make_context(prefix=PREFIX)
     assert pipeline.select(backends, third).name == "b1"
-    assert third.state["kv_tier"] == TIER_STORAGE_WARM
+    # The decision is labelled with the tier this request's own snapshot says b1 holds.
+    assert decisions(scorer, "kv_aware", TIER_STORAGE_WARM) == 1
+    assert decisions(scorer, "kv_aware", TIER_GPU_HOT) == 0
 
 
 def test_load_can_make_another_holder_win() -> None:
