@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from continuum import __version__
 from continuum.config import CONFIG_ENV, check_config_file, defaults_text
 
 if TYPE_CHECKING:
@@ -25,7 +26,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             print(issue.render(result.source), file=sys.stderr)
         return 1
     os.environ[CONFIG_ENV] = os.path.abspath(config)
-    argv = ["gunicorn", "-c", "python:continuum.gunicorn_conf", "-k", "gevent"]
+    # The worker class (gevent, with header timeouts) and the per-instance control socket
+    # come from continuum.gunicorn_conf.
+    argv = ["gunicorn", "-c", "python:continuum.gunicorn_conf"]
     if args.bind:
         argv += ["--bind", args.bind]
     if args.workers:
@@ -63,7 +66,7 @@ def _cmd_defaults(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:  # pragma: no cover - see main()
-    from continuum.demo import main as demo_main
+    from continuum.devtools.demo import main as demo_main
 
     return int(demo_main(args.demo_args))
 
@@ -73,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="continuum-router", description="Prefix- and KV-cache-aware LLM router"
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the router under gunicorn with gevent workers")
@@ -101,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console-script entry point."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # the demo parses its own options (argparse.REMAINDER cannot)
-        from continuum.demo import main as demo_main
+        from continuum.devtools.demo import main as demo_main
 
         return int(demo_main(argv[1:]))
     args = build_parser().parse_args(argv)

@@ -1,7 +1,7 @@
 """Every error the router raises, under one root.
 
 Each leaf also inherits the builtin it resembles, carries structured fields, and knows the
-HTTP status and OpenAI error ``type`` it maps to, so a single handler in ``continuum.app``
+HTTP status and OpenAI error ``type`` it maps to, so a single handler in ``continuum.web.app``
 turns any of them into a response.
 """
 
@@ -16,6 +16,9 @@ class ContinuumError(Exception):
     status: int = 500
     error_type: str = "server_error"
     code: str | None = None
+    #: What the client is told instead of ``message``, for errors whose message carries
+    #: internals (backend names, addresses, socket errors) that belong in the log only.
+    public_message: str | None = None
 
     def __init__(self, message: str, **fields: Any) -> None:
         super().__init__(message)
@@ -33,18 +36,22 @@ class ConfigError(ContinuumError, ValueError):
 
 
 class ConfigIssue:
-    """One problem (or warning) in a config file, located by its dotted key path."""
+    """One problem (or warning) in a config file, located by its dotted key path and, when
+    read from a file, by ``location`` (``"line:column"`` of the key)."""
 
-    __slots__ = ("message", "path", "value")
+    __slots__ = ("location", "message", "path", "value")
 
-    def __init__(self, path: str, message: str, value: Any = None) -> None:
+    def __init__(self, path: str, message: str, value: Any = None,
+                 location: str | None = None) -> None:
         self.path = path
         self.message = message
         self.value = value
+        self.location = location
 
     def render(self, source: str) -> str:
+        where = f"{source}:{self.location}" if self.location else source
         suffix = "" if self.value is None else f" (got {self.value!r})"
-        return f"{source}: {self.path}: {self.message}{suffix}"
+        return f"{where}: {self.path}: {self.message}{suffix}"
 
     def __repr__(self) -> str:
         return f"ConfigIssue({self.path!r}, {self.message!r}, {self.value!r})"
@@ -60,10 +67,18 @@ class PluginError(ContinuumError, LookupError):
 
 
 class RequestError(ContinuumError, ValueError):
-    """The client sent something we cannot route (400)."""
+    """The client sent something we cannot route (400); ``param`` names the field at fault
+    and ``code`` says what is wrong with it (``invalid_type``, ``invalid_value``, …)."""
 
     status = 400
     error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.param = param
+        if code is not None:
+            self.code = code
 
 
 class AuthenticationError(ContinuumError, PermissionError):
@@ -89,6 +104,14 @@ class PayloadTooLargeError(RequestError):
     code = "request_too_large"
 
 
+class RequestTimeoutError(RequestError, TimeoutError):
+    """The client did not send its request within ``server.client_*_timeout_seconds`` (408);
+    the connection is closed after the answer."""
+
+    status = 408
+    code = "request_timeout"
+
+
 class NoHealthyBackendError(ContinuumError, RuntimeError):
     """Every backend that could serve the request is down or disabled (503)."""
 
@@ -103,10 +126,19 @@ class UpstreamConnectError(ContinuumError, ConnectionError):
     status = 502
     error_type = "bad_gateway"
     code = "upstream_connect_error"
+    public_message = "the backend serving this model could not be reached"
 
     def __init__(self, message: str, *, backend: str) -> None:
         super().__init__(message, backend=backend)
         self.backend = backend
+
+
+class UpstreamResponseTooLargeError(UpstreamConnectError):
+    """A non-streamed backend answer exceeds ``server.max_upstream_response_bytes`` (502);
+    it was cut off, not read whole."""
+
+    code = "upstream_response_too_large"
+    public_message = "upstream response exceeded server.max_upstream_response_bytes"
 
 
 class UpstreamTimeoutError(ContinuumError, TimeoutError):
@@ -115,6 +147,7 @@ class UpstreamTimeoutError(ContinuumError, TimeoutError):
     status = 504
     error_type = "gateway_timeout"
     code = "upstream_timeout"
+    public_message = "the backend serving this model did not answer in time"
 
     def __init__(self, message: str, *, backend: str) -> None:
         super().__init__(message, backend=backend)

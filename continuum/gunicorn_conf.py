@@ -1,8 +1,10 @@
 """gunicorn settings for the router (``conf/gunicorn.conf.py`` re-exports this module).
 
 Reads ``$CONTINUUM_CONFIG`` for ``server.bind``, ``server.workers`` and
-``server.worker_connections``; command-line flags given to gunicorn still win. Sets up
-prometheus-client multiprocess mode so ``/metrics`` is right with several workers.
+``server.worker_connections``; command-line flags given to gunicorn still win. Selects the
+router's gevent worker (:mod:`continuum.gunicorn_worker`: header timeouts). Sets up
+prometheus-client multiprocess mode so ``/metrics`` is right with several workers. Gives
+each instance its own gunicorn control socket (``gunicornc``), in its runtime directory.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from continuum.config import CONFIG_ENV, load_config
 # variable is set, would fix its value class to single-process mode for every worker.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-worker_class = "gevent"
+worker_class = "continuum.gunicorn_worker.GeventWorker"  # gevent, with header timeouts
 # Gunicorn's own defaults, spelled out so operators see them here.
 keepalive = 75
 graceful_timeout = 30
@@ -40,11 +42,37 @@ _OWN_DIRS: list[str] = []
 if not os.environ.get(MULTIPROC_ENV):
     _OWN_DIRS.append(tempfile.mkdtemp(prefix="continuum-metrics-"))
     os.environ[MULTIPROC_ENV] = _OWN_DIRS[-1]
-# Where workers tell each other to reload (see continuum.reload).
+# Where workers tell each other to reload (see continuum.web.reload).
 RUNTIME_DIR_ENV = "CONTINUUM_RUNTIME_DIR"
 if not os.environ.get(RUNTIME_DIR_ENV):
     _OWN_DIRS.append(tempfile.mkdtemp(prefix="continuum-runtime-"))
     os.environ[RUNTIME_DIR_ENV] = _OWN_DIRS[-1]
+# gunicorn (25.1+) opens a control socket for ``gunicornc`` at one path per user by default,
+# so a second instance on the host would take it over and the first to stop would delete
+# it. Each instance's lives in its own runtime directory instead (``--control-socket PATH``
+# still wins; ``--no-control-socket`` turns it off).
+control_socket = os.path.join(os.environ[RUNTIME_DIR_ENV], "gunicorn.ctl")
+
+
+def on_starting(server: Any) -> None:
+    """``gunicorn -k gevent`` (how operators run gevent apps) replaces the worker class this
+    file sets with gunicorn's plain gevent worker, which has no header deadline; the
+    router's is that same worker plus the deadline, so it is put back. Any other class is
+    kept, with a warning that slow clients can then hold every connection."""
+    from gunicorn.workers.ggevent import GeventWorker as PlainGeventWorker
+
+    from continuum.gunicorn_worker import WORKER_CLASS, GeventWorker
+
+    used = server.worker_class
+    if used is PlainGeventWorker:
+        server.cfg.set("worker_class", WORKER_CLASS)
+        server.worker_class = server.cfg.worker_class
+        server.log.info("-k gevent: using %s (gevent, with client_header_timeout_seconds)",
+                        WORKER_CLASS)
+    elif not issubclass(used, GeventWorker):
+        server.log.warning("worker class %s.%s has no client_header_timeout_seconds: slow "
+                           "clients can hold every connection; use %s or -k gevent",
+                           used.__module__, used.__qualname__, WORKER_CLASS)
 
 
 def when_ready(server: Any) -> None:

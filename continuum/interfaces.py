@@ -3,6 +3,13 @@
 These names are public API. Third-party distributions implement them and register the
 implementation under the matching entry-point group (see :mod:`continuum.registry`); the
 core finds its own built-ins the same way.
+
+Scorers, cache stores and KV indexes are built with ``from_config(config, **collaborators)``.
+What the router passes: ``metrics`` (:class:`continuum.metrics.RouterMetrics`) and
+``resources`` (the worker's :class:`continuum.resources.WorkerResources`: lease a shared
+connection there, keyed by its settings, and release the lease in ``close``); scorers also
+get ``index``. A plugin takes what it needs and ignores the rest, so a new collaborator
+never breaks a plugin.
 """
 
 from __future__ import annotations
@@ -13,9 +20,41 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from continuum.backends import Backend
     from continuum.config import RouterConfig
     from continuum.request import RequestContext
+    from continuum.routing.backends import Backend
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRoutingSettings:
+    """The ``prefix_routing`` parameters a prefix-routing strategy works with."""
+
+    max_prefix_length: int
+    load_factor_epsilon: float
+    virtual_nodes: int
+    anthropic_cache_control_injection: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRoutingDecisions:
+    """How a prefix-routing strategy decided: on the key's owner, on the next backend under
+    the load bound, or without a prefix key."""
+
+    total: int = 0
+    prefix_hash: int = 0
+    overflow: int = 0
+    fallback: int = 0
+    #: ``overflow / total`` with four decimals (a string, as the admin API shows it).
+    overflow_rate: str = "0.0000"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRoutingStats:
+    """What a prefix-routing strategy reports to ``/admin/prefix-routing/stats``."""
+
+    config: PrefixRoutingSettings
+    routing_decisions: PrefixRoutingDecisions
+    unique_prefixes: int
 
 
 class SelectionStrategy(abc.ABC):
@@ -48,6 +87,16 @@ class SelectionStrategy(abc.ABC):
         """Strategy-specific statistics for the admin API."""
         return {}
 
+    def prefix_routing_stats(self) -> PrefixRoutingStats | None:
+        """A strategy that routes by prefix key reports its decisions here (they are
+        ``/admin/prefix-routing/stats``); None, the default, for any other strategy."""
+        return None
+
+
+#: A scorer's best score must be strictly above this for it to pick the backend (the seed's
+#: ``DEFAULT_SCORER_THRESHOLD``); otherwise the selection strategy decides. Here rather than
+#: in the pipeline so that a scorer can place its scores relative to it.
+SCORER_THRESHOLD = 0.3
 
 #: The tier of the KV data a backend holds for a prefix.
 TIER_NONE = "none"
@@ -60,9 +109,32 @@ class BackendScorer(abc.ABC):
 
     ``prepare`` may do I/O (it runs once per request); ``score`` and ``score_with_tier``
     are synchronous reads of what ``prepare`` fetched.
+
+    Scorers are listed by config name in ``scorers`` and loaded from the
+    ``continuum.scorers`` entry-point group; they run only on requests with a prefix key
+    (``prefix_routing.enabled``). The highest score above the pipeline's threshold picks
+    the backend; otherwise the selection strategy decides.
     """
 
+    #: Config name under which the scorer is registered (``scorers: [<name>]``).
     name: ClassVar[str] = ""
+
+    @classmethod
+    def from_config(cls, config: RouterConfig, **collaborators: Any) -> BackendScorer | None:
+        """Build the scorer for ``config``, or None when this config leaves it off (the
+        KV overlap scorer without a KV index, say).
+
+        Collaborators the router passes: ``metrics``, ``resources`` (see the module
+        docstring) and ``index`` (the worker's :class:`KvCacheIndex`, or None when
+        ``kv_cache_index.enabled`` is off).
+        """
+        return cls()
+
+    def start(self) -> None:  # noqa: B027 - optional hook, deliberately a no-op
+        """Start background work (called in the worker after the fork); default: none."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, deliberately a no-op
+        """Release resources; default: nothing to release."""
 
     @abc.abstractmethod
     def prepare(self, ctx: RequestContext, candidates: Sequence[Backend]) -> None:
@@ -109,11 +181,19 @@ class CacheStore(abc.ABC):
     def from_config(cls, config: RouterConfig, **collaborators: Any) -> CacheStore:
         """Build the store for ``config.response_cache``.
 
-        Collaborators the router passes: ``metrics`` (:class:`continuum.metrics.RouterMetrics`)
-        and ``redis`` (the app's shared :class:`continuum.redis_link.RedisLink`, or None
-        when no Redis is configured). Plugins take what they need and ignore the rest.
+        Collaborators the router passes: ``metrics`` and ``resources`` (see the module
+        docstring). Plugins take what they need and ignore the rest.
         """
         return cls()
+
+    def reconfigure(self, config: RouterConfig, **collaborators: Any) -> CacheStore | None:
+        """Apply a reloaded config (``collaborators`` as for :meth:`from_config`).
+
+        Return a replacement store when the change needs one (new connection settings):
+        the router starts it, swaps it in and closes this store. Return None to keep this
+        store, adjusted in place or not. Default: None.
+        """
+        return None
 
     def start(self) -> None:  # noqa: B027 - optional hook, deliberately a no-op
         """Start background work (called in the worker after the fork); default: none."""
@@ -198,8 +278,9 @@ class KvCacheIndex(abc.ABC):
     def from_config(cls, config: RouterConfig, **collaborators: Any) -> KvCacheIndex:
         """Build the index for ``config.kv_cache_index``.
 
-        Collaborators the router passes: ``metrics`` and ``redis`` (the shared
-        :class:`continuum.redis_link.RedisLink`, or None).
+        Collaborators the router passes: ``metrics`` and ``resources`` (see the module
+        docstring). ``kv_cache_index`` needs a restart to change, so an index is never
+        rebuilt on reload.
         """
         return cls()
 

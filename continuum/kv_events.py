@@ -3,7 +3,8 @@
 The simulated engine produces these and publishes them in each engine's wire format; the
 listener's decoders turn every wire format back into exactly these structures. Field
 meanings follow vLLM's ``BlockStored``/``BlockRemoved``/``AllBlocksCleared``
-(``shared/formats/kv-events.md`` §4); fields an engine does not send stay ``None``.
+(``docs/kv-events.md`` §4, "Event fields per engine and release"; §12 there maps every
+engine onto this model); fields an engine does not send stay ``None``.
 """
 
 from __future__ import annotations

@@ -79,7 +79,8 @@ class RouterMetrics:
         )
         self.upstream_errors = Counter(
             "continuum_upstream_errors_total",
-            "Upstream failures by backend and kind (connect, timeout, stream, status)",
+            "Upstream failures by backend and kind (connect, timeout, stream, status, "
+            "too_large, stream_duration)",
             ["backend", "kind"],
             registry=r,
         )
@@ -143,7 +144,7 @@ class RouterMetrics:
         )
         self.redis_errors = Counter(
             "continuum_cache_redis_errors_total",
-            "Redis failures by kind (connection, timeout, other)",
+            "Redis failures by kind (connection, timeout, protocol, other)",
             ["kind"],
             registry=r,
         )

@@ -4,30 +4,36 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from continuum.anthropic import injected_body, should_inject
+from continuum import views
 from continuum.auth import ClientAuth
-from continuum.backends import Backend, BackendPool
 from continuum.cache_salt import make_salt
+from continuum.caching.cache_key import cache_key
+from continuum.caching.response_cache import BYPASS, HIT, MISS, ResponseCache
 from continuum.config import restart_required
 from continuum.config.fields import keep_restart_fields, walk
-from continuum.errors import StoreError
-from continuum.health import HealthMonitor
-from continuum.interfaces import CACHE_CREATED
-from continuum.kv_chain_scorer import ChainOverlapScorer
-from continuum.kv_consumer import KvEventConsumerManager
-from continuum.kv_scorer import KvOverlapScorer
+from continuum.errors import ContinuumError, RequestError, UpstreamConnectError
+from continuum.kv.chain_scorer import ChainOverlapScorer
+from continuum.kv.consumer import KvEventConsumerManager
+from continuum.kv.scorer import KvOverlapScorer
 from continuum.metrics import RouterMetrics
 from continuum.prefix import request_prefix_key
-from continuum.prefix_chain import BYTES_PER_TOKEN, PrefixChain, request_chain
-from continuum.proxy import Forwarder, anthropic_error_event, openai_error_event
-from continuum.redis_link import RedisLink
 from continuum.registry import PluginRegistry
-from continuum.response_cache import BYPASS, HIT, MISS, ResponseCache
-from continuum.selection import SelectionPipeline
+from continuum.request import parse_request
+from continuum.resources import WorkerResources
+from continuum.routing.anthropic import injected_body, should_inject
+from continuum.routing.backends import Backend, BackendPool
+from continuum.routing.forwarder import (
+    Forwarder,
+    Upstream,
+    anthropic_error_event,
+    openai_error_event,
+)
+from continuum.routing.health import HealthMonitor
+from continuum.routing.selection import SelectionPipeline
 
 if TYPE_CHECKING:
     from continuum.config import RouterConfig
@@ -37,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STRATEGIES = "continuum.strategies"
+SCORERS = "continuum.scorers"
 CACHE_STORES = "continuum.cache_stores"
 KV_INDEXES = "continuum.kv_indexes"
 
@@ -65,7 +72,10 @@ class ReloadReport:
 class RouterService:
     """Holds one worker's run-time state and proxies requests through it.
 
-    The web layer calls :meth:`proxy` and reads the attributes for admin views.
+    One request: :meth:`admit` parses it and derives its keys; :meth:`proxy` answers it
+    from the response cache or selects a backend, builds the body for that backend and
+    has the forwarder send it (retrying once elsewhere after a connect failure). The web
+    layer calls those, :meth:`explain`, and the ``*_view`` methods for the admin API.
     """
 
     def __init__(
@@ -74,7 +84,6 @@ class RouterService:
         *,
         registry: PluginRegistry,
         metrics: RouterMetrics,
-        scorers: tuple[BackendScorer, ...] = (),
     ) -> None:
         self.config = config
         self.registry = registry
@@ -85,48 +94,70 @@ class RouterService:
             for b in config.backends
         )
         self.health = HealthMonitor(self.pool, config.health_check, metrics)
-        self.pipeline = SelectionPipeline(self._make_strategy(config), scorers)
+        self.pipeline = SelectionPipeline(self._make_strategy(config))
         self.forwarder = Forwarder(
             self.pool,
             metrics,
             retry_connect_errors=config.pool.retry_connect_errors,
             on_result=self.health.observe,
+            max_response_bytes=config.server.max_upstream_response_bytes,
+            max_stream_seconds=config.server.max_stream_duration_seconds,
         )
         self.auth = ClientAuth(config.auth)
-        self._kept_links: list[RedisLink] = []
         kv = config.kv_cache_index
         self._salt_secret = kv.cache_salt.resolved() if kv.cache_salt.enabled else None
+        self._salt_per_tenant = self._salt_secret is not None and kv.cache_salt.per_tenant
         self._salted_backends = frozenset(s.backend_name for s in kv.event_sources)
-        self.redis = RedisLink(config.response_cache.redis, metrics) if self._needs_redis(
-            config) else None
+        # Connections the plugins share (one pool per server and settings), theirs to name.
+        self.resources = WorkerResources()
         store_cls = cast("type[CacheStore]",
                          registry.load(CACHE_STORES, config.response_cache.backend))
-        store = store_cls.from_config(config, metrics=metrics, redis=self.redis)
+        store = store_cls.from_config(config, **self._collaborators())
         self.response_cache = ResponseCache(config.response_cache, store, metrics)
         self._build_kv_tier(config)
+        self._build_scorers(config)
+
+    def _collaborators(self) -> dict[str, Any]:
+        """What every scorer, store and index plugin is built with (``from_config``)."""
+        return {"metrics": self.metrics, "resources": self.resources}
 
     def _build_kv_tier(self, config: RouterConfig) -> None:
-        """Tier 4: the index, its event consumers, and the scorer (only with prefix keys)."""
+        """Tier 4: the index and its event consumers."""
         kv = config.kv_cache_index
         self.kv_index: KvCacheIndex | None = None
         self.kv_consumers: KvEventConsumerManager | None = None
-        self.kv_scorer: KvOverlapScorer | ChainOverlapScorer | None = None
         if not kv.enabled:
             return
         index_cls = cast("type[KvCacheIndex]", self.registry.load(KV_INDEXES, kv.backend))
-        self.kv_index = index_cls.from_config(config, metrics=self.metrics, redis=self.redis)
-        self.kv_consumers = KvEventConsumerManager(kv.event_sources, self.kv_index,
-                                                   self.metrics.registry)
-        if config.prefix_routing.enabled:
-            self.kv_scorer = (ChainOverlapScorer(self.kv_index, kv, self.metrics)
-                              if kv.match == "chain"
-                              else KvOverlapScorer(self.kv_index, kv.scoring, self.metrics))
-            self.pipeline.scorers = (*self.pipeline.scorers, self.kv_scorer)
+        self.kv_index = index_cls.from_config(config, **self._collaborators())
+        self.kv_consumers = KvEventConsumerManager(
+            kv.event_sources, self.kv_index, self.metrics.registry,
+            tokens={s.backend_name: kv.source_token(s) for s in kv.event_sources})
 
-    @staticmethod
-    def _needs_redis(config: RouterConfig) -> bool:
-        kv = config.kv_cache_index
-        return config.response_cache.backend == "redis" or (kv.enabled and kv.backend == "redis")
+    def _build_scorers(self, config: RouterConfig) -> None:
+        """The configured ``scorers``, loaded from ``continuum.scorers`` by name, in order.
+
+        Scorers only see requests with a prefix key, so none is built without
+        ``prefix_routing.enabled``; a scorer may also decline the config (``from_config``
+        returns None: ``KvOverlap`` without a KV index).
+        """
+        self.kv_scorer: KvOverlapScorer | None = None
+        #: The KV scorer when it matches chains (``kv_cache_index.match: chain``): requests
+        #: get their chain of prefix keys, and the routes taken are recorded in the index.
+        self._chain_scorer: ChainOverlapScorer | None = None
+        if not config.prefix_routing.enabled:
+            return
+        built: list[BackendScorer] = []
+        for name in config.scorers:
+            scorer_cls = cast("type[BackendScorer]", self.registry.load(SCORERS, name))
+            scorer = scorer_cls.from_config(config, index=self.kv_index,
+                                            **self._collaborators())
+            if scorer is not None:
+                built.append(scorer)
+        self.pipeline.scorers = tuple(built)
+        self.kv_scorer = next((s for s in built if isinstance(s, KvOverlapScorer)), None)
+        self._chain_scorer = self.kv_scorer \
+            if isinstance(self.kv_scorer, ChainOverlapScorer) else None
 
     def _make_strategy(self, config: RouterConfig) -> SelectionStrategy:
         strategy: SelectionStrategy = self.registry.create(
@@ -142,11 +173,12 @@ class RouterService:
     def start(self) -> None:
         """Start background greenlets (health checks, store upkeep). Call in the worker."""
         self.health.start()
+        self.resources.start()
         self.response_cache.store.start()
-        if self.redis is not None:
-            self.redis.start()
         if self.kv_index is not None:
             self.kv_index.start()
+        for scorer in self.pipeline.scorers:
+            scorer.start()
         if self.kv_consumers is not None:
             self.kv_consumers.start()
 
@@ -155,62 +187,74 @@ class RouterService:
         self.health.stop()
         if self.kv_consumers is not None:
             self.kv_consumers.stop()
+        for scorer in self.pipeline.scorers:
+            scorer.close()
         if self.kv_index is not None:
             self.kv_index.close()
         self.response_cache.store.close()
         self.forwarder.close()
-        for link in (self.redis, *self._kept_links):
-            if link is not None:
-                link.close()
+        self.resources.close()  # whatever a plugin did not hand back
 
-    def prepare(self, ctx: RequestContext) -> None:
-        """Derive what routing needs from the parsed request (the prefix key)."""
+    def admit(
+        self,
+        raw: bytes,
+        endpoint: str,
+        request_id: str,
+        *,
+        tenant: str | None = None,
+        cache_control: str | None = None,
+        forward_headers: dict[str, str] | None = None,
+        caching: bool = True,
+    ) -> RequestContext:
+        """Parse a client's request and derive every key from it, once: the one place where
+        client input becomes router state, hence the one place where input the checks in
+        :func:`~continuum.request.parse_request` did not foresee (an exception from
+        parsing, the prefix key or the cache key) becomes a 400 rather than a 500. The
+        exception goes to the log with the request id; the client gets the id. What is
+        built later from the request (cache salts from the prefix hash, per-backend bodies
+        re-encoding what ``json.loads`` produced within the depth limit) cannot fail.
+
+        ``caching=False`` (routing/explain) skips the response cache.
+        """
+        try:
+            ctx = parse_request(raw, endpoint, tenant=tenant, request_id=request_id,
+                                max_depth=self.config.server.max_json_depth)
+            ctx.forward_headers = forward_headers or None
+            self.prepare(ctx, cache_control, caching=caching)
+        except ContinuumError:
+            raise
+        except Exception as exc:
+            log.warning("request %s: input rejected, deriving its keys raised %s: %.300s",
+                        request_id, type(exc).__name__, exc,
+                        exc_info=log.isEnabledFor(logging.DEBUG))
+            raise RequestError(f"the request could not be processed ({type(exc).__name__}; "
+                               f"request id {request_id})", code="invalid_request") from None
+        return ctx
+
+    def prepare(
+        self, ctx: RequestContext, cache_control: str | None = None, *, caching: bool = True
+    ) -> None:
+        """Derive what routing and caching need from the parsed request: the prefix key,
+        the chain of prefix keys when the KV scorer matches chains, and, when the response
+        cache may answer it, the cache key."""
         settings = self.config.prefix_routing
         if settings.enabled:
             ctx.prefix_key = request_prefix_key(
                 ctx.body, ctx.model, max_prefix_length=settings.max_prefix_length
             )
-            if isinstance(self.kv_scorer, ChainOverlapScorer) and ctx.prefix_key is not None:
-                chain_settings = self.config.kv_cache_index.chain
-                chain = request_chain(ctx.body, ctx.model, chunk_bytes=chain_settings.chunk_bytes,
-                                      max_keys=chain_settings.max_keys)
-                if chain is not None:
-                    ctx.state["chain"] = chain
-                    # the fallback strategy hashes a document in the user turn, if any
-                    route_key = chain.route_key
-                    if route_key is not None:
-                        ctx.state["route_key"] = route_key
+            chain_scorer = self._chain_scorer
+            if chain_scorer is not None and ctx.prefix_key is not None:
+                ctx.chain = chain_scorer.request_chain(ctx)
+        if caching and self.response_cache.eligible(ctx, cache_control):
+            ctx.cache_key = cache_key(ctx)
 
-    def _select(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend:
-        """The pipeline's choice; with ``kv_cache_index.approximate`` the request's chain
-        is recorded for it at once, so the next request that shares it finds it before
-        (or without) the engine's KV events."""
-        backend = self.pipeline.select(candidates, ctx)
-        chain: PrefixChain | None = ctx.state.get("chain")
-        approximate = self.config.kv_cache_index.approximate
-        if chain is not None and approximate.enabled and self.kv_index is not None:
-            entries = [(key, end // BYTES_PER_TOKEN)
-                       for key, end in zip(chain.keys, chain.ends, strict=True)]
-            try:
-                self.kv_index.apply_chain(backend.name, CACHE_CREATED, entries,
-                                          ttl=approximate.ttl_seconds)
-            except StoreError as exc:
-                log.debug("KV index: recording a routed chain failed (%s)", exc.kind)
-        return backend
-
-    def proxy(
-        self,
-        ctx: RequestContext,
-        path: str,
-        cache_control: str | None = None,
-        forward_headers: dict[str, str] | None = None,
-    ) -> ProxyResult:
-        """Answer ``ctx`` from the response cache, or send it to the backend the pipeline
-        picks (storing the answer when it is cacheable)."""
+    def proxy(self, ctx: RequestContext, path: str) -> ProxyResult:
+        """Answer ``ctx`` (from :meth:`admit`) from the response cache, or send it to the
+        backend the pipeline picks (storing the answer when it is cacheable)."""
+        if self._salt_per_tenant and "cache_salt" in ctx.body:
+            self._refuse_client_salt(ctx)
         cache = self.response_cache
-        if forward_headers:
-            ctx.state["forward_headers"] = forward_headers
-        if not cache.eligible(ctx, cache_control):
+        if ctx.cache_key is None:
             result = self._forward(ctx, path)
             result.headers["X-Cache"] = BYPASS
             return result
@@ -228,17 +272,9 @@ class RouterService:
     def _forward(
         self, ctx: RequestContext, path: str, cache: ResponseCache | None = None
     ) -> ProxyResult:
-        self.prepare(ctx)
-        body: bytes | Callable[[Backend], bytes] = ctx.raw
-        error_event = openai_error_event
-        if ctx.protocol == "anthropic":
-            body = self._anthropic_body(ctx)
-            error_event = anthropic_error_event
-        elif self._salt_secret is not None and ctx.prefix_key is not None \
-                and "cache_salt" not in ctx.body:
-            body = self._salted_body(ctx, self._salt_secret)
-        upstream = self.forwarder.open(ctx, self._select, path, body,
-                                       ctx.state.get("forward_headers"))
+        error_event = anthropic_error_event if ctx.protocol == "anthropic" \
+            else openai_error_event
+        upstream = self._send(ctx, path)
         headers = upstream.headers()
         headers["X-Continuum-Backend"] = upstream.backend.name
         content_type = headers.get("content-type", "application/json")
@@ -253,44 +289,75 @@ class RouterService:
             cache.store_body(ctx, upstream.status, content_type, data)
         return ProxyResult(upstream.status, headers, body=data)
 
-    def _salted_body(self, ctx: RequestContext, secret: bytes) -> Callable[[Backend], bytes]:
-        """Per-backend body carrying the router-issued ``cache_salt`` for backends with a
-        KV event source (a client's own ``cache_salt`` is never replaced)."""
-        prefix_hash = ctx.prefix_hash or ""
+    def _send(self, ctx: RequestContext, path: str) -> Upstream:
+        """Select a backend, build the body for it and send it; after a connect failure
+        (nothing was sent) once more to another candidate, when the forwarder allows it.
 
-        def body_for(backend: Backend) -> bytes:
-            if backend.name not in self._salted_backends:
-                return ctx.raw
-            salt = make_salt(secret, backend.name, prefix_hash)
-            return json.dumps({**ctx.body, "cache_salt": salt}).encode()
+        Raises:
+            ModelNotFoundError, NoHealthyBackendError: nothing can take the request.
+            UpstreamConnectError: the backend (and the retry, if any) was unreachable.
+            UpstreamTimeoutError: the backend accepted the request but did not answer in time.
+        """
+        forwarder, select = self.forwarder, self.pipeline.select
+        headers = ctx.forward_headers
+        candidates = forwarder.candidates(ctx)
+        backend = select(candidates, ctx)
+        self._routed(ctx, backend)
+        try:
+            return forwarder.send(backend, ctx, path, self._body_for(ctx, backend), headers)
+        except UpstreamConnectError:
+            if not forwarder.may_retry(candidates):
+                raise
+            forwarder.retrying(backend, ctx)
+        backend = select([b for b in candidates if b is not backend], ctx)
+        self._routed(ctx, backend)
+        return forwarder.send(backend, ctx, path, self._body_for(ctx, backend), headers)
 
-        return body_for
+    def _routed(self, ctx: RequestContext, backend: Backend) -> None:
+        """With chain matching, the chain scorer records the route in the index
+        (``kv_cache_index.approximate``), so the next request sharing the chain finds it
+        before (or without) the engine's KV events."""
+        if self._chain_scorer is not None:
+            self._chain_scorer.record_route(ctx, backend)
 
-    def _anthropic_body(self, ctx: RequestContext) -> Callable[[Backend], bytes]:
-        """Per-backend body: with cache_control injected where the precedence says so."""
-        global_injection = self.config.prefix_routing.anthropic_cache_control_injection
-        injected: list[bytes | None] = []
+    def _refuse_client_salt(self, ctx: RequestContext) -> None:
+        """With per-tenant salts, a client's own ``cache_salt`` would let tenants that pick
+        the same value share an engine's prefix cache again: refused for any model a salted
+        backend serves (whichever backend the request would have gone to)."""
+        serving = self.pool.serving(ctx.model, ctx.protocol)
+        if any(b.name in self._salted_backends for b in serving):
+            raise RequestError("'cache_salt' is issued by the router per tenant for this "
+                               "model; remove it from the request", param="cache_salt")
 
-        def body_for(backend: Backend) -> bytes:
-            if not should_inject(global_injection, backend.config.anthropic_auto_cache_control):
-                return ctx.raw
-            if not injected:  # serialise at most once, whatever the retries
-                injected.append(injected_body(ctx.body))
-            ctx.state["cache_control_injected"] = injected[0] is not None
-            return injected[0] or ctx.raw
-
-        return body_for
+    def _body_for(self, ctx: RequestContext, backend: Backend) -> bytes:
+        """The bytes to send ``backend``: the client's own, except for Anthropic backends
+        that get ``cache_control`` injected (where the precedence says so) and backends
+        with a KV event source, which get a router-issued ``cache_salt`` (a client's own is
+        never replaced; with per-tenant salts it is refused before this)."""
+        if ctx.protocol == "anthropic":
+            if should_inject(self.config.prefix_routing.anthropic_cache_control_injection,
+                             backend.config.anthropic_auto_cache_control):
+                return injected_body(ctx.body) or ctx.raw
+            return ctx.raw
+        secret = self._salt_secret
+        if secret is None or ctx.prefix_key is None or backend.name not in \
+                self._salted_backends or "cache_salt" in ctx.body:
+            return ctx.raw
+        salt = make_salt(secret, backend.name, ctx.prefix_hash or "",
+                         ctx.tenant if self._salt_per_tenant else None)
+        return json.dumps({**ctx.body, "cache_salt": salt}).encode()
 
     def explain(self, ctx: RequestContext) -> dict[str, Any]:
-        """What routing would do with ``ctx`` and why; sends nothing upstream."""
-        self.prepare(ctx)
+        """What routing would do with ``ctx`` (from :meth:`admit`) and why; sends nothing
+        upstream."""
         serving = self.pool.serving(ctx.model, ctx.protocol)
         candidates = [b for b in serving if b.healthy]
-        chain: PrefixChain | None = ctx.state.get("chain")
+        chain = ctx.chain
         doc: dict[str, Any] = {
             "model": ctx.model,
             "prefix_hash": ctx.prefix_hash,
-            "kv_match": self.config.kv_cache_index.match if self.kv_scorer else None,
+            "kv_match": None if self.kv_scorer is None
+            else "chain" if self._chain_scorer is not None else "seed",
             "chain": {"depth": len(chain.keys), "bytes": chain.total_bytes,
                       "keys": list(chain.keys)} if chain is not None else None,
             "prefix_routing_enabled": self.config.prefix_routing.enabled,
@@ -337,6 +404,50 @@ class RouterService:
                                "its decisions; it picks among the healthy candidates"}
         return doc
 
+    # --- views for the admin API ----------------------------------------------------------
+
+    def strategies_view(self) -> views.StrategiesView:
+        """The configured strategy, the registered ones and the plugins loaded so far."""
+        return views.StrategiesView(
+            selection_strategy=self.config.selection_strategy,
+            available=self.registry.names(STRATEGIES),
+            loaded=[views.plugin_view(p) for p in self.registry.loaded()],
+        )
+
+    def backend_views(self) -> list[views.BackendView]:
+        """Every configured backend, in config order."""
+        return [views.backend_view(b) for b in self.pool]
+
+    def prefix_routing_view(self) -> views.PrefixRoutingView:
+        """Prefix routing settings and the strategy's decisions, if it routes by prefix."""
+        return views.prefix_routing_view(self.config.prefix_routing,
+                                         self.config.selection_strategy, self.strategy,
+                                         self.pool.routable())
+
+    def kv_index_view(self) -> views.KvIndexView:
+        """Tier 4 at a glance: index counters, event sources, scorer decisions."""
+        scorer = self.kv_scorer.stats() if self.kv_scorer is not None else None
+        sources = self.kv_consumers.stats() if self.kv_consumers is not None else []
+        return views.kv_index_view(self.config.kv_cache_index, self.kv_index, scorer, sources)
+
+    def kv_sources_view(self) -> views.KvSourcesView:
+        """Every KV event source in detail."""
+        sources = self.kv_consumers.stats() if self.kv_consumers is not None else []
+        return views.KvSourcesView(self.config.kv_cache_index.enabled,
+                                   [views.kv_source_view(s) for s in sources])
+
+    def clear_kv_index(self) -> views.KvIndexCleared | None:
+        """Drop every KV index entry (events rebuild it); None when there is no index.
+
+        Raises:
+            StoreError: the index could not be cleared.
+        """
+        index = self.kv_index
+        if index is None:
+            return None
+        before = views.index_counts(index).entry_count
+        return views.KvIndexCleared(entries_before_clear=before, cleared_entries=index.clear())
+
     def reload(self, new: RouterConfig) -> ReloadReport:
         """Apply ``new`` to the running worker; report what needs a restart instead."""
         old = self.config
@@ -359,27 +470,17 @@ class RouterService:
         for backend in self.pool:
             backend.set_ewma_alpha(new.pool.latency_ewma_alpha)
         self.forwarder.retry_connect_errors = new.pool.retry_connect_errors
-        self._reload_response_cache(old, new)
+        self.forwarder.max_response_bytes = new.server.max_upstream_response_bytes
+        self.forwarder.max_stream_seconds = new.server.max_stream_duration_seconds
+        self._reload_response_cache(new)
         self.auth = ClientAuth(new.auth)
         return report
 
-    def _reload_response_cache(self, old: RouterConfig, new: RouterConfig) -> None:
-        """New Redis settings get a new pool and store; the KV index keeps its own."""
-        redis_changed = old.response_cache.redis != new.response_cache.redis
-        if not (redis_changed and new.response_cache.backend == "redis"
-                and old.response_cache.backend == "redis"):
-            self.response_cache.reconfigure(new.response_cache)
-            return
-        link = RedisLink(new.response_cache.redis, self.metrics)
-        store_cls = cast("type[CacheStore]", self.registry.load(CACHE_STORES, "redis"))
-        store = store_cls.from_config(new, metrics=self.metrics, redis=link)
-        link.start()
-        store.start()
-        self.response_cache.reconfigure(new.response_cache, store)
-        old_link, self.redis = self.redis, link
-        index_uses_old = self.kv_index is not None and old.kv_cache_index.backend == "redis"
-        if old_link is not None:
-            if index_uses_old:
-                self._kept_links.append(old_link)  # closed at stop()
-            else:
-                old_link.close()
+    def _reload_response_cache(self, new: RouterConfig) -> None:
+        """The store adjusts itself or builds its replacement (new connection settings:
+        a new pool); the old store is closed, and its connection with it unless another
+        plugin (a KV index on the same server) still holds it."""
+        replacement = self.response_cache.store.reconfigure(new, **self._collaborators())
+        if replacement is not None:
+            replacement.start()
+        self.response_cache.reconfigure(new.response_cache, replacement)

@@ -45,7 +45,8 @@ def listener_issues(config: ListenerConfig) -> tuple[list[ConfigIssue], list[Con
 
     Errors: a ZMQ endpoint the listener connects to (``zmq_mode: connect``, or a
     ``replay_endpoint``) whose host is not in ``allowed_publishers``. Warning: ``listen`` on
-    a wildcard address (the streams are unauthenticated and derived from prompts).
+    a wildcard address without ``events_auth`` (the streams would be unauthenticated, and
+    they are derived from prompts).
     """
     errors: list[ConfigIssue] = []
     for i, source in enumerate(config.sources):
@@ -55,7 +56,8 @@ def listener_issues(config: ListenerConfig) -> tuple[list[ConfigIssue], list[Con
         host, _ = parse_listen(config.listen)
     except ValueError:
         host = None
-    if host in _WILDCARDS:
+    authenticated = bool(config.events_auth.token_file or config.events_auth.token_env)
+    if host in _WILDCARDS and not authenticated:
         warnings.append(ConfigIssue("listen", "binds every interface: the event streams are "
                                     "unauthenticated; bind an internal address", config.listen))
     return errors, warnings
@@ -91,12 +93,17 @@ class Listener:
                  processor_factory: ProcessorFactory | None = None,
                  keepalive: float = KEEPALIVE_SECONDS) -> None:
         errors, _ = listener_issues(config)
+        auth = config.events_auth
+        token = auth.resolved()
+        if token is None and (auth.token_file or auth.token_env):  # gone since the check
+            errors.append(ConfigIssue("events_auth", "the token could not be read"))
         if errors:
             raise ConfigError(errors)
         self.config = config
         self.hub = EventHub([s.backend_name for s in config.sources],
                             history_size=config.history_size,
-                            subscriber_queue=config.subscriber_queue)
+                            subscriber_queue=config.subscriber_queue,
+                            max_subscribers=config.max_subscribers)
         factory = processor_factory or default_processor_factory(config)
         self.context: Any = zmq.Context()
         self.zap = ZapAuthenticator(self.context)
@@ -108,11 +115,11 @@ class Listener:
                     self.sources.append(TrtllmSource(source, processor))
                 else:
                     self.sources.append(ZmqSource(source, processor, context=self.context,
-                                                  zap=self.zap))
+                                                  zap=self.zap, limits=config.limits))
         except BaseException:
             self.context.destroy(linger=0)
             raise
-        self.app = create_app(self.hub, self.sources, keepalive=keepalive)
+        self.app = create_app(self.hub, self.sources, keepalive=keepalive, token=token)
         self.server = make_server(self.app, config.listen)
         self._started = False
 

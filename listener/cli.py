@@ -16,7 +16,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+from continuum import __version__
+
+if TYPE_CHECKING:  # annotations only: main() must monkey-patch before these are imported
+    from continuum.errors import ConfigIssue
+    from listener.config import ListenerConfig
 
 __all__ = ["build_parser", "defaults_text", "main"]
 
@@ -28,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Turn engine KV-cache events into per-backend prefix event streams "
         "(SSE at /events/<backend>) for continuum-router.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--config", metavar="FILE", help="listener config (YAML)")
     parser.add_argument("--check", action="store_true",
                         help="validate --config, print every error and warning, and exit")
@@ -44,7 +51,7 @@ def defaults_text() -> str:
     return render_defaults(ListenerConfig)
 
 
-def _load(path: str) -> tuple[Any, list[Any], list[Any]]:
+def _load(path: str) -> tuple[ListenerConfig | None, list[ConfigIssue], list[ConfigIssue]]:
     """(config or None, errors, warnings) of a config file, every check included."""
     from listener.app import listener_issues
     from listener.config import check_listener_file

@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-import yaml
-
-from continuum.config.fields import Issues, build_section, from_env, join, setting
-from continuum.errors import ConfigIssue
+from continuum.config.addresses import check_host_port, check_url, port_problem
+from continuum.config.fields import (
+    Issues,
+    build_section,
+    check_secret_source,
+    from_env,
+    join,
+    secret_from_file_or_env,
+    setting,
+)
+from continuum.config.loader import read_yaml
+from continuum.errors import ConfigError, ConfigIssue
 
 SOURCE_NAME = r"[A-Za-z0-9_-]{1,64}"
 ENGINES = ("vllm", "sglang", "trtllm")
@@ -24,7 +30,7 @@ TEMPLATES = ("auto", "chatml", "llama3")
 
 @dataclass(frozen=True)
 class LimitsConfig:
-    """``limits``: memory bounds of the block-chain tracker, per source."""
+    """``limits``: memory bounds of the block-chain tracker and the ZMQ input, per source."""
 
     max_chain_tokens: int = setting(
         16384, doc="longest token chain rebuilt for /detokenize; longer chains stay "
@@ -40,6 +46,12 @@ class LimitsConfig:
         "extended with chain keys (4 bytes a token; 0: no chain keys, only the seed key)",
         min=0,
         max=10_000_000_000)
+    max_message_bytes: int = setting(
+        8 * 1024 * 1024, doc="largest ZMQ message part accepted (ZMQ_MAXMSGSIZE); a larger "
+        "one drops the publisher's connection, which reconnects", min=65536, max=1024**3)
+    max_sequence_streams: int = setting(
+        1024, doc="(topic, rank) sequence counters kept; least recently used dropped first",
+        min=1, max=1_000_000)
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,28 @@ class DetokenizeConfig:
     max_concurrent: int = setting(4, doc="calls in flight per source", min=1, max=256)
     cache_entries: int = setting(4096, doc="recovered chain texts remembered per source",
                                  min=0, max=10_000_000)
+    max_response_bytes: int = setting(
+        4 * 1024 * 1024, doc="largest /tokenize or /detokenize reply read; a larger one is a "
+        "failed call", min=1024, max=1024**3)
+
+
+@dataclass(frozen=True)
+class EventsAuthConfig:
+    """``events_auth``: the bearer token ``/events`` requires (the router's
+    ``kv_cache_index.listener_token_file``/``_env``); none set: the streams are open."""
+
+    token: str | None = setting(None, doc="never inline (an error): use token_file or "
+                                "token_env", secret=True)
+    token_file: str | None = setting(None, doc="file holding the token")
+    token_env: str | None = setting(None, doc="environment variable holding the token")
+
+    def resolved(self) -> str | None:
+        """The token, read now (None: /events is open)."""
+        return secret_from_file_or_env(self.token_file, self.token_env)
+
+    def check(self, path: str, issues: Issues) -> None:
+        check_secret_source(path, issues, "token", inline=self.token, file=self.token_file,
+                            env_name=self.token_env)
 
 
 @dataclass(frozen=True)
@@ -57,7 +91,8 @@ class SaltConfig:
     """``cache_salt``: verify router-issued salts (the router's kv_cache_index.cache_salt)."""
 
     secret: str | None = setting(None, doc="shared HMAC secret", secret=True)
-    secret_env: str | None = setting(None, doc="environment variable holding the secret")
+    secret_env: str | None = setting(None, doc="environment variable holding the secret",
+                                     env_var=True)
 
     def resolved(self) -> bytes | None:
         value = from_env(self.secret, self.secret_env)
@@ -79,16 +114,19 @@ class SourceConfig:
                                 pattern=SOURCE_NAME)
     engine: str = setting(doc="engine kind", choices=ENGINES)
     model: str = setting(doc="model name the router sees (part of every prefix key)")
-    zmq_endpoint: str | None = setting(None, doc="vLLM/SGLang KV event PUB endpoint")
+    zmq_endpoint: str | None = setting(None, doc="vLLM/SGLang KV event PUB endpoint",
+                                       credentials=True)
     zmq_mode: str = setting("bind", doc="bind (engines connect to us) or connect",
                             choices=("bind", "connect"))
     zmq_topic: str = setting("", doc="topic filter (engines default to the empty topic)")
     replay_endpoint: str | None = setting(
         None, doc="the engine's ROUTER replay endpoint, asked at start and after a "
-        "sequence gap")
+        "sequence gap", credentials=True)
     detokenize_endpoint: str | None = setting(
-        None, doc="the engine's /detokenize URL (its /tokenize is derived from it)")
-    trtllm_endpoint: str | None = setting(None, doc="trtllm-serve's /kv_cache_events URL")
+        None, doc="the engine's /detokenize URL (its /tokenize is derived from it)",
+        credentials=True)
+    trtllm_endpoint: str | None = setting(None, doc="trtllm-serve's /kv_cache_events URL",
+                                          credentials=True)
     trtllm_poll_interval_ms: int = setting(100, doc="poll interval of /kv_cache_events",
                                            min=10, max=60000)
     allowed_publishers: tuple[str, ...] = setting(
@@ -120,11 +158,9 @@ class SourceConfig:
             if not self.trtllm_endpoint:
                 issues.error(join(path, "trtllm_endpoint"), "is required for engine: trtllm")
             else:
-                parts = urlsplit(self.trtllm_endpoint)
-                if parts.scheme not in ("http", "https") or not parts.hostname:
-                    issues.error(join(path, "trtllm_endpoint"), "must be an http(s) URL",
-                                 self.trtllm_endpoint)
-                elif parts.hostname not in self.allowed_publishers:
+                parts = check_url(join(path, "trtllm_endpoint"), self.trtllm_endpoint, issues,
+                                  ("http", "https"), "an http(s) URL")
+                if parts is not None and parts.hostname not in self.allowed_publishers:
                     issues.error(join(path, "trtllm_endpoint"),
                                  "host is not in allowed_publishers", parts.hostname)
             if self.require_salt is False:
@@ -136,13 +172,29 @@ class SourceConfig:
             elif not self.zmq_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
                 issues.error(join(path, "zmq_endpoint"), "must be a tcp://, ipc:// or "
                              "inproc:// endpoint", self.zmq_endpoint)
+            else:
+                check_tcp_port(join(path, "zmq_endpoint"), self.zmq_endpoint, issues)
+            if self.replay_endpoint:
+                check_tcp_port(join(path, "replay_endpoint"), self.replay_endpoint, issues)
             if not self.salt_required and not self.detokenize_endpoint:
                 issues.error(join(path, "detokenize_endpoint"),
                              "is required unless require_salt: true")
-        for name in ("detokenize_endpoint",):
-            value = getattr(self, name)
-            if value and urlsplit(value).scheme not in ("http", "https"):
-                issues.error(join(path, name), "must be an http(s) URL", value)
+        if self.detokenize_endpoint:
+            check_url(join(path, "detokenize_endpoint"), self.detokenize_endpoint, issues,
+                      ("http", "https"), "an http(s) URL")
+
+
+def check_tcp_port(path: str, endpoint: str, issues: Issues) -> None:
+    """A ``tcp://host:port`` ZMQ endpoint's host has no spaces and its port is 0 to 65535
+    or ZMQ's wildcard (``*``, ``!``); other transports are left to ZMQ."""
+    if not endpoint.startswith("tcp://"):
+        return
+    address = endpoint[len("tcp://"):].rsplit(";", 1)[-1]  # "source;destination"
+    host, _, port = address.rpartition(":")
+    if not host or any(ch.isspace() for ch in host):
+        issues.error(path, "must be tcp://host:port (the host without spaces)", endpoint)
+    elif port not in ("*", "!") and (problem := port_problem(port, 0)):
+        issues.error(path, problem, endpoint)
 
 
 @dataclass(frozen=True)
@@ -155,6 +207,11 @@ class ListenerConfig:
     subscriber_queue: int = setting(
         10000, doc="events queued for one slow subscriber before it is closed with "
         "buffer_overflow", min=1, max=10_000_000)
+    max_subscribers: int = setting(
+        256, doc="open /events subscriptions per backend; more are refused with 503",
+        min=1, max=100_000)
+    events_auth: EventsAuthConfig = setting(default_factory=EventsAuthConfig,
+                                            doc="bearer token for /events")
     log_level: str = setting("info", doc="log level",
                              choices=("debug", "info", "warning", "error"))
     limits: LimitsConfig = setting(default_factory=LimitsConfig, doc="tracker memory limits")
@@ -165,9 +222,7 @@ class ListenerConfig:
     sources: tuple[SourceConfig, ...] = setting(default_factory=tuple, doc="engines")
 
     def check(self, path: str, issues: Issues) -> None:
-        host, _, port = self.listen.rpartition(":")
-        if not host or not port.isdigit():
-            issues.error("listen", "must be host:port", self.listen)
+        check_host_port("listen", self.listen, issues, lowest_port=0)  # 0: any free port
         seen: set[str] = set()
         for i, source in enumerate(self.sources):
             if source is None:
@@ -187,6 +242,7 @@ def check_listener_config(data: Any, source: str = "<config>") -> tuple[
     """Read a parsed YAML document: (config or None, errors, warnings)."""
     issues = Issues()
     config = build_section(ListenerConfig, data, "", issues)
+    issues.redact(ListenerConfig)
     return (None if issues.errors else config), issues.errors, issues.warnings
 
 
@@ -195,9 +251,12 @@ def check_listener_file(path: str | os.PathLike[str]) -> tuple[
     """Read and check a listener config file: (config or None, errors, warnings).
 
     ``listener.app.listener_issues`` adds the checks that need the sources' code (the
-    CLI runs both)."""
+    CLI runs both). Every issue carries the ``line:column`` of its key; duplicate keys
+    are errors."""
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        return None, [ConfigIssue("<file>", f"cannot read: {exc}")], []
-    return check_listener_config(data, str(path))
+        doc = read_yaml(path)
+    except ConfigError as exc:
+        return None, exc.issues, []
+    config, errors, warnings = check_listener_config(doc.data, str(path))
+    errors = doc.annotate(errors, warnings)
+    return (None if errors else config), errors, warnings

@@ -1,6 +1,6 @@
 """Decode every engine's KV-cache event wire format into ``continuum.kv_events``.
 
-One module for all formats (``shared/formats/kv-events.md``):
+One module for all formats, described in ``docs/kv-events.md`` (the § below are its sections):
 
 * vLLM array-encoded events (0.9.x-0.23), vLLM map-encoded events (≥0.24), SGLang arrays
   (including 0.5.18-0.5.19 ``BlockStoredWithMetadata``, whose 8th element is a

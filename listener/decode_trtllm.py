@@ -1,4 +1,4 @@
-"""Decode ``trtllm-serve`` ``POST /kv_cache_events`` replies (``kv-events.md`` §8).
+"""Decode ``trtllm-serve`` ``POST /kv_cache_events`` replies (``docs/kv-events.md`` §8).
 
 Import it through :mod:`listener.decode`, the one decoder module; it lives apart only to keep
 modules small. Each envelope becomes a :class:`TrtllmEvent` carrying its ``event_id``,

@@ -47,7 +47,12 @@ Invariants:
     event after its starting point exactly once and in order, or is closed with
     ``buffer_overflow``/``draining`` (control records carry no id and never move the
     consumer's position) — events are never dropped silently.
-  * A subscriber's pending queue never holds more than ``subscriber_queue`` events.
+  * A subscriber's pending queue never holds more than ``subscriber_queue`` events, and a
+    backend never has more than ``max_subscribers`` subscribers: :meth:`EventHub.stream`
+    raises :class:`SubscriberLimitError` instead (counted in ``refused``). The check and the
+    registration run in the same greenlet without a switch between them (the WSGI server
+    runs the stream generator right after the responder returns), so concurrent requests
+    cannot both take the last place.
   * Subscribing (backlog + registration) happens without yielding to another greenlet, so
     no event can fall between the backlog and the live queue. The hub is used from one OS
     thread (gevent); it takes no locks.
@@ -76,6 +81,7 @@ __all__ = [
     "KEEPALIVE",
     "EventHub",
     "HubStateError",
+    "SubscriberLimitError",
     "format_record",
     "new_epoch",
 ]
@@ -112,6 +118,15 @@ class HubStateError(RuntimeError):
         super().__init__(f"subscriber in state {state!r} cannot take event {event!r}")
         self.state = state
         self.event = event
+
+
+class SubscriberLimitError(RuntimeError):
+    """A backend already has ``max_subscribers`` open subscriptions."""
+
+    def __init__(self, backend: str, limit: int) -> None:
+        super().__init__(f"backend {backend!r} already has {limit} subscribers")
+        self.backend = backend
+        self.limit = limit
 
 
 def new_epoch() -> str:
@@ -151,6 +166,7 @@ class BackendCounters:
 
     events_out: dict[str, int] = field(default_factory=dict)
     overflows: int = 0
+    refused: int = 0
     resumes_history: int = 0
     resumes_snapshot: int = 0
 
@@ -176,11 +192,11 @@ class _Stream:
             return
         if event.chain:
             keys = self.chain_view.setdefault(event.prefix_hash, {})
-            for kind, key, tokens in event.chain:
+            for kind, key, held in event.chain:
                 if kind == CACHE_EVICTED:
                     keys.pop(key, None)
                 else:
-                    keys[key] = (_GPU if kind == CACHE_CREATED else _STORAGE, tokens)
+                    keys[key] = (_GPU if kind == CACHE_CREATED else _STORAGE, held)
             if not keys:
                 del self.chain_view[event.prefix_hash]
         if event.type == CACHE_EVICTED:
@@ -220,12 +236,15 @@ class EventHub:
         subscriber_queue: Events one subscriber may have waiting before it is closed with
             ``buffer_overflow``.
         epoch: Run id used in event ids (default :func:`new_epoch`).
+        max_subscribers: Open subscriptions one backend may have.
     """
 
     def __init__(self, backends: Iterable[str], *, history_size: int = 10000,
-                 subscriber_queue: int = 10000, epoch: str | None = None) -> None:
-        if history_size < 1 or subscriber_queue < 1:
-            raise ValueError("history_size and subscriber_queue must be >= 1")
+                 subscriber_queue: int = 10000, epoch: str | None = None,
+                 max_subscribers: int = 256) -> None:
+        if history_size < 1 or subscriber_queue < 1 or max_subscribers < 1:
+            raise ValueError("history_size, subscriber_queue and max_subscribers must be >= 1")
+        self.max_subscribers = max_subscribers
         self.epoch = epoch or new_epoch()
         if not re.fullmatch(r"[0-9a-f]{1,32}", self.epoch):
             raise ValueError(f"epoch must be 1-32 lowercase hex digits, got {self.epoch!r}")
@@ -329,8 +348,12 @@ class EventHub:
 
         Raises:
             KeyError: Unknown backend (raised when the generator is created).
+            SubscriberLimitError: The backend has ``max_subscribers`` subscribers already.
         """
         stream = self._streams[backend]  # KeyError now, not at the first next()
+        if len(stream.subscribers) >= self.max_subscribers:
+            stream.counters.refused += 1
+            raise SubscriberLimitError(backend, self.max_subscribers)
         return self._run(backend, stream, last_event_id, keepalive)
 
     def _run(self, backend: str, stream: _Stream, last_event_id: str | None,

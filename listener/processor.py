@@ -54,14 +54,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import requests
-
 from continuum.cache_salt import SALT_VERSION, verify_salt
 from continuum.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
 from listener.chain import ChainKeys, NewBlocks
 from listener.config import DetokenizeConfig, LimitsConfig, SourceConfig
 from listener.model import CACHE_CLEARED, Emit, PrefixEvent
-from listener.recovery import HttpClient, PromptRecovery, RecoveryJob
+from listener.recovery import EngineClient, HttpClient, PromptRecovery, RecoveryJob
 from listener.tracker import (
     ALL_MEDIA,
     INHERITED_FLAGS,
@@ -102,8 +100,8 @@ class DefaultSourceProcessor:
         emit: Receives every prefix event, in order, from the caller's greenlet.
         salt_secret: The router's cache-salt secret; None: no salt is valid.
         client: HTTP session for ``/tokenize`` and ``/detokenize``; default: a
-            ``requests.Session`` made here (only for sources with a ``detokenize_endpoint``)
-            and closed by :meth:`close`.
+            :class:`~listener.recovery.EngineClient` made here (only for sources with a
+            ``detokenize_endpoint``) and closed by :meth:`close`.
         metrics_hook: Optional ``hook(backend_name, stats())`` after each batch and reset.
         clock: Monotonic seconds (template-learning retry delay).
     """
@@ -117,9 +115,9 @@ class DefaultSourceProcessor:
         self.emit = emit
         self.salt_secret = salt_secret
         self.metrics_hook = metrics_hook
-        self._own_client: requests.Session | None = None
+        self._own_client: EngineClient | None = None
         if client is None and source.detokenize_endpoint:
-            client = self._own_client = requests.Session()
+            client = self._own_client = EngineClient(detok.max_response_bytes)
         self.tracker = BlockTracker(limits)
         self.recovery = PromptRecovery(source, detok, client or _NoClient(), clock=clock)
         self.chain = ChainKeys(self.recovery.detokenize, source.chain_chunk_bytes,
@@ -176,6 +174,7 @@ class DefaultSourceProcessor:
             "pruned_blocks": self.tracker.pruned_blocks,
             "detokenize_calls": recovery.calls,
             "detokenize_errors": recovery.errors,
+            "detokenize_too_large": recovery.too_large,
             "detokenize_cache_hits": recovery.cache_hits,
             **self.counters,
         }

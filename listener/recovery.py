@@ -20,12 +20,18 @@ doubling up to 30 s while failures continue) so that a down or slow engine does 
 the source's event loop. ``calls`` counts every ``/detokenize`` request, template probes
 included.
 
+:class:`EngineClient`, the real client, reads at most ``detokenize.max_response_bytes`` of a
+reply (a longer one is a failed call, counted in ``too_large``) and ignores proxy variables
+such as ``HTTP_PROXY``: the engine is a neighbour on the internal network, and a proxy would
+see the prompts.
+
 Nothing here logs or keeps prompt text, token ids or response bodies: failures are logged
 as an HTTP status or an exception type name.
 """
 
 from __future__ import annotations
 
+import json as jsonlib
 import logging
 import threading
 import time
@@ -34,6 +40,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import requests
 
 from continuum.prefix import prefix_key_from_text, truncate_utf8
 from listener.config import DetokenizeConfig, SourceConfig
@@ -74,6 +82,64 @@ class HttpClient(Protocol):
 
     def post(self, url: str, *, json: Any, timeout: float, allow_redirects: bool) -> Any:
         """POST ``json``; return an :class:`HttpResponse`."""
+
+
+class ReplyTooLarge(ValueError):
+    """An engine reply longer than ``detokenize.max_response_bytes`` (not read further)."""
+
+
+class _Reply:
+    """A fully read, size-checked engine reply: what :class:`HttpResponse` asks for."""
+
+    __slots__ = ("body", "status_code")
+
+    def __init__(self, status_code: int, body: bytes) -> None:
+        self.status_code = status_code
+        self.body = body
+
+    def json(self) -> Any:
+        """The body parsed as JSON."""
+        return jsonlib.loads(self.body)
+
+
+class EngineClient:
+    """The :class:`HttpClient` of a source's ``/tokenize`` and ``/detokenize`` calls.
+
+    A ``requests.Session`` with ``trust_env = False`` (no proxy, ``.netrc`` or CA-bundle
+    variables from the environment), whose replies are read as a stream and cut off after
+    ``max_response_bytes``.
+
+    Args:
+        max_response_bytes: Largest reply body read; a longer one raises
+            :class:`ReplyTooLarge`.
+    """
+
+    def __init__(self, max_response_bytes: int) -> None:
+        self.max_response_bytes = max_response_bytes
+        self.session = requests.Session()
+        self.session.trust_env = False
+
+    def post(self, url: str, *, json: Any, timeout: float, allow_redirects: bool) -> _Reply:
+        """POST ``json`` and read the reply, at most ``max_response_bytes`` of it.
+
+        Raises:
+            ReplyTooLarge: The reply is longer (the connection is then closed).
+            requests.RequestException: The call failed.
+        """
+        limit = self.max_response_bytes
+        with self.session.post(url, json=json, timeout=timeout, stream=True,
+                               allow_redirects=allow_redirects) as resp:
+            length = resp.headers.get("Content-Length", "")
+            if length.isdigit() and int(length) > limit:
+                raise ReplyTooLarge(f"reply of {length} bytes")
+            body = resp.raw.read(limit + 1, decode_content=True)
+        if len(body) > limit:
+            raise ReplyTooLarge(f"reply over {limit} bytes")
+        return _Reply(resp.status_code, body)
+
+    def close(self) -> None:
+        """Close the session's connections."""
+        self.session.close()
 
 
 @dataclass(frozen=True)
@@ -149,7 +215,7 @@ class PromptRecovery:
         self.timeout = detok.timeout_ms / 1000.0
         self.max_concurrent = detok.max_concurrent
         self.cache_entries = detok.cache_entries
-        self.calls = self.errors = self.cache_hits = 0
+        self.calls = self.errors = self.cache_hits = self.too_large = 0
         self._semaphore = threading.BoundedSemaphore(detok.max_concurrent)
         self._lock = threading.Lock()
         self._cache: OrderedDict[int, str] = OrderedDict()
@@ -182,6 +248,7 @@ class PromptRecovery:
         """POST and parse JSON; None (counted, logged without bodies) on any failure."""
         with self._semaphore:
             reason = None
+            too_large = False
             try:
                 resp = self.client.post(url, json=body, timeout=self.timeout,
                                         allow_redirects=False)
@@ -199,8 +266,10 @@ class PromptRecovery:
                         close()
             except Exception as exc:  # timeouts, refused connections, bad JSON, ...
                 reason = type(exc).__name__
+                too_large = isinstance(exc, ReplyTooLarge)
             with self._lock:
                 self.errors += 1
+                self.too_large += too_large
                 self._failures += 1
                 pause = min(PAUSE_MAX_SECONDS,
                             PAUSE_BASE_SECONDS * 2 ** min(self._failures - 1, 16))

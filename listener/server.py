@@ -9,10 +9,16 @@ stream is :meth:`listener.hub.EventHub.stream`, a generator given to Falcon as
 processor's ``stats()`` (one :class:`ListenerCollector`), so nothing on the event path
 touches Prometheus objects. Nothing here exposes event contents, prompts, token ids or
 salts.
+
+With a token (``events_auth``), ``/events`` requires ``Authorization: Bearer <token>``,
+compared in constant time; a missing or wrong one gets 401 before anything else is looked
+at (so unknown backend names are not revealed). A backend with ``max_subscribers`` open
+streams answers 503. ``/health`` and ``/metrics`` stay open: they carry counts only.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import re
@@ -25,7 +31,7 @@ from gevent.pywsgi import WSGIHandler, WSGIServer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from listener.hub import EventHub
+from listener.hub import EventHub, SubscriberLimitError
 from listener.sources import EventSource
 
 __all__ = ["KEEPALIVE_SECONDS", "ListenerCollector", "create_app", "make_server", "parse_listen"]
@@ -52,6 +58,10 @@ SOURCE_COUNTERS: dict[str, tuple[str, str]] = {
                             "Publisher connections refused by allowed_publishers"),
     "processor_errors": ("processor_errors", "Batches the processor failed on"),
     "polls": ("polls", "trtllm-serve /kv_cache_events polls"),
+    "publisher_disconnects": ("publisher_disconnects", "ZMQ publisher connections dropped "
+                              "(a message over limits.max_message_bytes drops one too)"),
+    "pruned_streams": ("pruned_sequence_streams", "(topic, rank) sequence counters dropped "
+                       "beyond limits.max_sequence_streams"),
 }
 #: Processor ``stats()`` keys exported as gauges (values held now); every other key counts
 #: since start and is exported as a counter.
@@ -66,11 +76,26 @@ def _json(resp: falcon.Response, doc: Any, status: str = falcon.HTTP_200) -> Non
 
 
 class _Events:
-    def __init__(self, hub: EventHub, keepalive: float) -> None:
+    def __init__(self, hub: EventHub, keepalive: float, token: str | None) -> None:
         self.hub = hub
         self.keepalive = keepalive
+        self._expected = f"Bearer {token}".encode() if token else None
+        #: Requests refused for a missing or wrong token (exported by ``/metrics``).
+        self.unauthorized = 0
+
+    def _authorized(self, req: falcon.Request) -> bool:
+        if self._expected is None:
+            return True
+        sent = (req.get_header("Authorization") or "").encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(sent, self._expected)
 
     def on_get(self, req: falcon.Request, resp: falcon.Response, backend: str) -> None:
+        if not self._authorized(req):
+            self.unauthorized += 1
+            resp.set_header("WWW-Authenticate", "Bearer")
+            _json(resp, {"error": {"message": "missing or wrong bearer token for /events",
+                                   "type": "authentication_error"}}, falcon.HTTP_401)
+            return
         if not self.hub.has_backend(backend):
             _json(resp, {"error": {"message": f"no event stream for backend {backend!r}",
                                    "type": "not_found", "backends": list(self.hub.backends)}},
@@ -83,7 +108,13 @@ class _Events:
         # one stream per connection: when it ends (draining, overflow) the socket closes
         # too, so a shutdown does not wait for an idle keep-alive connection
         resp.set_header("Connection", "close")
-        resp.stream = self.hub.stream(backend, last_id, self.keepalive)
+        try:
+            resp.stream = self.hub.stream(backend, last_id, self.keepalive)
+        except SubscriberLimitError as exc:
+            resp.set_header("Retry-After", "5")
+            _json(resp, {"error": {"message": f"too many subscribers for backend {backend!r} "
+                                   f"(max_subscribers: {exc.limit})",
+                                   "type": "service_unavailable"}}, falcon.HTTP_503)
 
 
 class _Health:
@@ -113,11 +144,16 @@ class _Metrics:
 
 
 class ListenerCollector:
-    """Prometheus collector over the sources, the hub and the processors, read at scrape."""
+    """Prometheus collector over the sources, the hub and the processors, read at scrape.
 
-    def __init__(self, hub: EventHub, sources: Sequence[EventSource]) -> None:
+    ``events`` (the ``/events`` responder) adds its count of unauthorized requests.
+    """
+
+    def __init__(self, hub: EventHub, sources: Sequence[EventSource],
+                 events: _Events | None = None) -> None:
         self.hub = hub
         self.sources = sources
+        self.events = events
 
     def collect(self) -> Iterator[Metric]:
         """Every listener metric, labelled by backend."""
@@ -140,6 +176,10 @@ class ListenerCollector:
         yield connected
         yield from self._hub()
         yield from self._processors()
+        if self.events is not None:
+            yield CounterMetricFamily(PREFIX + "unauthorized_requests", "/events requests "
+                                      "refused for a missing or wrong bearer token",
+                                      value=self.events.unauthorized)
 
     def _hub(self) -> Iterator[Metric]:
         out = CounterMetricFamily(PREFIX + "events_out", "Prefix events published on the "
@@ -147,6 +187,8 @@ class ListenerCollector:
                                   labels=["backend", "event"])
         overflows = CounterMetricFamily(PREFIX + "buffer_overflows", "Slow subscribers closed "
                                         "with buffer_overflow", labels=["backend"])
+        refused = CounterMetricFamily(PREFIX + "subscriptions_refused", "Subscriptions refused "
+                                      "with 503 at max_subscribers", labels=["backend"])
         resumes = CounterMetricFamily(PREFIX + "subscriptions", "Subscriptions by how they "
                                       "started (history: resumed from Last-Event-ID; "
                                       "snapshot: cache_cleared + snapshot)",
@@ -160,11 +202,12 @@ class ListenerCollector:
             for event, count in sorted(counters.events_out.items()):
                 out.add_metric([backend, event], count)
             overflows.add_metric([backend], counters.overflows)
+            refused.add_metric([backend], counters.refused)
             resumes.add_metric([backend, "history"], counters.resumes_history)
             resumes.add_metric([backend, "snapshot"], counters.resumes_snapshot)
             subscribers.add_metric([backend], self.hub.subscribers(backend))
             prefixes.add_metric([backend], self.hub.view_size(backend))
-        yield from (out, overflows, resumes, subscribers, prefixes)
+        yield from (out, overflows, refused, resumes, subscribers, prefixes)
 
     def _processors(self) -> Iterator[Metric]:
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
@@ -196,6 +239,7 @@ def create_app(
     *,
     keepalive: float = KEEPALIVE_SECONDS,
     registry: CollectorRegistry | None = None,
+    token: str | None = None,
 ) -> falcon.App[falcon.Request, falcon.Response]:
     """The listener's WSGI app.
 
@@ -204,12 +248,14 @@ def create_app(
         sources: The running sources (for ``/health`` and ``/metrics``).
         keepalive: Seconds of silence before a ``: keepalive`` comment on a stream.
         registry: Where :class:`ListenerCollector` is registered (default: a new one).
+        token: The bearer token ``/events`` requires (None: open).
     """
     if registry is None:
         registry = CollectorRegistry(auto_describe=False)
-    registry.register(ListenerCollector(hub, sources))
+    events = _Events(hub, keepalive, token)
+    registry.register(ListenerCollector(hub, sources, events))
     app = falcon.App()
-    app.add_route("/events/{backend}", _Events(hub, keepalive))
+    app.add_route("/events/{backend}", events)
     app.add_route("/health", _Health(hub, sources))
     app.add_route("/metrics", _Metrics(registry))
     return app

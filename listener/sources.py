@@ -40,6 +40,8 @@ class SourceStats:
     rejected_publishers: int = 0
     processor_errors: int = 0
     polls: int = 0
+    publisher_disconnects: int = 0
+    pruned_streams: int = 0
     poll_errors: dict[str, int] = field(default_factory=dict)
 
     def counters(self) -> dict[str, int]:

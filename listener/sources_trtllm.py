@@ -42,6 +42,7 @@ from urllib.parse import urlsplit
 import gevent
 import requests
 
+from continuum.config.addresses import redact_url
 from continuum.kv_events import KvEvent, KvEventBatch
 from listener.config import SourceConfig
 from listener.decode import DecodeError, TrtllmEvent, decode_trtllm_events
@@ -122,9 +123,7 @@ class TrtllmSource(EventSource):
         return doc
 
     def _safe_url(self) -> str:
-        parts = urlsplit(self.url)
-        netloc = parts.netloc.rpartition("@")[2]  # never show credentials
-        return f"{parts.scheme}://{netloc}{parts.path}"
+        return redact_url(self.url)  # never show credentials
 
     def _poll_loop(self) -> None:
         delay = self.interval

@@ -1,6 +1,6 @@
 """ZeroMQ KV-event sources (vLLM, SGLang): a SUB socket feeding one backend's processor.
 
-``kv-events.md`` §1: each message is ``[topic, seq, payload]``, ``seq`` an 8-byte big-endian
+``docs/kv-events.md`` §1: each message is ``[topic, seq, payload]``, ``seq`` an 8-byte big-endian
 counter from 0 per publisher. The source binds (engines connect to it) or connects, per
 ``zmq_mode``; it keeps polling its socket from a greenlet (a bound SUB's subscription only
 reaches a connecting PUB once the SUB is serviced, §1.4). Sockets come from ``zmq.green``.
@@ -33,13 +33,22 @@ applied in order, duplicates dropped; if it does not reach back to ``E`` (or ret
 the state is reset before applying what it returned. A malformed message is counted
 (``decode_errors``) and skipped; the hole it leaves is then a gap like any other. A reset
 calls :meth:`~listener.model.SourceProcessor.reset`, which emits ``cache_cleared``; two
-resets with nothing applied in between collapse into one.
+resets with nothing applied in between collapse into one. The table keeps the
+``limits.max_sequence_streams`` most recently used keys (counted in ``pruned_streams`` when
+one is dropped): a key seen again after that starts over as a first message.
+
+**Message size.** The SUB socket has ``ZMQ_MAXMSGSIZE`` = ``limits.max_message_bytes``:
+libzmq refuses a larger message part from its length header, before allocating it, and
+drops that publisher's connection (the engine reconnects at once). libzmq gives no reason
+for a disconnect, so it is counted with every other one in ``publisher_disconnects``; the
+lost batch then shows up as a sequence gap.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from typing import Any
 
 import zmq.green as zmq
@@ -47,7 +56,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from continuum.errors import ConfigIssue
 from continuum.kv_events import KvEventBatch
-from listener.config import SourceConfig
+from listener.config import LimitsConfig, SourceConfig
 from listener.decode import DecodeError, decode_zmq_frames, decode_zmq_payload
 from listener.model import SourceProcessor
 from listener.sources import EventSource, SourceStats
@@ -176,12 +185,14 @@ class ZmqSource(EventSource):
         processor: Its processor.
         context: A ``zmq.green`` context (one per listener).
         zap: The context's ZAP authenticator (required in bind mode).
+        limits: ``max_message_bytes`` and ``max_sequence_streams`` (defaults when None).
     """
 
     transport = "zmq"
 
     def __init__(self, config: SourceConfig, processor: SourceProcessor, *, context: Any,
-                 zap: ZapAuthenticator | None = None) -> None:
+                 zap: ZapAuthenticator | None = None,
+                 limits: LimitsConfig | None = None) -> None:
         super().__init__(config, processor)
         if not config.zmq_endpoint:
             raise ValueError(f"source {self.backend} has no zmq_endpoint")
@@ -197,7 +208,10 @@ class ZmqSource(EventSource):
         self._socket: Any = None
         self._monitor: Any = None
         self._peers: set[int] = set()
-        self._expected: dict[_Key, int] = {}
+        limits = limits or LimitsConfig()
+        self.max_message_bytes = limits.max_message_bytes
+        self.max_streams = limits.max_sequence_streams
+        self._expected: OrderedDict[_Key, int] = OrderedDict()  # least recently used first
         self._dup_floor: dict[_Key, int] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -208,6 +222,7 @@ class ZmqSource(EventSource):
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, RCVHWM)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             sock.setsockopt(zmq.SUBSCRIBE, self.config.zmq_topic.encode())
             self._monitor = sock.get_monitor_socket(
                 zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
@@ -256,7 +271,8 @@ class ZmqSource(EventSource):
         """Connection state, peers and the last sequence number per stream."""
         doc = super().health()
         doc.update(mode=self.config.zmq_mode, endpoint=self.endpoint, peers=len(self._peers),
-                   rejected_publishers=self.stats.rejected_publishers)
+                   rejected_publishers=self.stats.rejected_publishers,
+                   sequence_streams=len(self._expected))
         return doc
 
     def _rejected(self, peer: str) -> None:
@@ -273,6 +289,7 @@ class ZmqSource(EventSource):
                 self._peers.add(event["value"])
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self._peers.discard(event["value"])
+                self.stats.publisher_disconnects += 1
             idle = "listening" if self.config.zmq_mode == "bind" else "connecting"
             self.state = "connected" if self._peers else idle
 
@@ -342,8 +359,19 @@ class ZmqSource(EventSource):
             if seq > start:
                 self._reset(what)
         self._apply(batch)
-        self._expected[key] = seq + 1
+        self._set_expected(key, seq + 1)
         self._dup_floor.pop(key, None)
+
+    def _set_expected(self, key: _Key, following: int) -> None:
+        """Record the next number of ``key`` as its most recent use; drop the least
+        recently used key beyond ``max_sequence_streams``."""
+        expected = self._expected
+        expected[key] = following
+        expected.move_to_end(key)
+        while len(expected) > self.max_streams:
+            old, _ = expected.popitem(last=False)
+            self._dup_floor.pop(old, None)
+            self.stats.pruned_streams += 1
 
     def catch_up(self) -> int:
         """Replay the engine's whole buffer at start; return how many batches were applied.
@@ -376,7 +404,7 @@ class ZmqSource(EventSource):
             if expected is not None and seq > expected:
                 self._reset(f"start-up replay has no batches {expected}..{seq - 1}")
             self._apply(batch)
-            self._expected[key] = seq + 1
+            self._set_expected(key, seq + 1)
             self._dup_floor[key] = 0
             applied += 1
         log.info("%s: start-up replay applied %d batch(es)", self.backend, applied)
@@ -413,6 +441,6 @@ class ZmqSource(EventSource):
             applied += 1
             following = seq + 1
         log.info("%s: replayed %d batch(es) from %d", self.backend, applied, start)
-        self._expected[key] = following
+        self._set_expected(key, following)
         self._dup_floor[key] = start
         return True

@@ -4,7 +4,8 @@ Each reader takes a value from ``msgpack.unpackb`` or ``json.loads`` plus its lo
 either returns it typed or raises :class:`~listener.errors.DecodeError` naming the location.
 
 **Canonical block hash.** :func:`canonical_block_hash` turns every wire representation of a
-block hash (``shared/formats/kv-events.md`` §5) into one form, an *unsigned 64-bit int*:
+block hash (``docs/kv-events.md`` §5, "Block hashes on the wire") into one form, an
+*unsigned 64-bit int*:
 
 * an int in [0, 2**64) is kept (vLLM uint64, TensorRT-LLM ``size_t``);
 * a negative int64 (SGLang) is taken modulo 2**64, i.e. the same 8 bytes read unsigned;

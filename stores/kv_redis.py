@@ -19,7 +19,7 @@ is one ``MULTI``/``EXEC`` pipeline. A ``cache_evicted`` that demotes GpuHot to S
 must read the current tier first, so it is a small Lua script (atomic, one round trip;
 ``EVALSHA``, loaded on first use). ``cache_cleared`` walks the backend's set with ``ZSCAN``
 and removes its entries in pipelined batches. The scripts touch keys of different hash
-slots: Redis Cluster is not supported (the shared :class:`~continuum.redis_link.RedisLink`
+slots: Redis Cluster is not supported (the shared :class:`~stores.redis_link.RedisLink`
 is a plain client anyway).
 
 Reads: ``query_backends`` pipelines ``ZREVRANGEBYSCORE key +inf -inf WITHSCORES`` and
@@ -48,8 +48,9 @@ same call, so a query costs one round trip whatever the chain's length.
 Fallback: while the link is in fallback, ``apply``/``query_backends``/``clear`` use an
 in-memory :class:`~stores.kv_memory.InMemoryKvIndex` with the same settings; both link
 transitions empty it (what it holds Redis never saw; the listener streams rebuild the
-index). Other Redis errors (an error reply) are raised as ``StoreError``: the consumer
-counts the event as dropped, the scorer treats the query as empty.
+index). Other Redis errors (an error reply, or a reply that cannot be parsed or has the wrong
+shape) are raised as ``StoreError``: the consumer counts the event as dropped, the scorer
+treats the query as empty.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ from stores.kv_memory import (
     rank_key,
     transition_table,
 )
+from stores.redis_link import lease_link
 from stores.redis_store import SCAN_COUNT, UNREACHABLE, glob_escape
 
 if TYPE_CHECKING:
@@ -91,7 +93,8 @@ if TYPE_CHECKING:
 
     from continuum.config import RouterConfig
     from continuum.metrics import RouterMetrics
-    from continuum.redis_link import RedisLink
+    from continuum.resources import WorkerResources
+    from stores.redis_link import RedisLink
 
 Clock = Callable[[], float]
 
@@ -246,6 +249,8 @@ class RedisKvIndex(KvCacheIndex):
         treat_eviction_as_offload: ``cache_evicted`` of a GpuHot entry demotes it.
         clock: wall-clock seconds, stored as ``updated_at`` (shared by routers, so not
             monotonic).
+        release: what :meth:`close` calls to hand the link back (:meth:`from_config`
+            passes its lease's); a link the caller passed in itself stays open.
 
     Raises:
         ValueError: empty ``key_prefix`` (``clear`` would match every key).
@@ -263,10 +268,12 @@ class RedisKvIndex(KvCacheIndex):
         storage_offloading: bool = False,
         treat_eviction_as_offload: bool = True,
         clock: Clock = time.time,
+        release: Callable[[], None] | None = None,
     ) -> None:
         if not key_prefix:
             raise ValueError("RedisKvIndex needs a non-empty key_prefix")
         self._link = link
+        self._release = release
         self.key_prefix = key_prefix
         self.entry_ttl_seconds = entry_ttl_seconds
         self._ttl = max(1, math.ceil(entry_ttl_seconds))
@@ -297,25 +304,34 @@ class RedisKvIndex(KvCacheIndex):
         cls,
         config: RouterConfig,
         *,
-        redis: RedisLink | None = None,
+        resources: WorkerResources | None = None,
         metrics: RouterMetrics | None = None,
         **_: Any,
     ) -> RedisKvIndex:
-        """The index for ``config.kv_cache_index`` on the app's shared link.
+        """The index for ``config.kv_cache_index``, on the link for
+        ``response_cache.redis`` leased from the worker's ``resources`` (the response
+        cache's pool when it is on Redis too). It keeps that link until closed: a reload
+        that gives the response cache new Redis settings leaves the index where it is.
 
         Raises:
-            ValueError: no ``redis`` link was passed.
+            ValueError: no ``resources`` were passed (the service passes its own).
         """
-        if redis is None:
+        if resources is None:
             raise ValueError(
-                "kv_cache_index.backend is 'redis' but no Redis link was given: pass "
-                "redis=RedisLink(config.response_cache.redis) to RedisKvIndex.from_config"
+                "kv_cache_index.backend is 'redis' but no worker resources were given: pass "
+                "resources=WorkerResources() to RedisKvIndex.from_config"
             )
         kv = config.kv_cache_index
-        return cls(redis, key_prefix=kv.redis_key_prefix,
-                   entry_ttl_seconds=kv.entry_ttl_seconds, max_entries=kv.max_entries,
-                   storage_offloading=kv.storage_offloading.enabled,
-                   treat_eviction_as_offload=kv.storage_offloading.treat_eviction_as_offload)
+        lease = lease_link(resources, config.response_cache.redis, metrics)
+        try:
+            return cls(lease.resource, key_prefix=kv.redis_key_prefix,
+                       entry_ttl_seconds=kv.entry_ttl_seconds, max_entries=kv.max_entries,
+                       storage_offloading=kv.storage_offloading.enabled,
+                       treat_eviction_as_offload=kv.storage_offloading.treat_eviction_as_offload,
+                       release=lease.release)
+        except BaseException:
+            lease.release()
+            raise
 
     @property
     def link(self) -> RedisLink:
@@ -344,10 +360,14 @@ class RedisKvIndex(KvCacheIndex):
         self._fallback.start()
 
     def close(self) -> None:
-        """Stop listening to the link and drop the fallback; the link itself stays open."""
+        """Stop listening to the link, drop the fallback and hand the link back (a leased
+        link closes once its last user is done; one passed in stays open)."""
         self._closed = True
         self._fallback.close()
         self._fallback.clear()
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     def apply(self, backend: str, event: str, prefix_hash: str, token_count: int = 0) -> None:
         """Apply one event from ``backend`` (transitions as in :mod:`stores.kv_memory`).
@@ -379,13 +399,23 @@ class RedisKvIndex(KvCacheIndex):
             return self._fallback.query_backends(prefix_hash)
         key = self.prefix_key(prefix_hash)
         try:
-            ranked, tiers = self._link.execute("kv_query", partial(_query, key, key + ":tier"))
+            # Parsed inside execute(): a reply of the wrong shape is a StoreError too.
+            holdings = self._link.execute("kv_query", partial(self._holdings, key))
         except StoreError as exc:
             if exc.kind not in UNREACHABLE:
                 raise
             return self._fallback.query_backends(prefix_hash)
-        if not ranked:
+        if not holdings:
             return EMPTY
+        with self._counts_lock:
+            self._hits += 1
+        return holdings
+
+    def _holdings(self, key: str, client: redis.Redis) -> tuple[KvHolding, ...]:
+        """Query ``key`` and its tiers; the unexpired holders, ranked."""
+        ranked, tiers = _query(key, key + ":tier", client)
+        if not ranked:
+            return ()
         cutoff = self._clock() - self.entry_ttl_seconds
         holdings = []
         for member, score in ranked:
@@ -393,11 +423,7 @@ class RedisKvIndex(KvCacheIndex):
             if updated_at and updated_at <= cutoff:
                 continue  # the key is fresh, this backend's entry is not
             holdings.append(KvHolding(member.decode(), int(score), tier, updated_at))
-        if not holdings:
-            return EMPTY
         holdings.sort(key=rank_key)
-        with self._counts_lock:
-            self._hits += 1
         return tuple(holdings)
 
     def apply_chain(self, backend: str, event: str, entries: Sequence[tuple[str, int]],
@@ -585,7 +611,7 @@ class RedisKvIndex(KvCacheIndex):
         while True:
             cursor, keys = self._link.execute("kv_scan", partial(self._scan_step, cursor))
             # The prefix check is a second line of defence against unlinking a foreign key.
-            mine = [k for k in keys if k.startswith(prefix)]
+            mine = [k for k in keys if isinstance(k, bytes) and k.startswith(prefix)]
             if mine:
                 removed += self._link.execute("kv_clear", partial(self._unlink_batch, mine))
             if cursor == 0:

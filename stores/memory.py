@@ -82,6 +82,12 @@ class InMemoryCacheStore(CacheStore):
         """The store for ``response_cache.capacity``, reporting to ``metrics`` if given."""
         return cls(config.response_cache.capacity, metrics=metrics)
 
+    def reconfigure(self, config: RouterConfig, **_: Any) -> None:
+        """A reloaded ``response_cache.capacity`` resizes this store in place (entries
+        kept); nothing to replace."""
+        if config.response_cache.capacity != self.capacity:
+            self.resize(config.response_cache.capacity)
+
     def get(self, key: str) -> bytes | None:
         """The value under ``key``; None when absent or expired (an expired one is dropped)."""
         with self._lock:

@@ -2,8 +2,11 @@
 
 Keys are ``<key_prefix><key>`` (``cr:resp:<hex>`` by default); values are stored as-is
 with ``SET … EX``. Every command goes through the worker's shared
-:class:`~continuum.redis_link.RedisLink`, which times it, counts failures, wraps them in
-:class:`~continuum.errors.StoreError` and owns the fallback flag.
+:class:`~stores.redis_link.RedisLink`, which times it, counts failures, wraps them in
+:class:`~continuum.errors.StoreError` and owns the fallback flag. The store leases that link
+from the worker's resources and hands it back when closed; new ``response_cache.redis``
+settings on reload make :meth:`RedisCacheStore.reconfigure` build a replacement store on a
+link for them.
 
 Fallback: while the link is in fallback (set by the first connection error or timeout,
 cleared by its probe), ``get``/``set``/``delete``/``clear`` use an in-memory
@@ -27,13 +30,15 @@ from typing import TYPE_CHECKING, Any
 from continuum.errors import StoreError
 from continuum.interfaces import CacheStore, CacheStoreStats
 from stores.memory import InMemoryCacheStore
+from stores.redis_link import lease_link
 
 if TYPE_CHECKING:
     import redis
 
     from continuum.config import RedisConfig, RouterConfig
     from continuum.metrics import RouterMetrics
-    from continuum.redis_link import RedisLink
+    from continuum.resources import WorkerResources
+    from stores.redis_link import RedisLink
 
 #: ``StoreError`` kinds meaning "Redis is unreachable": the link is (now) in fallback.
 UNREACHABLE = frozenset({"fallback", "connection", "timeout"})
@@ -68,6 +73,8 @@ class RedisCacheStore(CacheStore):
         link: the worker's shared Redis link (one pool, one fallback flag).
         config: settings for this store — ``key_prefix`` and the ``fallback_*`` keys;
             defaults to ``link.config``.
+        release: what :meth:`close` calls to hand the link back (:meth:`from_config`
+            passes its lease's); a link the caller passed in itself stays open.
 
     Raises:
         ValueError: ``key_prefix`` is empty (``clear`` would match every key).
@@ -75,11 +82,14 @@ class RedisCacheStore(CacheStore):
 
     name = "redis"
 
-    def __init__(self, link: RedisLink, config: RedisConfig | None = None) -> None:
+    def __init__(self, link: RedisLink, config: RedisConfig | None = None, *,
+                 release: Callable[[], None] | None = None) -> None:
         config = config if config is not None else link.config
         if not config.key_prefix:
             raise ValueError("RedisCacheStore needs a non-empty key_prefix")
         self._link = link
+        self._config = config
+        self._release = release
         self.key_prefix = config.key_prefix
         self._prefix_bytes = config.key_prefix.encode()
         self._pattern = glob_escape(config.key_prefix) + "*"
@@ -98,22 +108,36 @@ class RedisCacheStore(CacheStore):
         cls,
         config: RouterConfig,
         *,
-        redis: RedisLink | None = None,
+        resources: WorkerResources | None = None,
         metrics: RouterMetrics | None = None,
         **_: Any,
     ) -> RedisCacheStore:
-        """The store for ``response_cache.redis`` on the app's shared link.
+        """The store for ``response_cache.redis``, on the link for those settings leased
+        from the worker's ``resources`` (shared with a Redis KV index on the same settings).
 
         Raises:
-            ValueError: no ``redis`` link was passed (the app builds one when
-                ``response_cache.backend`` is ``redis``).
+            ValueError: no ``resources`` were passed (the service passes its own).
         """
-        if redis is None:
+        if resources is None:
             raise ValueError(
-                "response_cache.backend is 'redis' but no Redis link was given: pass "
-                "redis=RedisLink(config.response_cache.redis) to RedisCacheStore.from_config"
+                "response_cache.backend is 'redis' but no worker resources were given: pass "
+                "resources=WorkerResources() to RedisCacheStore.from_config"
             )
-        return cls(redis, config.response_cache.redis)
+        settings = config.response_cache.redis
+        lease = lease_link(resources, settings, metrics)
+        try:
+            return cls(lease.resource, settings, release=lease.release)
+        except BaseException:
+            lease.release()
+            raise
+
+    def reconfigure(self, config: RouterConfig, **collaborators: Any) -> CacheStore | None:
+        """New ``response_cache.redis`` settings: a new store on a link for them (the
+        service swaps it in and closes this one, which hands the old link back). Same
+        settings: None, this store goes on."""
+        if config.response_cache.redis == self._config:
+            return None
+        return self.from_config(config, **collaborators)
 
     @property
     def link(self) -> RedisLink:
@@ -129,10 +153,14 @@ class RedisCacheStore(CacheStore):
         self._link.start()
 
     def close(self) -> None:
-        """Stop listening to the link and drop the fallback; the link itself stays open."""
+        """Stop listening to the link, drop the fallback and hand the link back (a leased
+        link closes once its last user is done; one passed in stays open)."""
         self._closed = True
         if self._fallback is not None:
             self._fallback.clear()
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     def get(self, key: str) -> bytes | None:
         """The value under ``key``, from Redis or, during an outage, from the fallback.
@@ -255,7 +283,8 @@ class RedisCacheStore(CacheStore):
             cursor, keys = self._run("scan", partial(_scan_step, cursor, self._pattern))
             # MATCH is exact for an escaped prefix; the check is a second line of defence
             # against ever unlinking a key that is not ours.
-            mine = [k for k in keys if _as_bytes(k).startswith(prefix)]
+            mine = [k for k in keys
+                    if isinstance(k, (bytes, str)) and _as_bytes(k).startswith(prefix)]
             if mine:
                 removed += int(self._run("clear", partial(_unlink_all, mine)))
             if cursor == 0:

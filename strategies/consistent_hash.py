@@ -6,13 +6,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from continuum.errors import NoHealthyBackendError
-from continuum.hashring import DEFAULT_VIRTUAL_NODES, HashRing, stable_hash
 from continuum.interfaces import SelectionStrategy
+from continuum.routing.hashring import DEFAULT_VIRTUAL_NODES, HashRing, stable_hash
 
 if TYPE_CHECKING:
-    from continuum.backends import Backend
     from continuum.config import RouterConfig
     from continuum.request import RequestContext
+    from continuum.routing.backends import Backend
 
 #: Distinct candidate sets remembered; more than this (a flapping fleet) starts over.
 _MAX_RINGS = 64
@@ -23,7 +23,7 @@ _MAX_KEYS = 4096
 class ConsistentHash(SelectionStrategy):
     """Sends every request for a model to the same backend, via a consistent-hash ring.
 
-    The ring (see :class:`continuum.hashring.HashRing`, 150 virtual nodes per backend)
+    The ring (see :class:`continuum.routing.hashring.HashRing`, 150 virtual nodes per backend)
     uses stable hashes, so every worker and every router instance agrees on the owner of
     a model, and removing one of N backends moves only about 1/N of the models. Rings are
     built once per distinct tuple of candidate names and cached, as are the model names'

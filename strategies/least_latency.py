@@ -9,9 +9,9 @@ from continuum.errors import NoHealthyBackendError
 from continuum.interfaces import SelectionStrategy
 
 if TYPE_CHECKING:
-    from continuum.backends import Backend
     from continuum.config import RouterConfig
     from continuum.request import RequestContext
+    from continuum.routing.backends import Backend
 
 #: Sorts below every real latency, so backends with no sample yet are tried first.
 _UNSAMPLED = -1.0
@@ -26,7 +26,7 @@ class LeastLatency(SelectionStrategy):
     to the tied candidates in turn (a counter that advances on every tied call), so a tied
     group shares the load instead of the first in config order taking all of it.
 
-    EWMAs are per worker (see :class:`continuum.backends.Backend`).
+    EWMAs are per worker (see :class:`continuum.routing.backends.Backend`).
     """
 
     name: ClassVar[str] = "LeastLatency"

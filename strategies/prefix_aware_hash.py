@@ -1,7 +1,7 @@
 """PrefixAwareHash: consistent hashing with bounded loads (CHWBL) over prefix keys.
 
 Requests with a prefix key go to the key's owner on the ring (multi-probe lookup, see
-:meth:`continuum.hashring.HashRing.lookup_probes`) while the owner carries
+:meth:`continuum.routing.hashring.HashRing.lookup_probes`) while the owner carries
 fewer than ``bound = ceil((1 + epsilon) * (in_flight_total + 1) / N)`` requests; a full
 owner passes the request clockwise to the first backend under the bound. Requests
 without a key hash the model name and take the first node with no bound (the
@@ -14,37 +14,33 @@ once per ``select``:
   * ``fallback``: no prefix key; model-name hash, no bound.
 
 Behind the KV scorer with ``kv_cache_index.match: chain`` the ring position comes from
-``ctx.state["route_key"]`` when the request has one (the chain key of a document in the
-user turn, see :attr:`continuum.prefix_chain.PrefixChain.route_key`) instead of the
-system-prompt key, so that new documents behind one system prompt spread over the fleet.
+:attr:`~continuum.request.RequestContext.route_key` (the chain key of a document in the user
+turn, when the request has one) instead of the system-prompt key, so that new documents
+behind one system prompt spread over the fleet.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from continuum.cardinality import DistinctCounter
 from continuum.config import PrefixRoutingConfig
 from continuum.errors import NoHealthyBackendError
+from continuum.interfaces import PrefixRoutingDecisions, PrefixRoutingSettings, PrefixRoutingStats
 from strategies.consistent_hash import ConsistentHash
 
 if TYPE_CHECKING:
-    from continuum.backends import Backend
     from continuum.config import RouterConfig
     from continuum.metrics import RouterMetrics
     from continuum.request import RequestContext
+    from continuum.routing.backends import Backend
 
 PREFIX_HASH = "prefix_hash"
 OVERFLOW = "overflow"
 FALLBACK = "fallback"
-
-
-def route_key(ctx: RequestContext) -> bytes | None:
-    """The key the ring places ``ctx`` by: the KV scorer's route key, else the prefix key."""
-    key: bytes | None = ctx.state.get("route_key")
-    return key if key is not None else ctx.prefix_key
 
 
 def load_bound(candidates: Sequence[Backend], epsilon: float) -> int:
@@ -93,7 +89,7 @@ class PrefixAwareHash(ConsistentHash):
         """The choice, its label and the load bound, without recording anything."""
         if not candidates:
             raise NoHealthyBackendError("no healthy backend to select from")
-        key = route_key(ctx)
+        key = ctx.route_key
         if key is None:
             return super().select(candidates, ctx), FALLBACK, None
         ring = self.ring(candidates)
@@ -123,13 +119,14 @@ class PrefixAwareHash(ConsistentHash):
     def explain(self, candidates: Sequence[Backend], ctx: RequestContext) -> dict[str, Any]:
         """What :meth:`select` would do for ``ctx`` and why, changing nothing."""
         backend, label, bound = self.decide(candidates, ctx)
-        if ctx.prefix_key is None:
+        key = ctx.route_key
+        if key is None:
             ring = self.ring(candidates)
             order = [candidates[i].name for i in ring.walk_indices(ctx.model.encode())]
             reason = "no prefix key: model-name hash, first backend clockwise, no load bound"
         else:
             ring = self.ring(candidates)
-            start = ring.lookup_probes(route_key(ctx) or ctx.prefix_key)
+            start = ring.lookup_probes(key)
             order = [candidates[i].name for i in ring.walk_indices_at(start)]
             reason = {
                 PREFIX_HASH: "the key's owner is under the load bound"
@@ -141,20 +138,25 @@ class PrefixAwareHash(ConsistentHash):
                 "load_bound": bound, "ring_order": order}
 
     def stats(self) -> dict[str, Any]:
+        """:meth:`prefix_routing_stats` as a dict."""
+        return asdict(self.prefix_routing_stats())
+
+    def prefix_routing_stats(self) -> PrefixRoutingStats:
         """Decisions, overflow rate, unique prefixes and the live config."""
         total = sum(self.decisions.values())
         settings = self.settings
-        return {
-            "config": {
-                "max_prefix_length": settings.max_prefix_length,
-                "load_factor_epsilon": settings.load_factor_epsilon,
-                "virtual_nodes": self._virtual_nodes,
-                "anthropic_cache_control_injection": settings.anthropic_cache_control_injection,
-            },
-            "routing_decisions": {
-                "total": total,
-                **self.decisions,
-                "overflow_rate": f"{(self.decisions[OVERFLOW] / total if total else 0.0):.4f}",
-            },
-            "unique_prefixes": self.prefixes.count(),
-        }
+        overflow = self.decisions[OVERFLOW]
+        return PrefixRoutingStats(
+            config=PrefixRoutingSettings(
+                max_prefix_length=settings.max_prefix_length,
+                load_factor_epsilon=settings.load_factor_epsilon,
+                virtual_nodes=self._virtual_nodes,
+                anthropic_cache_control_injection=settings.anthropic_cache_control_injection,
+            ),
+            routing_decisions=PrefixRoutingDecisions(
+                total=total, prefix_hash=self.decisions[PREFIX_HASH], overflow=overflow,
+                fallback=self.decisions[FALLBACK],
+                overflow_rate=f"{(overflow / total if total else 0.0):.4f}",
+            ),
+            unique_prefixes=self.prefixes.count(),
+        )

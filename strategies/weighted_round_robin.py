@@ -9,9 +9,9 @@ from continuum.errors import NoHealthyBackendError
 from continuum.interfaces import SelectionStrategy
 
 if TYPE_CHECKING:
-    from continuum.backends import Backend
     from continuum.config import RouterConfig
     from continuum.request import RequestContext
+    from continuum.routing.backends import Backend
 
 
 class WeightedRoundRobin(SelectionStrategy):

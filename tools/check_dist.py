@@ -7,12 +7,13 @@ venv cannot be made):
 
 * the wheel's top-level packages are exactly :data:`EXPECTED_TOP_LEVEL` (no ``tests`` or
   ``tools``), from its RECORD and its ``top_level.txt``;
-* ``continuum/py.typed`` is in the wheel;
+* ``continuum/py.typed`` is in the wheel, and so is ``LICENSE`` (in its ``.dist-info``);
 * the console scripts are exactly :data:`EXPECTED_CONSOLE_SCRIPTS`;
 * the installed distribution's entry points (every group, name and target) are those of
   ``setup.cfg``'s ``[options.entry_points]``, and every target imports;
 * in the venv, ``continuum`` is imported from the venv (not this checkout), its version is
-  ``continuum.__version__`` of the source, and ``continuum-router config defaults`` runs.
+  ``continuum.__version__`` of the source, ``continuum-router config defaults`` runs, and
+  each console script's ``--version`` prints ``<script> <version>``.
 
 The source tree is copied to a temp dir before building so the build leaves nothing behind
 in the checkout. Installing the wheel's dependencies uses pip's configured index and cache.
@@ -176,6 +177,10 @@ def check_wheel(wheel: Path, checks: Checks) -> None:
                      f"found {sorted(top_level_txt)}")
     for required in REQUIRED_FILES:
         checks.check(required in files, f"{required} is in the wheel")
+    # setuptools puts license_files in .dist-info/ or, since metadata 2.4, .dist-info/licenses/
+    licenses = [path for path in files
+                if path.startswith(f"{di}/") and path.rsplit("/", 1)[-1] == "LICENSE"]
+    checks.check(len(licenses) == 1, "LICENSE is in the wheel's .dist-info", str(licenses))
 
     eps = configparser.ConfigParser(interpolation=None, delimiters=("=",))
     eps.optionxform = str  # type: ignore[assignment,method-assign]  # names are case-sensitive
@@ -235,7 +240,13 @@ def check_installed(venv: Path, tmp: Path, checks: Checks) -> None:
                  json.dumps(info["load_errors"]))
 
     for script in sorted(EXPECTED_CONSOLE_SCRIPTS):
-        checks.check((venv / "bin" / script).exists(), f"bin/{script} is installed")
+        path = venv / "bin" / script
+        checks.check(path.exists(), f"bin/{script} is installed")
+        if path.exists():
+            proc = run([str(path), "--version"], cwd=tmp, env=env, timeout=120)
+            checks.check(proc.returncode == 0 and proc.stdout == f"{script} {version}\n",
+                         f"`{script} --version` prints `{script} {version}`",
+                         f"exit {proc.returncode}: {proc.stdout!r} {proc.stderr[-500:]!r}")
     router = venv / "bin" / "continuum-router"
     if router.exists():
         proc = run([str(router), "config", "defaults"], cwd=tmp, env=env, timeout=120)

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import yaml
 
 from continuum.config.fields import Issues, build_section, walk
 from continuum.config.fields import defaults_text as render_defaults
+from continuum.config.loader import read_yaml
 from continuum.config.schema import (
     AdminConfig,
     AuthConfig,
@@ -89,6 +87,11 @@ def check_config(
             registry.load("continuum.strategies", config.selection_strategy)
         except PluginError as exc:
             issues.error("selection_strategy", exc.message, config.selection_strategy)
+        for i, name in enumerate(config.scorers):
+            try:
+                registry.load("continuum.scorers", name)
+            except PluginError as exc:
+                issues.error(f"scorers[{i}]", exc.message, name)
         try:
             registry.load("continuum.cache_stores", config.response_cache.backend)
         except PluginError as exc:
@@ -99,30 +102,22 @@ def check_config(
             except PluginError as exc:
                 issues.error("kv_cache_index.backend", exc.message,
                              config.kv_cache_index.backend)
+    issues.redact(RouterConfig)
     return CheckResult(None if issues.errors else config, issues.errors, issues.warnings, source)
-
-
-def _read_yaml(path: str | os.PathLike[str]) -> Any:
-    text = Path(path).read_text(encoding="utf-8")
-    try:
-        return yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "<document>"
-        raise ConfigError([ConfigIssue(where, f"invalid YAML: {exc}")], str(path)) from None
 
 
 def check_config_file(
     path: str | os.PathLike[str], registry: PluginRegistry | None = None
 ) -> CheckResult:
-    """Read and check a config file (``continuum-router config validate``)."""
+    """Read and check a config file (``continuum-router config validate``): every issue
+    carries the ``line:column`` of its key, and duplicate keys are errors."""
     try:
-        data = _read_yaml(path)
+        doc = read_yaml(path)
     except ConfigError as exc:
         return CheckResult(None, exc.issues, [], str(path))
-    except OSError as exc:
-        return CheckResult(None, [ConfigIssue("<file>", f"cannot read: {exc}")], [], str(path))
-    return check_config(data, str(path), registry)
+    result = check_config(doc.data, str(path), registry)
+    errors = doc.annotate(result.errors, result.warnings)
+    return CheckResult(None if errors else result.config, errors, result.warnings, str(path))
 
 
 def parse_config(

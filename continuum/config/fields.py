@@ -14,8 +14,10 @@ import re
 import types
 import typing
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Union
 
+from continuum.config.addresses import redact_url
 from continuum.errors import ConfigIssue
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
@@ -37,6 +39,8 @@ def parse_duration(value: Any) -> float:
 
 def format_duration(seconds: float) -> str:
     """300.0 → ``"5m"``: the inverse of :func:`parse_duration` for round values."""
+    if seconds == 0:
+        return "0s"
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
         if seconds >= size and seconds % size == 0:
             return f"{int(seconds // size)}{unit}"
@@ -54,6 +58,8 @@ def setting(
     duration: bool = False,
     restart: bool = False,
     secret: bool = False,
+    credentials: bool = False,
+    env_var: bool = False,
     default_factory: Callable[[], Any] | None = None,
 ) -> Any:
     """Declare one config key.
@@ -66,7 +72,11 @@ def setting(
         pattern: regular expression a string must match in full.
         duration: accept ``"30s"``/``"5m"`` strings; stored as float seconds.
         restart: changing this key on hot reload needs a restart.
-        secret: never printed.
+        secret: never printed (errors show ``<redacted str>``; left out of ``repr``).
+        credentials: a URL whose ``user:password@`` part (and password-like query
+            parameters) are secret: printed only through :func:`redact_url`.
+        env_var: names an environment variable holding a secret; printed only when it
+            looks like a variable name (a secret pasted here by mistake is not).
     """
     meta = {
         "doc": doc,
@@ -77,10 +87,42 @@ def setting(
         "duration": duration,
         "restart": restart,
         "secret": secret,
+        "credentials": credentials,
+        "env_var": env_var,
     }
+    shown = not (secret or credentials)
     if default_factory is not None:
-        return dataclasses.field(default_factory=default_factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+        return dataclasses.field(default_factory=default_factory, metadata=meta, repr=shown)
+    return dataclasses.field(default=default, metadata=meta, repr=shown)
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+
+class Redacted:
+    """Stands in for a secret value wherever it would be printed: only its type shows."""
+
+    __slots__ = ("kind",)
+
+    def __init__(self, value: Any) -> None:
+        self.kind = type(value).__name__
+
+    def __repr__(self) -> str:
+        return f"<redacted {self.kind}>"
+
+
+def redacted(value: Any, meta: dict[str, Any] | None) -> Any:
+    """``value`` as it may be printed, per its field's ``secret``, ``credentials`` and
+    ``env_var`` flags (``meta``: the field's metadata, or None for no field)."""
+    if value is None or not meta or isinstance(value, Redacted):
+        return value
+    if meta.get("secret"):
+        return Redacted(value)
+    if meta.get("credentials") and isinstance(value, str):
+        return redact_url(value)
+    if meta.get("env_var") and not (isinstance(value, str) and _ENV_NAME.fullmatch(value)):
+        return Redacted(value)
+    return value
 
 
 class Issues:
@@ -89,6 +131,12 @@ class Issues:
     def __init__(self) -> None:
         self.errors: list[ConfigIssue] = []
         self.warnings: list[ConfigIssue] = []
+
+    def redact(self, root: type) -> None:
+        """Hide the value of every issue whose key path is a secret field of ``root`` (or a
+        URL with credentials), whichever ``check`` or reader recorded it."""
+        for issue in (*self.errors, *self.warnings):
+            issue.value = redacted(issue.value, meta_at(root, issue.path))
 
     def error(self, path: str, message: str, value: Any = None) -> None:
         self.errors.append(ConfigIssue(path, message, value))
@@ -107,8 +155,80 @@ def from_env(literal: str | None, env_name: str | None) -> str | None:
     return None
 
 
+def secret_from_file_or_env(file: str | None, env_name: str | None) -> str | None:
+    """A secret read now from ``file`` (surrounding whitespace stripped) or from the
+    environment variable ``env_name``; None when neither is set, or it is unreadable or
+    empty (:func:`check_secret_source` reports those at config load)."""
+    if file:
+        try:
+            return Path(file).read_text(encoding="utf-8").strip() or None
+        except (OSError, UnicodeDecodeError):
+            return None
+    if env_name:
+        return os.environ.get(env_name, "").strip() or None
+    return None
+
+
+def check_secret_source(path: str, issues: Issues, key: str, *, inline: str | None,
+                        file: str | None, env_name: str | None) -> None:
+    """Errors for a secret that may only come from ``<key>_file`` or ``<key>_env``.
+
+    ``<key>`` itself (``inline``) is refused: a secret written into the config file ends up
+    in backups, diffs and ``config`` output. Also refused: both sources at once, a file
+    that cannot be read or is empty, an unset variable, and a value that cannot travel in
+    an HTTP header (whitespace, control or non-ASCII characters).
+    """
+    file_key, env_key = f"{key}_file", f"{key}_env"
+    if inline is not None:
+        issues.error(join(path, key), f"is never read from the config file: put the secret "
+                     f"in a file ({file_key}) or an environment variable ({env_key})")
+    if file is not None and env_name is not None:
+        issues.error(join(path, env_key), f"set either {file_key} or {env_key}, not both")
+        return
+    if file is not None:
+        where = join(path, file_key)
+        try:
+            value = Path(file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            issues.error(where, f"cannot read the file: {exc.strerror or exc}", file)
+            return
+        except UnicodeDecodeError:
+            issues.error(where, "the file is not UTF-8 text", file)
+            return
+    elif env_name is not None:
+        where, value = join(path, env_key), os.environ.get(env_name, "").strip()
+        if not value:
+            issues.error(where, "environment variable is not set or empty", env_name)
+            return
+    else:
+        return
+    if not value:
+        issues.error(where, "the file is empty", file)
+    elif not (value.isascii() and value.isprintable()) or any(ch.isspace() for ch in value):
+        issues.error(where, "the secret must be printable ASCII without spaces")
+
+
 def join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
+
+
+_INDEX = re.compile(r"\[\d+\]")
+
+
+def meta_at(root: type, path: str) -> dict[str, Any] | None:
+    """The field metadata of key path ``path`` (``backends[0].api_key``) in config class
+    ``root``, or None when the path names no field."""
+    cls: type | None = root
+    meta: dict[str, Any] | None = None
+    for name in _INDEX.sub("", path).split("."):
+        if cls is None:
+            return None
+        found = {f.name: f for f in dataclasses.fields(cls)}.get(name)
+        if found is None:
+            return None
+        meta = dict(found.metadata)
+        cls = _section_type(cls, name)
+    return meta
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
@@ -136,6 +256,15 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 
 
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+
+
+def describe_type(value: Any) -> str:
+    """``"a string"``, ``"a list"`` …: what a value is, without printing it."""
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
 
 
 def _coerce_scalar(tp: Any, value: Any, meta: dict[str, Any]) -> Any:
@@ -188,7 +317,7 @@ def build_section(cls: type, data: Any, path: str, issues: Issues) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        issues.error(path or "<root>", "expected a mapping", data)
+        issues.error(path or "<root>", f"expected a mapping (got {describe_type(data)})")
         data = {}
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
@@ -231,7 +360,7 @@ def read_value(tp: Any, value: Any, path: str, meta: dict[str, Any], issues: Iss
     if origin in (tuple, list):
         (item_type, *_rest) = typing.get_args(tp)
         if not isinstance(value, list):
-            issues.error(path, "expected a list", value)
+            issues.error(path, f"expected a list (got {describe_type(value)})")
             return ()
         return tuple(
             read_value(item_type, item, f"{path}[{i}]", meta, issues)
@@ -240,11 +369,11 @@ def read_value(tp: Any, value: Any, path: str, meta: dict[str, Any], issues: Iss
     try:
         coerced = _coerce_scalar(tp, value, meta)
     except ValueError as exc:
-        issues.error(path, str(exc), value)
+        issues.error(path, str(exc), redacted(value, meta))
         return None
     problem = _check_constraints(coerced, meta)
     if problem:
-        issues.error(path, problem, value)
+        issues.error(path, problem, redacted(value, meta))
     return coerced
 
 
@@ -279,6 +408,9 @@ def walk(section: Any, path: str = "") -> Iterator[tuple[str, dataclasses.Field[
 
 
 def _render(value: Any, meta: dict[str, Any]) -> str:
+    value = redacted(value, meta)
+    if isinstance(value, Redacted):
+        return '"<redacted>"'
     if meta.get("duration") and isinstance(value, float):
         return f'"{format_duration(value)}"'
     if value is None:
@@ -286,7 +418,7 @@ def _render(value: Any, meta: dict[str, Any]) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, tuple):
-        return "[]"
+        return "[" + ", ".join(_render(item, meta) for item in value) + "]"
     if isinstance(value, str):
         return '""' if value == "" else repr(value).replace("'", '"')
     return str(value)
@@ -301,6 +433,10 @@ def _limits(meta: dict[str, Any]) -> str:
         parts.append("one of " + "|".join(str(c) for c in meta["choices"]))
     if meta.get("pattern") is not None:
         parts.append(f"matches {meta['pattern'].pattern}")
+    if meta.get("secret"):
+        parts.append("secret: never printed")
+    elif meta.get("credentials"):
+        parts.append("a password in it is never printed")
     if meta.get("restart"):
         parts.append("restart to change")
     return f" [{'; '.join(parts)}]" if parts else ""

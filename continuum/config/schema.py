@@ -7,9 +7,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
-from continuum.config.fields import Issues, from_env, join, setting
+from continuum.config.addresses import check_host_port, check_url
+from continuum.config.fields import (
+    Issues,
+    check_secret_source,
+    from_env,
+    join,
+    secret_from_file_or_env,
+    setting,
+)
 
 NAME_PATTERN = r"[A-Za-z0-9_-]{1,64}"
 BACKEND_TYPES = ("openai", "anthropic")
@@ -31,6 +38,27 @@ class ServerConfig:
         10 * 1024 * 1024, doc="largest accepted request body; larger gets 413",
         min=1024, max=1024**3,
     )
+    max_upstream_response_bytes: int = setting(
+        64 * 1024 * 1024, doc="largest non-streamed backend answer read; larger gets 502",
+        min=1024, max=16 * 1024**3,
+    )
+    max_stream_duration_seconds: float = setting(
+        0.0, doc="longest a streamed answer is relayed before it ends with an SSE error "
+        "event; 0 = unlimited", min=0, max=7 * 86400, duration=True,
+    )
+    client_header_timeout_seconds: float = setting(
+        10.0, doc="time a client has to send a request's whole header, from its first byte "
+        "(first request: from the connection); slower gets 408 and is closed",
+        min=1, max=3600, duration=True,
+    )
+    client_body_timeout_seconds: float = setting(
+        30.0, doc="time a client has to send a request's whole body; slower gets 408 and is "
+        "closed", min=1, max=3600, duration=True,
+    )
+    max_json_depth: int = setting(
+        128, doc="deepest array/object nesting accepted in a request body; deeper gets 400",
+        min=8, max=512,
+    )
     log_level: str = setting(
         "info", doc="log level", choices=("debug", "info", "warning", "error")
     )
@@ -41,13 +69,16 @@ class ServerConfig:
         2.0, doc="how often the config file is checked", min=0.2, max=3600, restart=True
     )
 
+    def check(self, path: str, issues: Issues) -> None:
+        check_host_port(join(path, "bind"), self.bind, issues, unix=True)
+
 
 @dataclass(frozen=True)
 class BackendConfig:
     """``backends[]``: one upstream inference server."""
 
     name: str = setting(doc="unique backend name", pattern=NAME_PATTERN)
-    url: str = setting(doc="base URL, e.g. http://10.0.0.5:8000 (no /v1)")
+    url: str = setting(doc="base URL, e.g. http://10.0.0.5:8000 (no /v1)", credentials=True)
     type: str = setting("openai", doc="wire protocol of the backend", choices=BACKEND_TYPES)
     models: tuple[str, ...] = setting(
         default_factory=tuple,
@@ -55,7 +86,8 @@ class BackendConfig:
     )
     weight: int = setting(1, doc="relative weight for weighted strategies", min=1, max=10000)
     api_key: str | None = setting(None, doc="API key sent upstream", secret=True)
-    api_key_env: str | None = setting(None, doc="environment variable holding the API key")
+    api_key_env: str | None = setting(None, doc="environment variable holding the API key",
+                                      env_var=True)
     connect_timeout_ms: int = setting(
         3000, doc="TCP connect timeout", min=10, max=600000
     )
@@ -83,10 +115,9 @@ class BackendConfig:
         return from_env(self.api_key, self.api_key_env)
 
     def check(self, path: str, issues: Issues) -> None:
-        parts = urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            issues.error(join(path, "url"), "must be an http:// or https:// URL", self.url)
-        elif parts.path.rstrip("/").endswith("/v1"):
+        parts = check_url(join(path, "url"), self.url, issues, ("http", "https"),
+                          "an http:// or https:// URL")
+        if parts is not None and parts.path.rstrip("/").endswith("/v1"):
             issues.warn(
                 join(path, "url"), "ends in /v1; the router adds /v1/... itself", self.url
             )
@@ -170,6 +201,7 @@ class RedisConfig:
 
     url: str = setting(
         "redis://127.0.0.1:6379", doc="redis:// or rediss:// URL (db and password may be in it)",
+        credentials=True,
     )
     tls: bool = setting(False, doc="use TLS with a redis:// URL")
     pool_size: int = setting(8, doc="connections in the pool", min=1, max=1024)
@@ -193,10 +225,9 @@ class RedisConfig:
     )
 
     def check(self, path: str, issues: Issues) -> None:
-        parts = urlsplit(self.url)
-        if parts.scheme not in ("redis", "rediss", "unix"):
-            issues.error(join(path, "url"), "must be a redis://, rediss:// or unix:// URL",
-                         self.url)
+        what = "a redis://, rediss:// or unix:// URL"
+        check_url(join(path, "url"), self.url, issues, ("redis", "rediss", "unix"), what,
+                  host_required=not self.url.startswith("unix:"))
         if set(self.key_prefix) & _GLOB_CHARS:
             issues.error(join(path, "key_prefix"),
                          "must not contain glob characters (* ? [ ] \\)", self.key_prefix)
@@ -304,7 +335,7 @@ class KvEventSourceConfig:
                                 pattern=NAME_PATTERN, restart=True)
     endpoint: str | None = setting(
         None, doc="http(s):// SSE or ws(s):// URL of the listener's /events/<backend>",
-        restart=True,
+        restart=True, credentials=True,
     )
     transport: str = setting("sse", doc="sse (pull from the listener)",
                              choices=("sse", "event_bus"), restart=True)
@@ -312,8 +343,21 @@ class KvEventSourceConfig:
         5000, doc="first reconnect delay; doubles up to max(this, 60 s)", min=10,
         max=3_600_000, restart=True,
     )
+    token: str | None = setting(None, doc="never inline (an error): use token_file or "
+                                "token_env", secret=True, restart=True)
+    token_file: str | None = setting(
+        None, doc="file holding the listener's bearer token for this stream (overrides "
+        "kv_cache_index.listener_token_*)", restart=True)
+    token_env: str | None = setting(None, doc="environment variable holding that token",
+                                    restart=True)
+
+    def resolved_token(self) -> str | None:
+        """This stream's bearer token, read now (None: use the index-wide one)."""
+        return secret_from_file_or_env(self.token_file, self.token_env)
 
     def check(self, path: str, issues: Issues) -> None:
+        check_secret_source(path, issues, "token", inline=self.token, file=self.token_file,
+                            env_name=self.token_env)
         if self.transport == "event_bus":
             issues.error(join(path, "transport"),
                          "push mode (event_bus) is not supported by this router yet; pull "
@@ -322,10 +366,8 @@ class KvEventSourceConfig:
         if self.endpoint is None:
             issues.error(join(path, "endpoint"), "is required with transport: sse")
             return
-        parts = urlsplit(self.endpoint)
-        if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
-            issues.error(join(path, "endpoint"), "must be an http, https, ws or wss URL",
-                         self.endpoint)
+        check_url(join(path, "endpoint"), self.endpoint, issues,
+                  ("http", "https", "ws", "wss"), "an http, https, ws or wss URL")
 
 
 @dataclass(frozen=True)
@@ -339,7 +381,10 @@ class CacheSaltConfig:
     secret: str | None = setting(None, doc="HMAC secret shared with the listener",
                                  secret=True, restart=True)
     secret_env: str | None = setting(None, doc="environment variable holding the secret",
-                                     restart=True)
+                                     restart=True, env_var=True)
+    per_tenant: bool = setting(False, doc="bind salts to the client's tenant too: tenants "
+                               "never share engine prefix caches (lower hit rate); a client's "
+                               "own cache_salt is refused (400)", restart=True)
 
     def resolved(self) -> bytes | None:
         value = from_env(self.secret, self.secret_env)
@@ -351,6 +396,8 @@ class CacheSaltConfig:
         elif self.enabled and self.resolved() is None:
             issues.error(join(path, "secret"), "cache_salt.enabled needs secret or secret_env "
                          "(set and non-empty)")
+        if self.per_tenant and not self.enabled:
+            issues.warn(join(path, "per_tenant"), "has no effect without cache_salt.enabled")
 
 
 @dataclass(frozen=True)
@@ -410,8 +457,23 @@ class KvCacheIndexConfig:
     )
     cache_salt: CacheSaltConfig = setting(default_factory=CacheSaltConfig,
                                           doc="router-issued cache salts")
+    listener_token: str | None = setting(
+        None, doc="never inline (an error): use listener_token_file or listener_token_env",
+        secret=True, restart=True)
+    listener_token_file: str | None = setting(
+        None, doc="file holding the bearer token sent to every listener stream",
+        restart=True)
+    listener_token_env: str | None = setting(
+        None, doc="environment variable holding that token", restart=True)
+
+    def source_token(self, source: KvEventSourceConfig) -> str | None:
+        """The bearer token for ``source``'s stream: its own, else the index-wide one."""
+        return source.resolved_token() or secret_from_file_or_env(
+            self.listener_token_file, self.listener_token_env)
 
     def check(self, path: str, issues: Issues) -> None:
+        check_secret_source(path, issues, "listener_token", inline=self.listener_token,
+                            file=self.listener_token_file, env_name=self.listener_token_env)
         if self.approximate.ttl_seconds > self.entry_ttl_seconds:
             issues.error(join(path, "approximate.ttl_seconds"),
                          "must not exceed entry_ttl_seconds", self.approximate.ttl_seconds)
@@ -432,7 +494,8 @@ class ClientKeyConfig:
     """``auth.keys[]``: one client API key and the tenant it belongs to."""
 
     key: str | None = setting(None, doc="the key clients send", secret=True)
-    key_env: str | None = setting(None, doc="environment variable holding the key")
+    key_env: str | None = setting(None, doc="environment variable holding the key",
+                                  env_var=True)
     tenant: str | None = setting(None, doc="tenant id (isolates cached responses)",
                                  pattern=NAME_PATTERN)
     tenant_env: str | None = setting(None, doc="environment variable holding the tenant id")
@@ -468,10 +531,16 @@ class AuthConfig:
 
 @dataclass(frozen=True)
 class AdminConfig:
-    """``admin``: the /admin endpoints."""
+    """``admin``: the /admin endpoints, closed unless a token is set (or the explicit
+    development opt-out)."""
 
     token: str | None = setting(None, doc="bearer token required by /admin", secret=True)
-    token_env: str | None = setting(None, doc="environment variable holding the token")
+    token_env: str | None = setting(None, doc="environment variable holding the token",
+                                    env_var=True)
+    allow_unauthenticated: bool = setting(
+        False, doc="open /admin without a token: local development only (warned at every "
+        "start)",
+    )
 
     def resolved_token(self) -> str | None:
         return from_env(self.token, self.token_env)
@@ -479,14 +548,28 @@ class AdminConfig:
     def check(self, path: str, issues: Issues) -> None:
         if self.token is not None and self.token_env is not None:
             issues.error(join(path, "token_env"), "set either token or token_env, not both")
-        if self.token_env is not None and self.token_env not in os.environ:
-            issues.warn(
-                join(path, "token_env"),
-                "environment variable is not set; /admin would be open",
-                self.token_env,
-            )
-        if self.token is None and self.token_env is None:
-            issues.warn(path or "admin", "no token: /admin endpoints are unauthenticated")
+        elif self.token is not None and not self.token.strip():
+            issues.error(join(path, "token"), "must not be empty: set a real token (or remove "
+                         "the key to disable /admin)")
+        elif self.token_env is not None and not (os.environ.get(self.token_env) or "").strip():
+            issues.error(join(path, "token_env"), "environment variable is not set (or is "
+                         "empty); export it before starting the router", self.token_env)
+        has_token = self.token is not None or self.token_env is not None
+        if self.allow_unauthenticated and has_token:
+            issues.error(join(path, "allow_unauthenticated"),
+                         "set either a token or allow_unauthenticated: true, not both")
+        elif self.allow_unauthenticated:
+            issues.warn(join(path, "allow_unauthenticated"),
+                        "every /admin endpoint is open to anyone who can reach the port "
+                        "(reload the config, clear the caches); for local development only")
+        elif not has_token:
+            issues.warn(path or "admin", "no token: every /admin endpoint answers 403; set "
+                        "admin.token or admin.token_env to use them")
+
+
+#: ``scorers`` by default: the built-in KV overlap scorer, which acts only when
+#: ``kv_cache_index.enabled`` gives it an index.
+DEFAULT_SCORERS: tuple[str, ...] = ("KvOverlap",)
 
 
 @dataclass(frozen=True)
@@ -499,6 +582,12 @@ class RouterConfig:
     )
     selection_strategy: str = setting(
         "RoundRobin", doc="strategy plugin name (entry-point group continuum.strategies)"
+    )
+    scorers: tuple[str, ...] = setting(
+        default_factory=lambda: DEFAULT_SCORERS,
+        doc="scorer plugin names (entry-point group continuum.scorers), run before the "
+        "strategy on requests with a prefix key; KvOverlap needs kv_cache_index.enabled",
+        restart=True,
     )
     health_check: HealthCheckConfig = setting(
         default_factory=HealthCheckConfig, doc="active health checks"
@@ -547,6 +636,14 @@ class RouterConfig:
         if kv.enabled and not self.prefix_routing.enabled:
             issues.warn("kv_cache_index.enabled",
                         "the KV scorer only runs with prefix_routing.enabled: true")
+        self._check_scorers(issues)
+        if kv.cache_salt.enabled and kv.cache_salt.per_tenant:
+            if not self.prefix_routing.enabled:
+                issues.warn("kv_cache_index.cache_salt.per_tenant", "salts are only issued "
+                            "with prefix_routing.enabled: true; tenants are not isolated")
+            elif not self.auth.keys:
+                issues.warn("kv_cache_index.cache_salt.per_tenant", "no auth.keys: requests "
+                            "carry no tenant, so every request gets the same salt")
         if self.selection_strategy == "PrefixAwareHash" and not self.prefix_routing.enabled:
             issues.warn(
                 "selection_strategy",
@@ -554,3 +651,17 @@ class RouterConfig:
                 "name, pinning each model to one backend",
                 self.selection_strategy,
             )
+
+    def _check_scorers(self, issues: Issues) -> None:
+        """A name listed twice would score twice; a list of one's own (the default is
+        harmless) does nothing without prefix keys. Unknown names are reported by
+        :func:`continuum.config.check_config`, which has the plugin registry."""
+        first: dict[str, int] = {}
+        for i, name in enumerate(self.scorers):
+            if name in first:
+                issues.error(f"scorers[{i}]", f"listed twice (also scorers[{first[name]}])",
+                             name)
+            first.setdefault(name, i)
+        if self.scorers and self.scorers != DEFAULT_SCORERS and not self.prefix_routing.enabled:
+            issues.warn("scorers", "scorers only run on requests with a prefix key: set "
+                        "prefix_routing.enabled: true")

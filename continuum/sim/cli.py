@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from continuum import __version__
+
 if TYPE_CHECKING:
     from gevent.pywsgi import WSGIServer
 
@@ -155,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="continuum-sim", description="Simulated vLLM/SGLang/TensorRT-LLM engine(s)."
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--engine", choices=("vllm", "sglang", "trtllm"), default="vllm")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="first HTTP port (0: any free port)")

@@ -1,4 +1,4 @@
-"""Each engine's block-hash chain, computed as the engine does (``kv-events.md`` §6-§8.5).
+"""Each engine's block-hash chain, computed as the engine does (``docs/kv-events.md`` §6-§8.5).
 
 :func:`hasher_for` returns a :data:`~continuum.kv_events.BlockHasher`,
 ``hasher(parent_hash, block_token_ids, cache_salt) -> block_hash``, that yields the *canonical*

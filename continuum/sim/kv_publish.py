@@ -1,4 +1,4 @@
-"""Publishers the simulated engine sends its KV events through (``kv-events.md`` §1, §8).
+"""Publishers the simulated engine sends its KV events through (``docs/kv-events.md`` §1, §8).
 
 * :class:`ZmqKvPublisher`: a vLLM/SGLang-style PUB socket, one 3-frame message
   ``[topic, seq, payload]`` per batch, payloads encoded for one wire profile

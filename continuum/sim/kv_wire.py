@@ -1,4 +1,4 @@
-"""Encode neutral KV events in each engine's wire format (``kv-events.md`` §2-§4, §8).
+"""Encode neutral KV events in each engine's wire format (``docs/kv-events.md`` §2-§4, §8).
 
 The simulated engine's publishers (:mod:`continuum.sim.kv_publish`) use these; the output is
 byte-identical to what the engines' msgspec structs produce (the fixtures under

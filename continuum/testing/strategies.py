@@ -14,19 +14,25 @@ to pass collaborators (a seed, say), or :meth:`StrategyContract.strategy_factory
 the registry altogether.
 
 Behaviour flags (``deterministic``, ``weighted``, ``sticky``) are read from the test class
-when set there, else from the strategy class, else taken as False; cases that a flag makes
-inapplicable are removed from the subclass rather than skipped:
+when set there, else from the strategy class, else taken as False; a case that a flag makes
+inapplicable is reported as skipped, with the reason:
 
-* ``deterministic``: two fresh instances give the same sequence for the same inputs.
-* ``weighted``: each backend's share of selections follows its ``weight``.
-* ``sticky``: the same request always goes to the same backend, so "every candidate is
-  selected eventually" is replaced by "the same request gets the same backend".
+* ``deterministic``: two fresh instances give the same sequence for the same inputs
+  (:class:`DeterministicCases`).
+* ``weighted``: each backend's share of selections follows its ``weight``
+  (:class:`WeightedCases`).
+* ``sticky``: the same request always goes to the same backend (:class:`StickyCases`), so
+  "every candidate is selected eventually" (:class:`SpreadingCases`) does not apply.
+
+A test class that wants no case skipped builds itself from :class:`StrategyCases` (what
+every strategy must pass) and the mixins its flags call for (:mod:`continuum.testing.contract`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any, ClassVar
 
 try:
@@ -37,12 +43,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "pip install 'continuum-router[test]'"
     ) from exc
 
-from continuum.backends import Backend
 from continuum.config import BackendConfig
 from continuum.errors import NoHealthyBackendError
-from continuum.interfaces import SelectionStrategy
+from continuum.interfaces import PrefixRoutingStats, SelectionStrategy
 from continuum.registry import PluginRegistry
 from continuum.request import CHAT, RequestContext, parse_request
+from continuum.routing.backends import Backend
+from continuum.testing.contract import Contract
 
 STRATEGY_GROUP = "continuum.strategies"
 
@@ -82,8 +89,8 @@ def _is_one_of(chosen: object, candidates: Sequence[Backend]) -> bool:
     return any(chosen is candidate for candidate in candidates)
 
 
-class StrategyContract:
-    """Subclass as ``Test<Something>`` and set ``strategy_name`` (or override a hook)."""
+class StrategyCases(Contract):
+    """The cases every strategy must pass, the hooks and the flags."""
 
     #: Config name of the strategy under test, resolved through the entry points.
     strategy_name: ClassVar[str] = ""
@@ -105,18 +112,21 @@ class StrategyContract:
             raise NotImplementedError("set strategy_name or override strategy_factory()")
         return self.make_strategy(PluginRegistry().load(STRATEGY_GROUP, self.strategy_name))
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        # Cases that do not apply to this strategy are removed, not skipped: a contract
-        # run shows only cases that were really checked.
-        super().__init_subclass__(**kwargs)
+    @classmethod
+    def skipped_cases(cls) -> dict[str, str]:
+        """The cases the strategy's behaviour flags make inapplicable."""
+        skipped = super().skipped_cases()
         if cls._flag("sticky"):
-            cls.test_every_candidate_is_selected_eventually = None  # type: ignore[assignment]
+            skipped.setdefault("test_every_candidate_is_selected_eventually",
+                               "sticky: the same request always gets the same backend")
         else:
-            cls.test_same_request_gets_same_backend = None  # type: ignore[assignment]
+            skipped.setdefault("test_same_request_gets_same_backend", "not sticky")
         if not cls._flag("deterministic"):
-            cls.test_fresh_instances_give_the_same_sequence = None  # type: ignore[assignment]
+            skipped.setdefault("test_fresh_instances_give_the_same_sequence",
+                               "not deterministic")
         if not cls._flag("weighted"):
-            cls.test_weights_are_respected = None  # type: ignore[assignment]
+            skipped.setdefault("test_weights_are_respected", "not weighted")
+        return skipped
 
     @classmethod
     def _flag(cls, name: str) -> bool:
@@ -173,11 +183,41 @@ class StrategyContract:
         # A read-only sequence works too.
         assert _is_one_of(strategy.select(tuple(backends), make_context()), backends)
 
+    def test_stats_are_json_serialisable(self) -> None:
+        strategy = self.strategy_factory()
+        strategy.select(make_backends(3), make_context())
+        stats: Any = strategy.stats()
+        assert isinstance(stats, dict)
+        assert json.loads(json.dumps(stats)) == stats
+
+    def test_prefix_routing_stats_are_none_or_count_every_selection(self) -> None:
+        strategy = self.strategy_factory()
+        backends = make_backends(3)
+        for prefix in (b"p1", b"p2", None):
+            strategy.select(backends, make_context(prefix=prefix))
+        stats: Any = strategy.prefix_routing_stats()
+        if stats is None:  # not a prefix-routing strategy
+            return
+        assert isinstance(stats, PrefixRoutingStats)
+        decisions = stats.routing_decisions
+        assert decisions.total == 3
+        assert decisions.prefix_hash + decisions.overflow + decisions.fallback == 3
+        doc = asdict(stats)
+        assert json.loads(json.dumps(doc)) == doc
+
+
+class SpreadingCases(StrategyCases):
+    """For a strategy that is not ``sticky``: it spreads requests over every candidate."""
+
     def test_every_candidate_is_selected_eventually(self) -> None:
         strategy = self.strategy_factory()
         backends = make_backends(4)
         chosen = {strategy.select(backends, make_context()).name for _ in range(400)}
         assert chosen == {b.name for b in backends}
+
+
+class StickyCases(StrategyCases):
+    """For a ``sticky`` strategy: the same request always gets the same backend."""
 
     def test_same_request_gets_same_backend(self) -> None:
         strategy = self.strategy_factory()
@@ -186,6 +226,10 @@ class StrategyContract:
             first = strategy.select(backends, make_context(model))
             for _ in range(50):
                 assert strategy.select(backends, make_context(model)) is first
+
+
+class DeterministicCases(StrategyCases):
+    """For a ``deterministic`` strategy: fresh instances make the same choices."""
 
     def test_fresh_instances_give_the_same_sequence(self) -> None:
         def run() -> list[str]:
@@ -196,6 +240,10 @@ class StrategyContract:
             ]
 
         assert run() == run()
+
+
+class WeightedCases(StrategyCases):
+    """For a ``weighted`` strategy: shares of selections follow the backends' weights."""
 
     def test_weights_are_respected(self) -> None:
         strategy = self.strategy_factory()
@@ -209,9 +257,10 @@ class StrategyContract:
             share = counts[backend.name] / self.calls
             assert share == pytest.approx(weight / sum(weights), abs=self.share_tolerance), counts
 
-    def test_stats_are_json_serialisable(self) -> None:
-        strategy = self.strategy_factory()
-        strategy.select(make_backends(3), make_context())
-        stats: Any = strategy.stats()
-        assert isinstance(stats, dict)
-        assert json.loads(json.dumps(stats)) == stats
+
+class StrategyContract(SpreadingCases, StickyCases, DeterministicCases, WeightedCases):
+    """The whole contract: subclass as ``Test<Something>`` and set ``strategy_name`` (or
+    override a hook); the cases its behaviour flags rule out are skipped."""
+
+
+StrategyCases.full_contract = StrategyContract

@@ -7,6 +7,7 @@ process; what the router sent it is read back from ``GET /_sim/received``.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,8 @@ import openai
 import pytest
 import requests
 
+from continuum.devtools.procs import Child, free_port, wait_http
 from continuum.sim.tokenizer import SimTokenizer
-from tests.conftest import PYTHON, Proc, free_port, wait_http
 
 pytestmark = pytest.mark.e2e
 
@@ -37,10 +38,10 @@ class AnthropicUpstream:
     def __init__(self, tmp: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [PYTHON, "-m", "continuum.sim.anthropic", "--port", str(self.port),
+        argv = [sys.executable, "-m", "continuum.sim.anthropic", "--port", str(self.port),
                 "--api-key", UPSTREAM_KEY]
-        self.proc = Proc(argv, log=tmp / "anthropic-upstream.log")
-        wait_http(self.url + "/health", proc=self.proc.popen)
+        self.proc = Child(argv, log=tmp / "anthropic-upstream.log")
+        wait_http(self.url + "/health", children=[self.proc])
 
     def received(self) -> list[dict[str, Any]]:
         """Every ``POST /v1/messages`` since the last reset, oldest first."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +14,11 @@ from typing import Any
 
 import pytest
 
+from continuum.devtools.procs import Child, free_port, wait_http
 from continuum.sim.replay import replay
 from continuum.sim.workload import multi_turn
-from tests.conftest import ROOT, Proc, free_port, wait_http
 
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 16
 
 
@@ -145,13 +148,13 @@ def test_demo_rag_chain_index_wins_where_the_seed_key_cannot_see() -> None:
 @pytest.mark.e2e
 def test_follow_up_turns_hit_the_engine_cache(tmp_path: Path) -> None:
     port = free_port()
-    sim = Proc(
+    sim = Child(
         [sys.executable, "-m", "continuum.sim.cli", "--port", str(port), "--fast"],
         log=tmp_path / "sim.log",
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health", proc=sim.popen)
+        wait_http(url + "/health", children=[sim])
         workload = multi_turn(3, conversations=2, turns=(3, 3), prompts=2, rate=None,
                               think_seconds=0)
         result = replay(url, workload, concurrency=1, max_seconds=60, timeout=10)
@@ -170,3 +173,25 @@ def test_follow_up_turns_hit_the_engine_cache(tmp_path: Path) -> None:
             assert current.prompt_tokens > previous.prompt_tokens + previous.completion_tokens
             assert current.cached_tokens >= previous.prompt_tokens - BLOCK_SIZE
             assert current.ttft is not None
+
+
+@pytest.mark.e2e
+def test_demo_reports_why_a_child_died_instead_of_timing_out() -> None:
+    """A router that cannot start (here: a worker class that does not exist, as when a
+    dependency of gunicorn's gevent worker is missing) is reported with its exit status
+    and its error at once, not after the start timeout as "timed out waiting"."""
+    env = {**os.environ, "GUNICORN_CMD_ARGS": "--worker-class continuum.no_such_module.Worker"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "continuum.cli", "demo", "--quick", "--strategies",
+         "RoundRobin"],
+        cwd=str(ROOT), capture_output=True, timeout=120, check=False, env=env,
+    )
+    stderr = proc.stderr.decode(errors="replace")
+    assert proc.returncode == 3, stderr
+    assert ("while waiting for the router (RoundRobin): router-roundrobin (pid "
+            in stderr), stderr
+    assert re.search(r"\) exited with status 1 after \d", stderr), stderr
+    assert "No module named 'continuum.no_such_module'" in stderr, stderr
+    assert "the end of router-roundrobin.log:" in stderr, stderr
+    assert "timed out" not in stderr, stderr
+

@@ -1,7 +1,7 @@
 """KV event consumers against real SSE and WebSocket servers on 127.0.0.1.
 
 How it runs: the servers are ``socketserver`` threads in this process; the consumers run in
-real threads too, because :func:`continuum.kv_consumer.default_spawn` picks a daemon thread
+real threads too, because :func:`continuum.kv.consumer.default_spawn` picks a daemon thread
 when gevent has not patched ``socket`` (a gunicorn gevent worker gets greenlets instead).
 ``stop()`` wakes a consumer blocked in a read by shutting down its socket, so nothing here
 needs monkey patching — except the one test that runs the consumer the way a gunicorn gevent
@@ -17,6 +17,7 @@ log shows which event ids the consumer applied, in which order, and how often.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import http.server
 import json
@@ -26,8 +27,9 @@ import socketserver
 import struct
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -35,10 +37,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from continuum.config.schema import KvEventSourceConfig
+from continuum.devtools import procs
 from continuum.errors import StoreError
 from continuum.interfaces import KvCacheIndex, KvHolding
-from continuum.kv_consumer import Backoff, KvEventConsumerManager, SourceConsumer
-from continuum.sse import MAX_SSE_BUFFER_SIZE
+from continuum.kv.consumer import Backoff, KvEventConsumerManager, SourceConsumer
+from continuum.wire.sse import MAX_SSE_BUFFER_SIZE
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,13 +49,8 @@ BASE_MS = 100
 DEADLINE = 20.0
 
 
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
+#: Waits poll often: the consumers under test run in threads of this process.
+wait_until = functools.partial(procs.wait_until, timeout=DEADLINE, interval=0.005)
 
 
 class RecordingIndex(KvCacheIndex):
@@ -404,7 +402,7 @@ def test_events_applied_in_order_with_event_precedence(
         ("b1", "cache_cleared", "", 0),
         ("b1", "cache_created", "00ab", 7),
     ]
-    stats = run.manager.stats()[0]
+    stats = asdict(run.manager.stats()[0])
     assert stats == {
         "backend_name": "b1", "state": "streaming", "connected": True, "events_received": 6,
         "events_dropped": 0, "malformed": 0, "last_event_at": "2026-03-13T10:24:17Z",
@@ -427,7 +425,7 @@ def test_in_memory_index_is_fed(servers: list[ScriptedServer]) -> None:
     manager = KvEventConsumerManager([source], index, clock=FakeClock())
     manager.start()
     try:
-        wait_until(lambda: manager.stats()[0]["events_received"] == 3, "three events")
+        wait_until(lambda: manager.stats()[0].events_received == 3, "three events")
         assert [(h.backend, h.token_count) for h in index.query_backends("0001")] == [("b1", 64)]
         assert list(index.query_backends("0002")) == []
     finally:
@@ -537,8 +535,8 @@ def test_malformed_records_are_counted_and_skipped(
     assert [(e, p) for _, e, p, _ in run.index.log] == [
         ("cache_created", "0001"), ("cache_cleared", ""), ("cache_created", "000b")]
     stats = run.manager.stats()[0]
-    assert (stats["malformed"], stats["events_dropped"], stats["events_received"]) == (7, 1, 4)
-    assert (stats["connected"], stats["reconnect_count"]) == (True, 0)
+    assert (stats.malformed, stats.events_dropped, stats.events_received) == (7, 1, 4)
+    assert (stats.connected, stats.reconnect_count) == (True, 0)
     assert run.metric("continuum_kv_malformed_records_total") == 7
     assert run.metric("continuum_kv_event_dropped_total") == 1
 
@@ -579,7 +577,7 @@ def test_connected_gauge_and_state_follow_the_stream(
     server.kick()
     wait_until(lambda: len(clock.delays_ms) == 1, "the backoff")
     assert run.metric("continuum_kv_consumer_connected") == 0
-    assert run.manager.stats()[0]["connected"] is False
+    assert run.manager.stats()[0].connected is False
     assert run.consumer.state == "backoff"
     clock.allow(1)
     wait_until(lambda: len(run.index.log) == 2, "the second event")
@@ -657,8 +655,8 @@ def test_ws_delivers_events_and_resumes_with_last_event_id(
         (OP_CLOSE, struct.pack("!H", 1001), True),
     ]
     stats = run.manager.stats()[0]
-    assert (stats["malformed"], stats["events_received"], stats["reconnect_count"]) == (1, 8, 2)
-    assert stats["last_event_id"] == "8"
+    assert (stats.malformed, stats.events_received, stats.reconnect_count) == (1, 8, 2)
+    assert stats.last_event_id == "8"
     assert run.metric("continuum_kv_consumer_connected") == 1
 
 
@@ -681,15 +679,72 @@ def test_ws_fragmented_message_over_the_cap_is_dropped(
     assert 600 * 1024 <= run.consumer.buffer_high_water <= MAX_SSE_BUFFER_SIZE + 1
 
 
+def test_ws_message_of_endless_empty_continuations_is_dropped(
+        servers: list[ScriptedServer], run_consumer: Callable[..., Running]) -> None:
+    """Zero-length continuation frames carry no payload bytes; the frame cap stops them."""
+    def empties(server: ScriptedServer, sock: socket.socket, number: int, start: int) -> None:
+        sock.sendall(ws_frame(OP_TEXT, server.records[start][1]))
+        sock.sendall(ws_frame(OP_TEXT, b"{", fin=False))
+        empty = ws_frame(OP_CONT, b"", fin=False) * 65536  # 128 KiB of frames per send
+        sent = 0
+        while sent < 4_000_000:  # 8 MB on the wire unless the client leaves first
+            sock.sendall(empty)
+            sent += 65536
+        server.notes.append(sent)
+
+    server = ws_server(servers, 3, [empties], ws_hold)
+    run = run_consumer(f"ws://127.0.0.1:{server.port}/events/b1")
+    wait_until(lambda: len(run.index.log) == 3, "three events")
+    assert run.index.ids() == [1, 2, 3]
+    assert server.resume_ids == [None, "1"]
+    assert run.consumer.events_dropped == 1
+    assert run.metric("continuum_kv_event_dropped_total") == 1
+    assert server.notes == []  # the client left before the flood was through
+
+
+def test_ws_client_frame_cap_bounds_memory() -> None:
+    """The client itself: a message of a million empty continuations is refused after
+    ``max_frames`` frames, with next to no memory."""
+    from continuum.wire.sse import StreamOverflowError
+    from continuum.wire.websocket import MAX_MESSAGE_FRAMES, WebSocketClient
+
+    ours, theirs = socket.socketpair()
+    flood = ws_frame(OP_TEXT, b"{", fin=False) + ws_frame(OP_CONT, b"", fin=False) * 1_000_000
+
+    def send() -> None:
+        try:
+            theirs.sendall(flood + ws_frame(OP_CONT, b"}"))
+        except OSError:
+            pass  # the client closed its end
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    client = WebSocketClient(ours)
+    tracemalloc.start()
+    try:
+        with pytest.raises(StreamOverflowError) as caught:
+            client.recv()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        ours.close()
+        sender.join(DEADLINE)
+        theirs.close()
+    assert caught.value.what == "frames"
+    assert caught.value.size == MAX_MESSAGE_FRAMES + 1
+    assert peak < 512 * 1024, peak
+
+
 GEVENT_SCRIPT = """
 from gevent import monkey
 monkey.patch_all()
 
 import json, sys, time
+from dataclasses import asdict
 import gevent
 from continuum.config.schema import KvEventSourceConfig
 from continuum.interfaces import KvCacheIndex
-from continuum.kv_consumer import KvEventConsumerManager
+from continuum.kv.consumer import KvEventConsumerManager
 
 class Index(KvCacheIndex):
     def __init__(self):
@@ -712,7 +767,8 @@ while len(index.seen) < 4 and time.monotonic() < deadline:
     gevent.sleep(0.01)
 kind = type(manager._handles[0]).__module__
 manager.stop()
-print(json.dumps({"seen": index.seen, "handle": kind, "stats": manager.stats()}))
+print(json.dumps({"seen": index.seen, "handle": kind,
+                  "stats": [asdict(s) for s in manager.stats()]}))
 """
 
 

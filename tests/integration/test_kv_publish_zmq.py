@@ -1,7 +1,7 @@
 """The simulated engine's ZMQ KV-event publisher over real sockets on 127.0.0.1.
 
 Every wait is a bounded poll; nothing asserts on time. A PUB socket drops messages until the
-subscriber's subscription has reached it (``kv-events.md`` §1.4), so each test first sends
+subscriber's subscription has reached it (``docs/kv-events.md`` §1.4), so each test first sends
 probe batches until one arrives; probe ``k`` carries hash ``k``, which lets the test check that
 its sequence number is ``k`` (numbering starts at 0, one per batch) even though earlier probes
 were dropped.

@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 import redis
 
-from continuum.config import RouterConfig
+from continuum.config import parse_config
+from continuum.devtools.procs import free_port
+from continuum.devtools.redis_server import RedisServer, unique_prefix
 from continuum.errors import StoreError
 from continuum.interfaces import (
     CACHE_CLEARED,
@@ -18,12 +20,11 @@ from continuum.interfaces import (
     TIER_STORAGE_WARM,
     KvCacheIndex,
 )
-from continuum.redis_link import RedisLink
-from continuum.testing import KvIndexContract
+from continuum.resources import WorkerResources
+from continuum.testing.kv_index import KvIndexCases
 from stores.kv_memory import EMPTY
 from stores.kv_redis import RedisKvIndex
-from tests.redis_server import Links as BaseLinks
-from tests.redis_server import RedisServer, free_port, unique_prefix
+from stores.redis_link import RedisLink
 
 pytestmark = pytest.mark.redis
 
@@ -43,29 +44,13 @@ class FakeClock:
         self.now += seconds
 
 
-class Links(BaseLinks):
-    """Links, raw clients and indexes made by one test, all released at its end."""
-
-    def index(self, link: RedisLink, prefix: str | None = None, **settings: Any) -> RedisKvIndex:
-        index = RedisKvIndex(link, key_prefix=prefix or unique_prefix("kv"), **settings)
-        self.closing.append(index)
-        return index
-
-
-@pytest.fixture
-def links() -> Iterator[Links]:
-    made = Links()
-    yield made
-    made.close()
-
-
-class TestRedisKvContract(KvIndexContract):
+class TestRedisKvContract(KvIndexCases):
     """The contract every KV index meets, on the session's redis-server."""
 
     counts_entries = False  # stats() never SCANs Redis
 
     @pytest.fixture(autouse=True)
-    def _redis(self, redis_server: RedisServer, links: Links) -> Iterator[None]:
+    def _redis(self, redis_server: RedisServer, links: Any) -> Iterator[None]:
         self.links = links
         self.link = links.link(redis_server.url)
         yield
@@ -104,7 +89,7 @@ def count_round_trips(link: RedisLink) -> list[str]:
 
 
 def test_a_query_is_one_round_trip_of_two_commands(redis_server: RedisServer,
-                                                   links: Links) -> None:
+                                                   links: Any) -> None:
     link, raw = links.link(redis_server.url), links.raw(redis_server.url)
     index = links.index(link)
     for backend, tokens in [("b", 5), ("a", 5), ("c", 9)]:
@@ -121,7 +106,7 @@ def test_a_query_is_one_round_trip_of_two_commands(redis_server: RedisServer,
 
 
 def test_an_upsert_is_one_transaction_and_sets_expire_on_every_key(
-        redis_server: RedisServer, links: Links) -> None:
+        redis_server: RedisServer, links: Any) -> None:
     link, raw = links.link(redis_server.url), links.raw(redis_server.url)
     prefix = unique_prefix()
     index = links.index(link, prefix, entry_ttl_seconds=120, clock=FakeClock(1000.5))
@@ -141,7 +126,7 @@ def test_an_upsert_is_one_transaction_and_sets_expire_on_every_key(
 
 
 def test_demotion_reads_the_tier_in_one_script(redis_server: RedisServer,
-                                               links: Links) -> None:
+                                               links: Any) -> None:
     link, raw = links.link(redis_server.url), links.raw(redis_server.url)
     prefix = unique_prefix()
     index = links.index(link, prefix, storage_offloading=True)
@@ -158,7 +143,7 @@ def test_demotion_reads_the_tier_in_one_script(redis_server: RedisServer,
 
 
 def test_per_entry_expiry_and_backend_set_trimming(redis_server: RedisServer,
-                                                   links: Links) -> None:
+                                                   links: Any) -> None:
     link, raw = links.link(redis_server.url), links.raw(redis_server.url)
     clock = FakeClock()
     prefix = unique_prefix()
@@ -180,7 +165,7 @@ def test_per_entry_expiry_and_backend_set_trimming(redis_server: RedisServer,
 
 
 def test_clear_leaves_foreign_and_sibling_keys(redis_server: RedisServer,
-                                               links: Links) -> None:
+                                               links: Any) -> None:
     link, raw = links.link(redis_server.url), links.raw(redis_server.url)
     base = unique_prefix()
     mine, sibling = links.index(link, base + "a:"), links.index(link, base + "ab:")
@@ -201,7 +186,7 @@ def test_clear_leaves_foreign_and_sibling_keys(redis_server: RedisServer,
 
 
 def test_cache_cleared_touches_only_that_backend(redis_server: RedisServer,
-                                                 links: Links) -> None:
+                                                 links: Any) -> None:
     link, raw = links.link(redis_server.url), links.raw(redis_server.url)
     prefix = unique_prefix()
     index = links.index(link, prefix)
@@ -216,7 +201,7 @@ def test_cache_cleared_touches_only_that_backend(redis_server: RedisServer,
 
 
 def test_two_routers_on_one_redis_share_the_index(redis_server: RedisServer,
-                                                  links: Links) -> None:
+                                                  links: Any) -> None:
     prefix = unique_prefix()
     first = links.index(links.link(redis_server.url), prefix, storage_offloading=True)
     second = links.index(links.link(redis_server.url), prefix, storage_offloading=True)
@@ -233,7 +218,7 @@ def test_two_routers_on_one_redis_share_the_index(redis_server: RedisServer,
 
 
 def test_error_reply_is_a_store_error_not_a_fallback(redis_server: RedisServer,
-                                                     links: Links) -> None:
+                                                     links: Any) -> None:
     link, raw = links.link(redis_server.url), links.raw(redis_server.url)
     index = links.index(link)
     raw.set(index.prefix_key(P1), b"not a sorted set")
@@ -249,7 +234,7 @@ def test_error_reply_is_a_store_error_not_a_fallback(redis_server: RedisServer,
     assert raw.exists(index.prefix_key(P1)) == 0
 
 
-def test_fallback_while_redis_is_down(fresh_redis: RedisServer, links: Links) -> None:
+def test_fallback_while_redis_is_down(fresh_redis: RedisServer, links: Any) -> None:
     link = links.link(fresh_redis.url)
     index = links.index(link, storage_offloading=True)
     index.apply("a", CACHE_CREATED, P1, 100)
@@ -279,7 +264,7 @@ def test_fallback_while_redis_is_down(fresh_redis: RedisServer, links: Links) ->
 
 
 def test_a_refused_write_lands_in_the_fallback(fresh_redis: RedisServer,
-                                              links: Links) -> None:
+                                              links: Any) -> None:
     link = links.link(fresh_redis.url)
     index = links.index(link)
     fresh_redis.stop()
@@ -289,7 +274,7 @@ def test_a_refused_write_lands_in_the_fallback(fresh_redis: RedisServer,
     assert index.clear() == 1
 
 
-def test_closed_index_ignores_transitions(fresh_redis: RedisServer, links: Links) -> None:
+def test_closed_index_ignores_transitions(fresh_redis: RedisServer, links: Any) -> None:
     link = links.link(fresh_redis.url)
     index = links.index(link)
     index.close()
@@ -301,35 +286,39 @@ def test_closed_index_ignores_transitions(fresh_redis: RedisServer, links: Links
     assert index.stats()["fallback_entries"] == 1  # a closed index is not reset
 
 
-def test_from_config(redis_server: RedisServer, links: Links) -> None:
-    config = RouterConfig()
-    with pytest.raises(ValueError, match="no Redis link"):
-        RedisKvIndex.from_config(config, redis=None)
-    index = RedisKvIndex.from_config(config, redis=links.link(redis_server.url),
-                                     metrics=None, unknown="ignored")
+def test_from_config(redis_server: RedisServer) -> None:
+    config = parse_config({"response_cache": {"redis": {"url": redis_server.url}}})
+    with pytest.raises(ValueError, match="no worker resources"):
+        RedisKvIndex.from_config(config)
+    resources = WorkerResources()
+    index = RedisKvIndex.from_config(config, resources=resources, metrics=None,
+                                     unknown="ignored")
     assert isinstance(index, RedisKvIndex)
+    assert index.link.config == config.response_cache.redis  # response_cache.redis's link
+    assert resources.users(("redis", config.response_cache.redis)) == 1
     index.close()
+    assert len(resources) == 0  # the only user handed its link back: closed
     assert index.key_prefix == "cr:kvidx:"
     assert index.prefix_key("ab12") == "cr:kvidx:ab12"
     assert index.backend_key("vllm-1") == "cr:kvidx:backend:vllm-1"
     assert index.entry_ttl_seconds == 600
 
 
-def test_empty_prefix_is_refused(links: Links) -> None:
+def test_empty_prefix_is_refused(links: Any) -> None:
     with pytest.raises(ValueError, match="key_prefix"):
         RedisKvIndex(links.link("redis://127.0.0.1:1/0"), key_prefix="")
 
 
-def test_stats_never_talk_to_redis(links: Links) -> None:
+def test_stats_never_talk_to_redis(links: Any) -> None:
     stats = links.index(links.link(f"redis://127.0.0.1:{free_port()}/0")).stats()
     assert stats["backend"] == "redis"
     assert (stats["prefix_count"], stats["entry_count"]) == (-1, -1)
-    assert stats["errors"] == {"connection": 0, "timeout": 0, "other": 0}
+    assert stats["errors"] == {"connection": 0, "timeout": 0, "protocol": 0, "other": 0}
     assert stats["fallback_active"] is False
 
 
 def test_a_chain_query_is_one_round_trip_whatever_the_chain_length(
-        redis_server: RedisServer, links: Links) -> None:
+        redis_server: RedisServer, links: Any) -> None:
     link, raw = links.link(redis_server.url), links.raw(redis_server.url)
     index = links.index(link)
     chain = [f"{i:016x}" for i in range(128)]

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import requests
 
+from continuum.devtools.procs import wait_until
 from continuum.prefix import request_prefix_key
 from continuum.prefix_chain import request_chain
 
@@ -102,14 +103,14 @@ def _config(ups: list[Any], streams: EventStreams, **kv: Any) -> dict[str, Any]:
 
 
 def _wait_holders(router: Any, expected: int) -> None:
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        stats = requests.get(router.url + "/admin/kv-index/stats", timeout=5).json()
-        if stats["index"]["entry_count"] >= expected:
-            time.sleep(0.15)  # let the scorer's 100 ms snapshot of the old state expire
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"index never reached {expected} entries: {stats}")
+    stats: dict[str, Any] = {}
+
+    def reached() -> bool:
+        stats.update(requests.get(router.url + "/admin/kv-index/stats", timeout=5).json())
+        return bool(stats["index"]["entry_count"] >= expected)
+
+    wait_until(reached, lambda: f"the index to reach {expected} entries: {stats}", 15)
+    time.sleep(0.15)  # let the scorer's 100 ms snapshot of the old state expire
 
 
 def _backend(router: Any, body: dict[str, Any]) -> str:
@@ -143,9 +144,7 @@ def test_requests_go_to_the_holder_with_most_tokens(upstreams, router_factory, s
     assert other == {"a", "b", "c"}
 
     streams.push("b", "cache_evicted", prefix, 0)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _backend(router, _body()) != "a":
-        time.sleep(0.05)
+    wait_until(lambda: _backend(router, _body()) == "a", "the eviction to reach routing", 10)
     assert _backend(router, _body()) == "a"  # a still holds 512 tokens
 
     stats = requests.get(router.url + "/admin/kv-index/stats", timeout=5).json()
@@ -202,17 +201,11 @@ def test_two_routers_sharing_a_redis_index_agree(upstreams, router_factory, stre
     systems = [f"System prompt number {i}. " * 10 for i in range(3)]
     for i, system in enumerate(systems):
         streams.push(["a", "b", "c"][i], "cache_created", _prefix(system), 100 + i)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        sources = requests.get(one.url + "/admin/kv-index/backends", timeout=5).json()
-        if all(s["events"]["index_created"] == 1 for s in sources["backends"]):
-            break
-        time.sleep(0.05)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if [_backend(two, _body(s)) for s in systems] == ["a", "b", "c"]:
-            break
-        time.sleep(0.1)
+    wait_until(lambda: all(s["events"]["index_created"] == 1 for s in requests.get(
+        one.url + "/admin/kv-index/backends", timeout=5).json()["backends"]),
+        "the first router to index one entry per backend", 10)
+    wait_until(lambda: [_backend(two, _body(s)) for s in systems] == ["a", "b", "c"],
+               "the second router to route by the shared index", 10, interval=0.1)
     assert [_backend(one, _body(s)) for s in systems] == ["a", "b", "c"]
     assert [_backend(two, _body(s)) for s in systems] == ["a", "b", "c"]
 

@@ -5,14 +5,16 @@ The processor here is a stub implementing the ``SourceProcessor`` protocol (one
 on reset), so these tests see exactly what the sources hand over. Every wait is bounded by a
 deadline and yields to gevent (``gevent.sleep``) so the source greenlets run; nothing asserts
 on time. A bound SUB only gets a connecting PUB's messages once its subscription has arrived
-(``kv-events.md`` §1.4), so tests publish until a first batch arrives and assert on what
+(``docs/kv-events.md`` §1.4), so tests publish until a first batch arrives and assert on what
 follows.
 """
 
 from __future__ import annotations
 
+import functools
 import http.server
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,13 +26,16 @@ import pytest
 import requests
 import zmq.green as zmq
 
+from continuum.devtools import procs
+from continuum.devtools.procs import Child, free_port, wait_http
 from continuum.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
 from continuum.sim.hashing import block_hash_chain, hasher_for
 from continuum.sim.kv_publish import ZmqKvPublisher
 from continuum.sim.kv_wire import encode_zmq_payload
-from listener.config import ListenerConfig, SourceConfig
+from listener.config import LimitsConfig, ListenerConfig, SourceConfig
 from listener.hub import EventHub
 from listener.model import CACHE_CLEARED, CACHE_CREATED, CACHE_EVICTED, Emit, PrefixEvent
+from listener.server import ListenerCollector
 from listener.sources_trtllm import TrtllmSource
 from listener.sources_zmq import (
     ZapAuthenticator,
@@ -38,12 +43,11 @@ from listener.sources_zmq import (
     zmq_endpoint_host,
     zmq_source_issues,
 )
-from tests.conftest import PYTHON, Proc, free_port, wait_http
 
 pytestmark = pytest.mark.timeout(120)
 
 BACKEND = "b1"
-SIM = [PYTHON, "-m", "continuum.sim.cli", "--fast"]
+SIM = [sys.executable, "-m", "continuum.sim.cli", "--fast"]
 WORDS = "the listener turns engine block events into prefix events for the router " * 3
 
 
@@ -86,14 +90,8 @@ class StubProcessor:
         return [e for b in self.batches for e in b.events if isinstance(e, BlockStored)]
 
 
-def wait_until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    """Yield to gevent until ``cond()`` holds; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        gevent.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+#: Waits yield to gevent (``gevent.sleep``), so the server greenlets in this thread run.
+wait_until = functools.partial(procs.wait_until, sleep=gevent.sleep, interval=0.02)
 
 
 def zmq_config(endpoint: str, mode: str = "bind", *, engine: str = "vllm",
@@ -152,10 +150,10 @@ class Sim:
     def __init__(self, tmp: Path, *args: str, port: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = Proc([*SIM, "--port", str(self.port), *args],
-                         log=tmp / f"sim-{time.monotonic_ns()}.log")
+        self.proc = Child([*SIM, "--port", str(self.port), *args],
+                          log=tmp / f"sim-{time.monotonic_ns()}.log")
         try:
-            wait_http(self.url + "/health", proc=self.proc.popen)
+            wait_http(self.url + "/health", children=[self.proc])
         except BaseException:
             self.proc.stop()
             raise
@@ -172,7 +170,7 @@ class Sim:
 
     def stop(self) -> int | None:
         self.proc.stop()
-        return self.proc.popen.returncode
+        return self.proc.returncode
 
 
 # -- simulated vLLM / SGLang engines, both socket modes ------------------------------------
@@ -749,3 +747,66 @@ def test_start_up_replay_rebuilds_an_idle_engine(
     finally:
         source.stop()
         pub.close()
+
+
+# -- bounded input ---------------------------------------------------------------------------
+
+
+def test_oversize_message_is_dropped_and_the_source_keeps_working(
+        ctx: Any, zap: ZapAuthenticator, hub: EventHub) -> None:
+    """``limits.max_message_bytes`` is the SUB socket's ZMQ_MAXMSGSIZE: libzmq refuses the
+    big part from its length header and drops that connection; the engine reconnects and
+    the next normal batch is applied (after the gap the lost one leaves)."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    processor = StubProcessor(hub.publisher(BACKEND))
+    limits = LimitsConfig(max_message_bytes=65536)
+    source = ZmqSource(zmq_config(endpoint), processor, context=ctx, zap=zap, limits=limits)
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    try:
+        source.start()
+        pub.connect(endpoint)
+        _publish_until(pub, lambda: bool(processor.batches))
+        wait_until(lambda: bool(processor.batches), "a first batch")
+        gevent.sleep(0.1)
+        last = processor.seqs()[-1]
+        gaps = source.stats.sequence_gaps
+        # a valid batch of 1 MiB: 300 000 token ids in one BlockStored
+        big = [BlockStored((777,), None, tuple(range(1_000_000, 1_300_000)), 16, medium="GPU")]
+        oversize = frames(last + 1, big)
+        assert len(oversize[2]) > 1024 * 1024
+        pub.send_multipart(oversize)
+        wait_until(lambda: source.stats.publisher_disconnects >= 1, "the dropped connection")
+        n = last + 2
+        while n < last + 300 and processor.seqs()[-1] == last:  # the engine reconnects
+            pub.send_multipart(frames(n, stored(n)))
+            n += 1
+            gevent.sleep(0.02)
+        wait_until(lambda: processor.seqs()[-1] > last, "a batch after the oversize one")
+        assert 777 not in {h for e in processor.stored() for h in e.block_hashes}
+        assert source.stats.decode_errors == 0
+        assert source.stats.sequence_gaps == gaps + 1  # the lost batch is a gap
+        metrics = ListenerCollector(hub, [source])
+        exported = {m.name: m.samples[0].value for m in metrics.collect()
+                    if m.name.endswith("publisher_disconnects")}
+        assert exported == {"continuum_kv_listener_publisher_disconnects": 1.0}
+    finally:
+        pub.close(linger=0)
+        source.stop()
+
+
+def test_sequence_table_keeps_the_most_recently_used_streams(
+        ctx: Any, zap: ZapAuthenticator, hub: EventHub) -> None:
+    processor = StubProcessor(hub.publisher(BACKEND))
+    source = ZmqSource(zmq_config("tcp://127.0.0.1:1"), processor, context=ctx, zap=zap,
+                       limits=LimitsConfig(max_sequence_streams=8))
+    source.handle_frames(frames(0, stored(1), topic=b"real"))
+    for i in range(2000):  # a publisher inventing topics
+        source.handle_frames(frames(0, stored(2), topic=b"fake-%d" % i))
+        if i % 5 == 0:  # the real stream keeps publishing, so it stays recent
+            source.handle_frames(frames(1 + i // 5, stored(1), topic=b"real"))
+    assert source.health()["sequence_streams"] == 8
+    assert source.stats.pruned_streams == 2001 - 8
+    gaps, restarts = source.stats.sequence_gaps, source.stats.restarts
+    source.handle_frames(frames(1 + 2000 // 5, stored(1), topic=b"real"))
+    assert (source.stats.sequence_gaps, source.stats.restarts) == (gaps, restarts)

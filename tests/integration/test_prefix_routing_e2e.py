@@ -9,6 +9,8 @@ import pytest
 import requests
 import yaml
 
+from continuum.devtools.procs import wait_until
+
 pytestmark = pytest.mark.e2e
 
 
@@ -113,12 +115,10 @@ def test_config_file_watcher_reloads_without_an_admin_call(upstreams, router_fac
     config = yaml.safe_load(router.config_path.read_text())
     config["prefix_routing"]["load_factor_epsilon"] = 0.5
     router.config_path.write_text(yaml.safe_dump(config))
-    deadline = time.monotonic() + 10
-    epsilon = None
-    while time.monotonic() < deadline:
+
+    def epsilon() -> float:
         stats = requests.get(router.url + "/admin/prefix-routing/stats", timeout=10).json()
-        epsilon = stats["config"]["load_factor_epsilon"]
-        if epsilon == 0.5:
-            break
-        time.sleep(0.1)
-    assert epsilon == 0.5
+        return float(stats["config"]["load_factor_epsilon"])
+
+    wait_until(lambda: epsilon() == 0.5, lambda: f"the watcher's reload (epsilon {epsilon()})",
+               10, interval=0.1)

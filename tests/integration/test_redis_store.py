@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -11,23 +10,21 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from continuum.config import RouterConfig
+from continuum.config import RouterConfig, parse_config
+from continuum.devtools.procs import free_port, wait_until
+from continuum.devtools.redis_server import RedisServer, unique_prefix
 from continuum.errors import StoreError
-from continuum.interfaces import CacheStore
+from continuum.interfaces import CACHE_CREATED, CacheStore
 from continuum.metrics import RouterMetrics
-from continuum.redis_link import RedisLink
+from continuum.registry import PluginRegistry
+from continuum.resources import WorkerResources
+from continuum.service import RouterService
 from continuum.testing import CacheStoreContract
+from stores.kv_redis import RedisKvIndex
+from stores.redis_link import RedisLink
 from stores.redis_store import RedisCacheStore, glob_escape
-from tests.redis_server import Links, RedisServer, free_port, unique_prefix
 
 pytestmark = pytest.mark.redis
-
-
-@pytest.fixture
-def links() -> Iterator[Links]:
-    made = Links()
-    yield made
-    made.close()
 
 
 def store_on(link: RedisLink, prefix: str | None = None, **settings: Any) -> RedisCacheStore:
@@ -39,7 +36,7 @@ class TestRedisContract(CacheStoreContract):
     """The contract every store meets, on the session's redis-server."""
 
     @pytest.fixture(autouse=True)
-    def _redis(self, redis_server: RedisServer, links: Links) -> Iterator[None]:
+    def _redis(self, redis_server: RedisServer, links: Any) -> Iterator[None]:
         self.links = links
         self.link = links.link(redis_server.url)
         self.raw = links.raw(redis_server.url)
@@ -85,7 +82,7 @@ class RecordingClient:
 
 
 @pytest.mark.parametrize(("ttl", "seconds"), [(0.2, 1), (1, 1), (1.01, 2), (59.5, 60)])
-def test_set_uses_ex_rounded_up_to_whole_seconds(links: Links, ttl: float,
+def test_set_uses_ex_rounded_up_to_whole_seconds(links: Any, ttl: float,
                                                   seconds: int) -> None:
     link = links.link("redis://127.0.0.1:1/0")  # never dialled: the client is replaced
     client = RecordingClient()
@@ -97,7 +94,7 @@ def test_set_uses_ex_rounded_up_to_whole_seconds(links: Links, ttl: float,
 
 @pytest.mark.parametrize("error", [redis.ResponseError("WRONGTYPE"), redis.DataError("x"),
                                    redis.ConnectionError("gone"), redis.TimeoutError("slow")])
-def test_no_redis_exception_escapes(links: Links, error: Exception) -> None:
+def test_no_redis_exception_escapes(links: Any, error: Exception) -> None:
     link = links.link("redis://127.0.0.1:1/0")
     link.client = RecordingClient(error)  # type: ignore[assignment]
     store = store_on(link)
@@ -112,7 +109,7 @@ def test_no_redis_exception_escapes(links: Links, error: Exception) -> None:
     assert link.fallback_active is unreachable
 
 
-def test_keys_live_under_the_prefix(redis_server: RedisServer, links: Links) -> None:
+def test_keys_live_under_the_prefix(redis_server: RedisServer, links: Any) -> None:
     link, raw = links.link(redis_server.url), links.raw(redis_server.url)
     prefix = unique_prefix()
     store = store_on(link, prefix)
@@ -123,7 +120,7 @@ def test_keys_live_under_the_prefix(redis_server: RedisServer, links: Links) -> 
     assert raw.exists(prefix + "abc") == 0
 
 
-def test_clear_touches_only_its_own_prefix(redis_server: RedisServer, links: Links) -> None:
+def test_clear_touches_only_its_own_prefix(redis_server: RedisServer, links: Any) -> None:
     link, raw = links.link(redis_server.url), links.raw(redis_server.url)
     base = unique_prefix()
     mine = store_on(link, base + "a:")
@@ -144,7 +141,7 @@ def test_clear_touches_only_its_own_prefix(redis_server: RedisServer, links: Lin
 
 
 def test_glob_characters_in_the_prefix_match_only_themselves(redis_server: RedisServer,
-                                                             links: Links) -> None:
+                                                             links: Any) -> None:
     link, raw = links.link(redis_server.url), links.raw(redis_server.url)
     base = unique_prefix()
     store = store_on(link, base + "*?[x]\\:")
@@ -158,7 +155,7 @@ def test_glob_characters_in_the_prefix_match_only_themselves(redis_server: Redis
         raw.delete(lookalike)
 
 
-def test_stores_on_one_link_share_its_pool(redis_server: RedisServer, links: Links) -> None:
+def test_stores_on_one_link_share_its_pool(redis_server: RedisServer, links: Any) -> None:
     link = links.link(redis_server.url)
     first, second = store_on(link), store_on(link)
     assert first.link.pool is second.link.pool is link.pool
@@ -173,7 +170,7 @@ def test_stores_on_one_link_share_its_pool(redis_server: RedisServer, links: Lin
 
 
 def test_error_reply_is_a_store_error_not_a_fallback(redis_server: RedisServer,
-                                                     links: Links) -> None:
+                                                     links: Any) -> None:
     link, raw = links.link(redis_server.url), links.raw(redis_server.url)
     store = store_on(link)
     raw.lpush(store.full_key("list"), b"x")  # GET on a list: WRONGTYPE
@@ -181,12 +178,12 @@ def test_error_reply_is_a_store_error_not_a_fallback(redis_server: RedisServer,
         store.get("list")
     assert caught.value.kind == "other"
     assert caught.value.store == "redis"
-    assert link.errors == {"connection": 0, "timeout": 0, "other": 1}
+    assert link.errors == {"connection": 0, "timeout": 0, "protocol": 0, "other": 1}
     assert link.fallback_active is False
     assert store.clear() == 1
 
 
-def test_fallback_while_redis_is_down(fresh_redis: RedisServer, links: Links) -> None:
+def test_fallback_while_redis_is_down(fresh_redis: RedisServer, links: Any) -> None:
     metrics = RouterMetrics(CollectorRegistry())
     link = links.link(fresh_redis.url, metrics)
     store = store_on(link)
@@ -222,7 +219,7 @@ def test_fallback_while_redis_is_down(fresh_redis: RedisServer, links: Links) ->
 
 
 def test_first_failed_get_serves_from_the_fallback(fresh_redis: RedisServer,
-                                                   links: Links) -> None:
+                                                   links: Any) -> None:
     link = links.link(fresh_redis.url)
     store = store_on(link)
     fresh_redis.stop()
@@ -234,7 +231,7 @@ def test_first_failed_get_serves_from_the_fallback(fresh_redis: RedisServer,
 
 
 def test_without_memory_fallback_an_outage_is_misses_and_no_ops(fresh_redis: RedisServer,
-                                                                links: Links) -> None:
+                                                                links: Any) -> None:
     link = links.link(fresh_redis.url)
     store = store_on(link, fallback_to_memory=False)
     fresh_redis.stop()
@@ -246,7 +243,7 @@ def test_without_memory_fallback_an_outage_is_misses_and_no_ops(fresh_redis: Red
     assert store.stats().extra["fallback_entries"] == 0  # type: ignore[index]
 
 
-def test_a_timeout_counts_as_unreachable(fresh_redis: RedisServer, links: Links) -> None:
+def test_a_timeout_counts_as_unreachable(fresh_redis: RedisServer, links: Any) -> None:
     link = links.link(fresh_redis.url, command_timeout_ms=100)
     store = store_on(link)
     store.set("k", b"v", 60)
@@ -254,15 +251,12 @@ def test_a_timeout_counts_as_unreachable(fresh_redis: RedisServer, links: Links)
     assert store.get("k") is None  # the GET outwaits its 100 ms timeout
     assert link.errors["timeout"] == 1
     assert link.fallback_active is True
-    deadline = time.monotonic() + 10
-    while not link.probe():  # until the pause is over
-        assert time.monotonic() < deadline, "Redis did not come back from CLIENT PAUSE"
-        time.sleep(0.05)
+    wait_until(link.probe, "Redis to come back from CLIENT PAUSE", 10)
     assert store.get("k") == b"v"
 
 
 def test_fallback_entries_are_capped_by_fallback_settings(fresh_redis: RedisServer,
-                                                          links: Links) -> None:
+                                                          links: Any) -> None:
     link = links.link(fresh_redis.url)
     store = store_on(link, fallback_capacity=2, fallback_ttl_seconds=7)
     fresh_redis.stop()
@@ -273,34 +267,137 @@ def test_fallback_entries_are_capped_by_fallback_settings(fresh_redis: RedisServ
     assert store._fallback.max_ttl == 7
 
 
-def test_from_config(redis_server: RedisServer, links: Links) -> None:
-    config = RouterConfig()
-    with pytest.raises(ValueError, match="no Redis link"):
-        RedisCacheStore.from_config(config, redis=None)
-    store = RedisCacheStore.from_config(config, redis=links.link(redis_server.url),
-                                        metrics=None, unknown="ignored")
+def test_from_config(redis_server: RedisServer) -> None:
+    config = parse_config({"response_cache": {"backend": "redis",
+                                              "redis": {"url": redis_server.url}}})
+    with pytest.raises(ValueError, match="no worker resources"):
+        RedisCacheStore.from_config(config)
+    resources = WorkerResources()
+    store = RedisCacheStore.from_config(config, resources=resources, metrics=None,
+                                        unknown="ignored")
     assert isinstance(store, RedisCacheStore)
     assert store.key_prefix == "cr:resp:"
     assert store.full_key("ab12") == "cr:resp:ab12"
+    assert store.reconfigure(config, resources=resources) is None  # same settings: kept
+    store.close()
+    assert len(resources) == 0
 
 
-def test_empty_prefix_is_refused(links: Links) -> None:
+def connected_clients(raw: redis.Redis) -> int:
+    return int(raw.info("clients")["connected_clients"])
+
+
+def wait_for_clients(raw: redis.Redis, count: int) -> None:
+    """Until the server counts ``count`` clients (it notices a closed socket on its next
+    event-loop pass)."""
+    wait_until(lambda: connected_clients(raw) == count,
+               lambda: f"{count} Redis clients (now {connected_clients(raw)})", 5, interval=0.02)
+
+
+def on_redis(url: str, *, kv_index: bool = True) -> dict[str, Any]:
+    """A config with the response cache (and a KV index) on the Redis at ``url``."""
+    return {
+        "response_cache": {"backend": "redis",
+                           "redis": {"url": url, "key_prefix": unique_prefix()}},
+        "kv_cache_index": {"enabled": kv_index, "backend": "redis",
+                           "redis_key_prefix": unique_prefix("kv")},
+    }
+
+
+def test_store_and_index_share_one_link_until_the_last_lets_go(fresh_redis: RedisServer,
+                                                                links: Any) -> None:
+    config = parse_config(on_redis(fresh_redis.url))
+    resources = WorkerResources()
+    store = RedisCacheStore.from_config(config, resources=resources)
+    index = RedisKvIndex.from_config(config, resources=resources)
+    assert store.link is index.link
+    raw = links.raw(fresh_redis.url)
+    store.set("k", b"v", 60)
+    index.apply("a", CACHE_CREATED, "a" * 64, 10)
+    wait_for_clients(raw, 2)  # this client and the one shared pool connection
+    store.close()
+    assert [h.backend for h in index.query_backends("a" * 64)] == ["a"]  # still open
+    index.close()
+    wait_for_clients(raw, 1)  # the last user closed the pool
+
+
+def redis_service(data: dict[str, Any]) -> RouterService:
+    """A worker's service for ``data``, its plugins loaded through the entry points."""
+    registry = PluginRegistry()
+    return RouterService(parse_config(data, registry=registry), registry=registry,
+                         metrics=RouterMetrics(CollectorRegistry()))
+
+
+def new_redis_url(config: RouterConfig, url: str) -> RouterConfig:
+    """``config`` with ``response_cache.redis.url`` changed (a hot-reloadable key)."""
+    cache = config.response_cache
+    return replace(config, response_cache=replace(cache, redis=replace(cache.redis, url=url)))
+
+
+def test_reload_moves_the_cache_to_new_redis_settings_and_the_index_stays(
+    fresh_redis: RedisServer, redis_server: RedisServer, links: Any
+) -> None:
+    service = redis_service(on_redis(fresh_redis.url))
+    try:
+        store, index = service.response_cache.store, service.kv_index
+        assert isinstance(store, RedisCacheStore) and isinstance(index, RedisKvIndex)
+        old_link = store.link
+        assert index.link is old_link
+
+        service.reload(replace(service.config, response_cache=replace(
+            service.config.response_cache, ttl=60.0)))
+        assert service.response_cache.store is store  # same Redis settings: same store
+
+        report = service.reload(new_redis_url(service.config, redis_server.url))
+        assert report.applied == ["response_cache.redis.url"]
+        new_store = service.response_cache.store
+        assert isinstance(new_store, RedisCacheStore)
+        assert new_store.link is not old_link
+        assert new_store.link.config.url == redis_server.url
+        new_store.set("k", b"v", 60)
+        assert links.raw(redis_server.url).get(new_store.full_key("k")) == b"v"
+        # The index keeps the link it started with, open, on the first server.
+        assert service.kv_index is index and index.link is old_link
+        index.apply("a", CACHE_CREATED, "b" * 64, 10)
+        assert links.raw(fresh_redis.url).exists(index.prefix_key("b" * 64)) == 1
+        assert len(service.resources) == 2
+    finally:
+        service.stop()
+    assert len(service.resources) == 0
+
+
+def test_reload_closes_the_old_link_when_nothing_else_uses_it(
+    fresh_redis: RedisServer, redis_server: RedisServer, links: Any
+) -> None:
+    service = redis_service(on_redis(fresh_redis.url, kv_index=False))
+    try:
+        raw = links.raw(fresh_redis.url)
+        service.response_cache.store.set("k", b"v", 60)
+        wait_for_clients(raw, 2)
+        service.reload(new_redis_url(service.config, redis_server.url))
+        wait_for_clients(raw, 1)  # the old pool is gone at once
+        assert len(service.resources) == 1
+    finally:
+        service.stop()
+
+
+def test_empty_prefix_is_refused(links: Any) -> None:
     with pytest.raises(ValueError, match="key_prefix"):
         store_on(links.link("redis://127.0.0.1:1/0"), prefix="")
 
 
-def test_stats_never_talk_to_redis(links: Links) -> None:
+def test_stats_never_talk_to_redis(links: Any) -> None:
     link = links.link(f"redis://127.0.0.1:{free_port()}/0")
     stats = store_on(link).stats()
     assert stats.backend == "redis"
     assert stats.entries == -1
     assert stats.capacity is None
     assert stats.extra is not None
-    assert stats.extra["errors"] == {"connection": 0, "timeout": 0, "other": 0}
+    assert stats.extra["errors"] == {"connection": 0, "timeout": 0, "protocol": 0, "other": 0}
     assert stats.extra["connections"] == {"active": 0, "idle": 0}
 
 
-def test_closed_store_ignores_transitions(fresh_redis: RedisServer, links: Links) -> None:
+def test_closed_store_ignores_transitions(fresh_redis: RedisServer, links: Any) -> None:
     link = links.link(fresh_redis.url)
     store = store_on(link)
     store.close()
@@ -311,7 +408,7 @@ def test_closed_store_ignores_transitions(fresh_redis: RedisServer, links: Links
     assert link.probe() is True
 
 
-def test_start_starts_the_link_probe_once(links: Links) -> None:
+def test_start_starts_the_link_probe_once(links: Any) -> None:
     link = links.link("redis://127.0.0.1:1/0")
     store = store_on(link)
     store.start()

@@ -12,10 +12,11 @@ import pytest
 import redis
 import requests
 
-from continuum.cache_key import cache_key
+from continuum.caching.cache_key import cache_key
+from continuum.caching.response_cache import decode_entry
+from continuum.devtools.fleet import metric_sum
+from continuum.devtools.procs import wait_until
 from continuum.request import CHAT, parse_request
-from continuum.response_cache import decode_entry
-from tests.conftest import metric_value
 
 pytestmark = pytest.mark.e2e
 
@@ -73,8 +74,8 @@ def test_miss_then_hit_plain_and_streamed(upstreams, router_factory) -> None:
             model="m", messages=MSG, temperature=0.7)
         assert hot.headers["x-cache"] == "BYPASS"
     text = router.metrics()
-    assert metric_value(text, "continuum_response_cache_requests_total", result="hit") == 2
-    assert metric_value(text, "continuum_response_cache_requests_total", result="skip") == 1
+    assert metric_sum(text, "continuum_response_cache_requests_total", result="hit") == 2
+    assert metric_sum(text, "continuum_response_cache_requests_total", result="skip") == 1
     stats = requests.get(router.url + "/admin/response-cache/stats", timeout=5).json()
     assert stats["requests"] == {"hit": 2, "miss": 2, "skip": 1, "total": 5}
     assert stats["entries"] == 2 and stats["backend_type"] == "memory"
@@ -166,7 +167,7 @@ def test_redis_outage_falls_back_without_client_errors(
                 time.sleep(0.01)
 
     def gauge() -> float:
-        return metric_value(router.metrics(), "continuum_cache_fallback_active")
+        return metric_sum(router.metrics(), "continuum_cache_fallback_active")
 
     thread = threading.Thread(target=traffic)
     thread.start()
@@ -174,19 +175,13 @@ def test_redis_outage_falls_back_without_client_errors(
         time.sleep(0.5)
         assert gauge() == 0
         fresh_redis.stop()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and gauge() != 1:
-            time.sleep(0.1)
-        assert gauge() == 1
+        wait_until(lambda: gauge() == 1, "the fallback gauge to go up", 10, interval=0.1)
         stats = requests.get(router.url + "/admin/response-cache/stats", timeout=5).json()
         assert stats["redis"]["fallback_active"] is True
         assert stats["redis"]["errors"]["connection"] + stats["redis"]["errors"]["timeout"] >= 1
         time.sleep(0.5)  # traffic keeps flowing from the in-memory fallback
         fresh_redis.start()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and gauge() != 0:
-            time.sleep(0.1)
-        assert gauge() == 0
+        wait_until(lambda: gauge() == 0, "the fallback gauge to go down", 10, interval=0.1)
     finally:
         stop.set()
         thread.join(30)

@@ -11,7 +11,8 @@ import openai
 import pytest
 import requests
 
-from tests.conftest import free_port, metric_value
+from continuum.devtools.fleet import metric_sum
+from continuum.devtools.procs import free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -133,7 +134,7 @@ def test_connect_failure_retries_then_502(upstreams, router_factory) -> None:
     client = _client(router)
     for _ in range(6):  # round robin hits "dead" half the time; every call must succeed
         assert client.chat.completions.create(model="m", messages=MSG).choices
-    assert metric_value(router.metrics(), "continuum_upstream_retries_total", backend="dead") >= 1
+    assert metric_sum(router.metrics(), "continuum_upstream_retries_total", backend="dead") >= 1
 
     only_dead = router_factory({"backends": [{"name": "dead", "url": dead, "models": ["m"]}],
                                 "health_check": {"enabled": False}})
@@ -146,9 +147,8 @@ def test_no_healthy_backend_is_503(upstreams, router_factory) -> None:
     a = upstreams("a")
     router = router_factory(_config(a))
     requests.get(a.url + "/_test/sick", timeout=5)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and requests.get(router.url + "/health").status_code != 503:
-        time.sleep(0.1)
+    wait_until(lambda: requests.get(router.url + "/health", timeout=5).status_code == 503,
+               "the router to see no healthy backend", 10, interval=0.1)
     with pytest.raises(openai.InternalServerError) as unavailable:
         _client(router).chat.completions.create(model="m", messages=MSG)
     assert unavailable.value.status_code == 503
@@ -168,18 +168,14 @@ def test_client_disconnect_closes_upstream_and_releases_in_flight(
     received = b""
     while received.count(b"data:") < 3:
         received += sock.recv(4096)
-    assert metric_value(router.metrics(), "continuum_backend_in_flight", backend="a") == 1
+    assert metric_sum(router.metrics(), "continuum_backend_in_flight", backend="a") == 1
     sock.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and a.stats()["streams_aborted"] < 1:
-        time.sleep(0.05)
+    wait_until(lambda: a.stats()["streams_aborted"] >= 1, "the upstream stream to be aborted",
+               10)
     stats = a.stats()
     assert stats["streams_aborted"] == 1 and stats["streams_finished"] == 0
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and metric_value(
-            router.metrics(), "continuum_backend_in_flight", backend="a") != 0:
-        time.sleep(0.05)
-    assert metric_value(router.metrics(), "continuum_backend_in_flight", backend="a") == 0
+    wait_until(lambda: metric_sum(router.metrics(), "continuum_backend_in_flight",
+                                  backend="a") == 0, "in-flight to drop to 0", 5)
 
 
 def test_health_checks_move_traffic_and_bring_backend_back(upstreams, router_factory) -> None:
@@ -187,15 +183,14 @@ def test_health_checks_move_traffic_and_bring_backend_back(upstreams, router_fac
     router = router_factory(_config(a, b))
     client = _client(router)
 
-    requests.get(a.url + "/_test/sick", timeout=5)
-    deadline = time.monotonic() + 10
     admin = router.url + "/admin/backends"
-    while time.monotonic() < deadline:
-        state = {x["name"]: x["healthy"] for x in requests.get(admin).json()["backends"]}
-        if not state["a"]:
-            break
-        time.sleep(0.1)
-    assert state == {"a": False, "b": True}
+
+    def health() -> dict[str, bool]:
+        return {x["name"]: x["healthy"] for x in requests.get(admin, timeout=5).json()["backends"]}
+
+    requests.get(a.url + "/_test/sick", timeout=5)
+    wait_until(lambda: not health()["a"], "a to be marked unhealthy", 10, interval=0.1)
+    assert health() == {"a": False, "b": True}
     before = a.stats()["requests"]
     for _ in range(8):
         assert client.chat.completions.create(model="m", messages=MSG).choices[0].message.content \
@@ -203,11 +198,7 @@ def test_health_checks_move_traffic_and_bring_backend_back(upstreams, router_fac
     assert a.stats()["requests"] == before
 
     requests.get(a.url + "/_test/well", timeout=5)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if all(x["healthy"] for x in requests.get(admin).json()["backends"]):
-            break
-        time.sleep(0.1)
+    wait_until(lambda: all(health().values()), "a to be healthy again", 10, interval=0.1)
     answers = {client.chat.completions.create(model="m", messages=MSG).choices[0].message.content
                for _ in range(6)}
     assert answers == {"hello from a", "hello from b"}
@@ -227,7 +218,7 @@ def test_metrics_aggregate_two_workers(upstreams, router_factory) -> None:
         statuses = list(pool.map(call, range(48)))
     assert statuses == [200] * 48
     text = router.metrics()
-    assert metric_value(text, "continuum_requests_total", backend="a", status="200") == 48
+    assert metric_sum(text, "continuum_requests_total", backend="a", status="200") == 48
     per_worker = [line for line in text.splitlines()
                   if line.startswith("continuum_worker_requests{")]
     assert len(per_worker) == 2, per_worker  # both workers' samples are in one answer

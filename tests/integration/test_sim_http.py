@@ -1,4 +1,5 @@
-"""The simulated engine as a real process on 127.0.0.1, driven over HTTP and the openai SDK."""
+"""The simulated engine as a real process on 127.0.0.1, driven over HTTP and the openai SDK,
+directly and through the router."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import base64
 import json
 import struct
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,11 +19,12 @@ import pytest
 import requests
 import zmq
 
+from continuum.devtools.fleet import metric_sum
+from continuum.devtools.procs import Child, free_port, wait_http, wait_until
 from continuum.sim.hashing import block_hash_chain, hasher_for
 from continuum.sim.templates import get_template
-from tests.conftest import PYTHON, Proc, free_port, metric_value, wait_http
 
-SIM = [PYTHON, "-m", "continuum.sim.cli"]
+SIM = [sys.executable, "-m", "continuum.sim.cli"]
 MODEL = "sim-model"
 SYSTEM = (
     "You are a careful assistant for the Continuum test suite. Answer every question about "
@@ -34,32 +37,29 @@ class Sim:
 
     def __init__(self, tmp: Path, *args: str, count: int = 1, port: int = 0) -> None:
         self.log = tmp / f"sim-{time.monotonic_ns()}.log"
-        self.proc = Proc([*SIM, "--port", str(port), *args], log=self.log)
+        self.proc = Child([*SIM, "--port", str(port), *args], log=self.log)
         try:
             self.urls = self._announced(count)
             for url in self.urls:
-                wait_http(url + "/health", proc=self.proc.popen)
+                wait_http(url + "/health", children=[self.proc])
         except BaseException:
             self.stop()
             raise
         self.url = self.urls[0]
 
-    def _announced(self, count: int, timeout: float = 20.0) -> list[str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    def _announced(self, count: int) -> list[str]:
+        """The URLs of the first ``count`` engines the process announced."""
+        def urls() -> list[str]:
             lines = [
-                ln for ln in self.proc.output().splitlines() if ln.startswith("continuum-sim:")
+                ln for ln in self.proc.log_text().splitlines() if ln.startswith("continuum-sim:")
             ]
-            if len(lines) >= count:
-                return [ln.split()[4] for ln in lines[:count]]
-            if self.proc.popen.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise RuntimeError("continuum-sim did not start:\n" + self.proc.output())
+            return [ln.split()[4] for ln in lines[:count]] if len(lines) >= count else []
+
+        return wait_until(urls, "continuum-sim to announce its engines", children=[self.proc])
 
     def stop(self) -> int | None:
         self.proc.stop()
-        return self.proc.popen.returncode
+        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +256,7 @@ def test_metrics_and_stats_move_with_requests(client: openai.OpenAI, sim: Sim) -
     assert cached > 0
 
     def delta(name: str, **extra: str) -> float:
-        return metric_value(after, name, **labels, **extra) - metric_value(
+        return metric_sum(after, name, **labels, **extra) - metric_sum(
             before, name, **labels, **extra
         )
 
@@ -297,12 +297,12 @@ def test_a_client_disconnect_releases_the_slot_and_blocks(tmp_path: Path) -> Non
         with requests.post(slow.url + "/v1/completions", json=body, stream=True, timeout=10) as r:
             lines = r.iter_lines()
             assert next(lines).startswith(b"data: ")
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            stats = requests.get(slow.url + "/sim/stats", timeout=10).json()
-            if stats["finished"].get("abort"):
-                break
-            time.sleep(0.05)
+
+        def aborted() -> dict[str, Any] | None:
+            stats: dict[str, Any] = requests.get(slow.url + "/sim/stats", timeout=10).json()
+            return stats if stats["finished"].get("abort") else None
+
+        stats = wait_until(aborted, "the engine to count the abort", 15)
         assert stats["finished"] == {"abort": 1}
         assert (stats["running"], stats["blocks_in_use"]) == (0, 0)
         # the only slot is free again
@@ -371,4 +371,44 @@ def test_importing_the_cli_imports_nothing_network_related() -> None:
         "bad = {'gevent', 'zmq', 'falcon', 'requests', 'socket'} & set(sys.modules)\n"
         "assert not bad, bad\n"
     )
-    subprocess.run([PYTHON, "-c", code], check=True, timeout=30)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
+# -- through the router ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Sim]:
+    # Port 0: each engine binds a port of its own choosing. A single free port would make
+    # the second engine assume that the next port is free too (it was once taken).
+    sims = Sim(tmp_path, "--fast", "--fleet", "2", count=2, port=0)
+    yield sims
+    sims.stop()
+
+
+@pytest.mark.e2e
+def test_openai_sdk_streams_from_engines_through_the_router(
+    fleet: Sim, router_factory: Any
+) -> None:
+    """The official openai SDK through the router to simulated engines (no fake
+    upstreams)."""
+    router = router_factory({
+        "backends": [{"name": f"sim-{i}", "url": url} for i, url in enumerate(fleet.urls)],
+        "selection_strategy": "PrefixAwareHash",
+        "prefix_routing": {"enabled": True},
+        "health_check": {"interval_seconds": 30, "path": "/v1/models"},
+    })
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "What does a prefix cache store?"}]
+    with openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0) as client:
+        assert [m.id for m in client.models.list()] == [MODEL]  # discovered from the engines
+        whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == whole.choices[0].message.content and streamed
+        usage = chunks[-1].usage
+        assert usage is not None and usage.prompt_tokens == whole.usage.prompt_tokens
+        # Same system prompt, same engine (sticky): the second request hits its prefix cache.
+        assert usage.prompt_tokens_details.cached_tokens > 0

@@ -1,4 +1,4 @@
-"""cache_control injection and Anthropic error shapes (continuum.anthropic), no I/O."""
+"""cache_control injection and Anthropic error shapes (continuum.routing.anthropic), no I/O."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from continuum.anthropic import (
+from continuum.routing.anthropic import (
     error_document,
     has_cache_control,
     inject_cache_control,

@@ -7,9 +7,9 @@ import json
 import falcon.testing
 import pytest
 
-from continuum.app import create_app
 from continuum.config import parse_config
 from continuum.registry import PluginRegistry
+from continuum.web.app import create_app
 
 CFG = {"backends": [{"name": "a", "url": "http://127.0.0.1:9", "models": ["m"]}],
        "server": {"max_body_bytes": 1024}, "admin": {"token": "s3cret"},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,10 +46,10 @@ def test_three_mistakes_are_all_reported_with_paths(tmp_path: Path) -> None:
     )
     result = check_config_file(path)
     rendered = [e.render(result.source) for e in result.errors]
-    assert sorted(rendered) == [
-        f"{path}: backends[0].weigth: unknown key; did you mean 'weight'?",
-        f"{path}: backends[1].url: must be an http:// or https:// URL (got 'ftp://nope')",
-        f"{path}: server.max_body_bytes: must be between 1024 and 1073741824 (got 12)",
+    assert sorted(rendered) == [  # file:line:column of each key
+        f"{path}:4:5: backends[0].weigth: unknown key; did you mean 'weight'?",
+        f"{path}:6:5: backends[1].url: must be an http:// or https:// URL (got 'ftp://nope')",
+        f"{path}:8:3: server.max_body_bytes: must be between 1024 and 1073741824 (got 12)",
     ]
     paths = sorted(e.path for e in result.errors)
     assert paths == ["backends[0].weigth", "backends[1].url", "server.max_body_bytes"]
@@ -106,12 +107,14 @@ def test_secrets_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [e.path for e in both.errors] == ["backends[0].api_key_env"]
 
 
-def test_invalid_yaml_names_line(tmp_path: Path) -> None:
+def test_invalid_yaml_names_line_and_column(tmp_path: Path) -> None:
     path = tmp_path / "broken.yaml"
     path.write_text("server:\n  bind: [\n")
     result = check_config_file(path)
     assert result.config is None
-    assert result.errors[0].path.startswith("line ")
+    (error,) = result.errors
+    assert (error.path, error.location) == ("<document>", "3:1")
+    assert error.render(str(path)).startswith(f"{path}:3:1: <document>: invalid YAML: ")
 
 
 def test_restart_required_fields() -> None:
@@ -127,15 +130,20 @@ def test_defaults_text_covers_every_section() -> None:
         assert key in text
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "continuum.cli", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=60)
+                          text=True, cwd=ROOT, timeout=60, env={**os.environ, **(env or {})})
 
 
 def test_cli_validate_example_ok_and_bad_file_fails(tmp_path: Path) -> None:
-    ok = _cli("config", "validate", "conf/config.yaml.example")
+    ok = _cli("config", "validate", "conf/config.yaml.example",
+              env={"CONTINUUM_ADMIN_TOKEN": "example-token"})
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "ok" in ok.stdout
+    no_token = _cli("config", "validate", "conf/config.yaml.example",
+                    env={"CONTINUUM_ADMIN_TOKEN": ""})
+    assert no_token.returncode == 1
+    assert "admin.token_env: environment variable is not set" in no_token.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("selecton_strategy: RoundRobin\nbackends: [{name: a, url: 'x'}]\n")
     res = _cli("config", "validate", str(bad))
@@ -148,3 +156,22 @@ def test_cli_defaults_prints_table() -> None:
     res = _cli("config", "defaults")
     assert res.returncode == 0
     assert res.stdout == defaults_text()
+
+
+def test_per_tenant_salts_default_off_and_warn_when_they_cannot_isolate() -> None:
+    assert parse_config({"backends": [BACKEND]}).kv_cache_index.cache_salt.per_tenant is False
+    assert "per_tenant: false" in defaults_text()
+    salt = {"enabled": True, "secret": "s", "per_tenant": True}
+    keys = {"keys": [{"key": "sk-1", "tenant": "acme"}]}
+    cases = [
+        ({"cache_salt": {"per_tenant": True}}, {}, True, "kv_cache_index.cache_salt.per_tenant"),
+        ({"cache_salt": salt}, keys, False, "kv_cache_index.cache_salt.per_tenant"),
+        ({"cache_salt": salt}, {}, True, "kv_cache_index.cache_salt.per_tenant"),
+        ({"cache_salt": salt}, keys, True, None),
+    ]
+    for kv, auth, prefix_routing, warned in cases:
+        result = check_config({"backends": [BACKEND], "kv_cache_index": kv, "auth": auth,
+                               "prefix_routing": {"enabled": prefix_routing},
+                               "admin": {"token": "t"}})
+        assert result.config is not None and not result.errors
+        assert [w.path for w in result.warnings] == ([warned] if warned else []), kv

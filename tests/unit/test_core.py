@@ -7,13 +7,13 @@ from collections.abc import Sequence
 
 import pytest
 
-from continuum.backends import Backend, BackendPool
 from continuum.config import BackendConfig, HealthCheckConfig
 from continuum.errors import NoHealthyBackendError, RequestError
-from continuum.health import HealthMonitor, HealthTracker
 from continuum.interfaces import BackendScorer, SelectionStrategy
 from continuum.request import CHAT, EMBEDDINGS, RequestContext, parse_request
-from continuum.selection import SelectionPipeline
+from continuum.routing.backends import Backend, BackendPool
+from continuum.routing.health import HealthMonitor, HealthTracker
+from continuum.routing.selection import SelectionPipeline
 from continuum.testing import make_backends, make_context
 
 
@@ -110,6 +110,7 @@ class _Scores(BackendScorer):
     def __init__(self, scores: dict[str, float]) -> None:
         self.scores = scores
         self.prepared = 0
+        self.observed: list[tuple[str | None, float, str]] = []
 
     def prepare(self, ctx: RequestContext, candidates: Sequence[Backend]) -> None:
         self.prepared += 1
@@ -120,17 +121,23 @@ class _Scores(BackendScorer):
     def score_with_tier(self, backend: Backend, ctx: RequestContext) -> tuple[float, str]:
         return self.score(backend, ctx), "gpu_hot"
 
+    def observe(self, ctx: RequestContext, chosen: Backend | None, score: float,
+                tier: str) -> None:
+        self.observed.append((chosen.name if chosen else None, score, tier))
+
 
 def test_pipeline_threshold_is_strict() -> None:
     backends = make_backends(3)
     ctx = make_context(prefix=b"k")
-    at = SelectionPipeline(_Fixed(), [_Scores({"b0": 0.3})])
+    at_scorer = _Scores({"b0": 0.3})
+    at = SelectionPipeline(_Fixed(), [at_scorer])
     assert at.select(backends, ctx).name == "b2"  # 0.3 is not > 0.3
-    assert ctx.state["decision"] == "scorer_fallback"
-    above = SelectionPipeline(_Fixed(), [_Scores({"b0": 0.31, "b1": 0.2})])
+    assert at_scorer.observed == [(None, 0.0, "none")]  # told the strategy decided
+    above_scorer = _Scores({"b0": 0.31, "b1": 0.2})
+    above = SelectionPipeline(_Fixed(), [above_scorer])
     ctx2 = make_context(prefix=b"k")
     assert above.select(backends, ctx2).name == "b0"
-    assert ctx2.state["kv_tier"] == "gpu_hot" and ctx2.state["decision"] == "scorer"
+    assert above_scorer.observed == [("b0", 0.31, "gpu_hot")]
 
 
 def test_pipeline_skips_scorers_without_prefix_and_rejects_empty() -> None:

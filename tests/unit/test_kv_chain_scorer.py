@@ -6,11 +6,11 @@ from typing import Any
 
 from continuum.config import parse_config
 from continuum.interfaces import CACHE_CREATED, TIER_GPU_HOT
-from continuum.kv_chain_scorer import ChainOverlapScorer
+from continuum.kv.chain_scorer import ChainOverlapScorer
 from continuum.metrics import RouterMetrics
 from continuum.prefix import request_prefix_key
 from continuum.prefix_chain import request_chain
-from continuum.selection import SelectionPipeline
+from continuum.routing.selection import SelectionPipeline
 from continuum.testing import make_backends, make_context
 from stores.kv_memory import InMemoryKvIndex
 from strategies.round_robin import RoundRobin
@@ -30,20 +30,22 @@ def request(*turns: str) -> Any:
     ctx = make_context()
     ctx.body = body
     ctx.prefix_key = request_prefix_key(body, "m")
-    ctx.state["chain"] = request_chain(body, "m")
+    ctx.chain = request_chain(body, "m")
     return ctx
 
 
 def hold(index: InMemoryKvIndex, backend: str, ctx: Any, depth: int, **options: Any) -> None:
-    chain = ctx.state["chain"]
+    chain = ctx.chain
     pairs = zip(chain.keys[:depth], chain.ends[:depth], strict=True)
     index.apply_chain(backend, CACHE_CREATED, [(k, end // 5) for k, end in pairs], **options)
 
 
 def pick(scorer: ChainOverlapScorer, backends: list[Any], ctx: Any) -> tuple[str, str]:
-    pipeline = SelectionPipeline(RoundRobin(), [scorer])
-    chosen = pipeline.select(backends, ctx)
-    return chosen.name, ctx.state["decision"]
+    """The backend the pipeline picks and who picked it: ``scorer``, or the strategy
+    (``scorer_fallback``), as the scorer's decision counters tell."""
+    before = scorer.decisions["kv_aware"]
+    chosen = SelectionPipeline(RoundRobin(), [scorer]).select(backends, ctx)
+    return chosen.name, "scorer" if scorer.decisions["kv_aware"] > before else "scorer_fallback"
 
 
 def test_overlap_is_matched_tokens_over_the_prompt_not_over_the_best_holder() -> None:
@@ -54,7 +56,7 @@ def test_overlap_is_matched_tokens_over_the_prompt_not_over_the_best_holder() ->
     backends = make_backends(2)
     scorer.prepare(ctx, backends)
     row = {r["backend"]: r for r in scorer.explain(ctx, backends)}["b0"]
-    chain = ctx.state["chain"]
+    chain = ctx.chain
     assert row["overlap"] == round(chain.ends[0] / chain.ends[-1], 4) < 0.2
     assert row["matched_depth"] == 1 and row["chain_depth"] == len(chain.keys)
     # the seed scorer would call it a full match (it is the only holder); here it is not
@@ -66,19 +68,19 @@ def test_idle_fleet_the_longest_match_wins() -> None:
     index = InMemoryKvIndex()
     ctx = request(HISTORY + "Next?")
     hold(index, "b0", ctx, 2)  # the system prompt
-    hold(index, "b1", ctx, len(ctx.state["chain"].keys) - 1)  # the whole conversation
+    hold(index, "b1", ctx, len(ctx.chain.keys) - 1)  # the whole conversation
     assert pick(scorer_for(index), make_backends(3), ctx) == ("b1", "scorer")
 
 
 def test_adaptive_guard_weighs_saved_prefill_against_extra_queue() -> None:
     index = InMemoryKvIndex()
     ctx = request(HISTORY + "Next?")
-    depth = len(ctx.state["chain"].keys)
+    depth = len(ctx.chain.keys)
     hold(index, "b1", ctx, depth)
     scorer = scorer_for(index, scoring={"load_guard": {
         "prefill_ms_per_1k_tokens": 100, "queue_ms_per_request": 20}})
     backends = make_backends(3)
-    saved_ms = ctx.state["chain"].ends[-1] // 5 * 0.1  # tokens held * 0.1 ms
+    saved_ms = ctx.chain.ends[-1] // 5 * 0.1  # tokens held * 0.1 ms
     # in flight beyond the mean (n - n/3) at 20 ms each: below, then above the saving
     below = int(saved_ms / 20 * 1.5) - 1
     backends[1].in_flight = below
@@ -105,7 +107,7 @@ def test_a_busier_holder_of_more_beats_an_idle_holder_of_less_until_it_costs_mor
     index = InMemoryKvIndex()
     ctx = request(HISTORY + "Next?")
     hold(index, "b0", ctx, 2)  # system prompt: ~230 tokens
-    hold(index, "b1", ctx, len(ctx.state["chain"].keys))  # everything: ~690 tokens
+    hold(index, "b1", ctx, len(ctx.chain.keys))  # everything: ~690 tokens
     scorer = scorer_for(index, scoring={"min_overlap_threshold": 0.0, "load_guard": {
         "prefill_ms_per_1k_tokens": 100, "queue_ms_per_request": 10}})
     backends = make_backends(2)
@@ -118,7 +120,7 @@ def test_a_busier_holder_of_more_beats_an_idle_holder_of_less_until_it_costs_mor
 def test_approximate_matches_count_less_and_events_confirm_them() -> None:
     index = InMemoryKvIndex()
     ctx = request(HISTORY + "Next?")
-    depth = len(ctx.state["chain"].keys)
+    depth = len(ctx.chain.keys)
     hold(index, "b0", ctx, depth, ttl=60)
     hold(index, "b1", ctx, depth)
     scorer = scorer_for(index, approximate={"weight": 0.5})

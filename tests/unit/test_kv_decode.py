@@ -1,9 +1,10 @@
-"""KV-event decoding, encoding and hashing against the shared reference fixtures.
+"""KV-event decoding, encoding and hashing against the reference fixtures.
 
-The fixtures (``tests/fixtures/kv-events/``, copied from ``shared/formats/fixtures``) are the
-upstream engines' own bytes, so: every fixture must decode to the events its README documents,
-our encoders must reproduce every fixture byte for byte, our hashers must reproduce every
-fixture hash, and nothing but ``DecodeError`` may ever escape a decoder.
+The fixtures (``tests/fixtures/kv-events/``; how they were made: ``docs/kv-events.md`` §11,
+"The reference fixtures") are the upstream engines' own bytes, so: every fixture must decode
+to the events its README documents, our encoders must reproduce every fixture byte for byte,
+our hashers must reproduce every fixture hash, and nothing but ``DecodeError`` may ever
+escape a decoder.
 """
 
 from __future__ import annotations

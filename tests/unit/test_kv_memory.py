@@ -95,7 +95,7 @@ def test_registered_under_the_config_names() -> None:
 
 
 def test_from_config_uses_kv_cache_index() -> None:
-    index = InMemoryKvIndex.from_config(RouterConfig(), redis=None, metrics=None, other=1)
+    index = InMemoryKvIndex.from_config(RouterConfig(), resources=None, metrics=None, other=1)
     assert isinstance(index, InMemoryKvIndex)
     assert (index.max_entries, index.entry_ttl_seconds) == (100_000, 600)
     assert index.storage_offloading is False

@@ -10,16 +10,19 @@ import pytest
 from continuum.config import parse_config
 from continuum.errors import StoreError
 from continuum.interfaces import (
+    CACHE_CREATED,
     TIER_GPU_HOT,
     TIER_NONE,
     TIER_STORAGE_WARM,
     KvCacheIndex,
     KvHolding,
 )
-from continuum.kv_scorer import KvOverlapScorer
+from continuum.kv.scorer import KvOverlapScorer
 from continuum.metrics import RouterMetrics
-from continuum.selection import SelectionPipeline
-from continuum.testing import make_backends, make_context
+from continuum.routing.selection import SelectionPipeline
+from continuum.testing import ScorerContract, make_backends, make_context
+from continuum.testing.scorers import PREFIX_HASH
+from stores.kv_memory import InMemoryKvIndex
 from strategies.round_robin import RoundRobin
 
 PREFIX = bytes.fromhex("ab" * 32)
@@ -65,6 +68,14 @@ def make_scorer(index: FakeIndex, clock: Clock | None = None, **scoring: Any) ->
     return KvOverlapScorer(index, cfg, RouterMetrics(), clock=clock or Clock())
 
 
+def decisions(scorer: KvOverlapScorer, decision: str, tier: str) -> float:
+    """``continuum_kv_index_routing_decisions_total{decision, tier}`` of ``scorer``."""
+    assert scorer.metrics is not None
+    value = scorer.metrics.registry.get_sample_value(
+        "continuum_kv_index_routing_decisions_total", {"decision": decision, "tier": tier})
+    return value or 0.0
+
+
 def scores(scorer: KvOverlapScorer, backends: list, prefix: bytes = PREFIX) -> dict:  # type: ignore[type-arg]
     ctx = make_context(prefix=prefix)
     scorer.prepare(ctx, backends)
@@ -98,7 +109,8 @@ def test_idle_backend_holding_nothing_never_passes_threshold() -> None:
     scorer._snapshots.clear()
     ctx2 = make_context(prefix=PREFIX)
     pipeline.select(backends, ctx2)
-    assert ctx2.state["decision"] == "scorer_fallback"
+    assert decisions(scorer, "fallback", TIER_NONE) == 1
+    assert decisions(scorer, "kv_aware", TIER_GPU_HOT) == 1
     assert scorer.decisions == {"kv_aware": 1, "fallback": 1}
 
 
@@ -118,10 +130,11 @@ def test_gpu_tier_weight_below_threshold_always_falls_back() -> None:
     index.hold(PREFIX, b0=(4096, TIER_GPU_HOT))
     scorer = make_scorer(index, gpu_tier_weight=0.25)
     pipeline = SelectionPipeline(RoundRobin(), [scorer])
-    for _ in range(5):
+    for count in range(1, 6):
         ctx = make_context(prefix=PREFIX)
         pipeline.select(make_backends(3), ctx)
-        assert ctx.state["decision"] == "scorer_fallback"
+        assert decisions(scorer, "fallback", TIER_NONE) == count
+    assert decisions(scorer, "kv_aware", TIER_GPU_HOT) == 0
 
 
 def test_snapshot_cached_for_100ms_and_kept_per_request() -> None:
@@ -147,7 +160,9 @@ def test_snapshot_cached_for_100ms_and_kept_per_request() -> None:
     pipeline = SelectionPipeline(RoundRobin(), [scorer])
     third = make_context(prefix=PREFIX)
     assert pipeline.select(backends, third).name == "b1"
-    assert third.state["kv_tier"] == TIER_STORAGE_WARM
+    # The decision is labelled with the tier this request's own snapshot says b1 holds.
+    assert decisions(scorer, "kv_aware", TIER_STORAGE_WARM) == 1
+    assert decisions(scorer, "kv_aware", TIER_GPU_HOT) == 0
 
 
 def test_load_can_make_another_holder_win() -> None:
@@ -203,3 +218,25 @@ def test_load_guard_reads_live_in_flight_not_the_snapshot() -> None:
     burst = make_context(prefix=PREFIX)
     scorer.prepare(burst, backends)  # same cached snapshot
     assert scorer.score_with_tier(backends[0], burst) == (0.0, TIER_GPU_HOT)
+
+
+class TestKvOverlapContract(ScorerContract):
+    """The built-in scorer meets the shipped scorer contract, loaded by its config name."""
+
+    scorer_name = "KvOverlap"
+
+    def make_index(self) -> KvCacheIndex:
+        index = InMemoryKvIndex()
+        index.apply("b1", CACHE_CREATED, PREFIX_HASH, 400)
+        index.apply("b2", CACHE_CREATED, PREFIX_HASH, 100)
+        return index
+
+
+def test_kv_overlap_declines_without_an_index() -> None:
+    config = parse_config({"prefix_routing": {"enabled": True}})
+    assert KvOverlapScorer.from_config(config, index=None, metrics=None) is None
+    index = FakeIndex()
+    scorer = KvOverlapScorer.from_config(config, index=index, metrics=None, resources=None)
+    assert isinstance(scorer, KvOverlapScorer)
+    assert scorer.index is index
+    assert scorer.overlap_weight == config.kv_cache_index.scoring.overlap_weight

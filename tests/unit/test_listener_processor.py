@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-import time
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ import requests
 import zmq
 
 from continuum.cache_salt import make_salt
+from continuum.devtools.procs import Child, free_port, wait_http, wait_until
 from continuum.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch
 from continuum.prefix import request_prefix_key
 from continuum.prefix_chain import request_chain
@@ -38,7 +39,6 @@ from listener.config import DetokenizeConfig, LimitsConfig, SourceConfig
 from listener.decode import decode_trtllm_events, decode_zmq_frames, decode_zmq_payload
 from listener.model import CACHE_CLEARED, CACHE_CREATED, PrefixEvent
 from listener.processor import DefaultSourceProcessor
-from tests.conftest import PYTHON, Proc, free_port, wait_http
 
 MODEL = "sim-model"
 BACKEND = "engine-a"
@@ -278,6 +278,28 @@ def test_router_issued_salts_attribute_without_detokenize(profile: str) -> None:
     assert stats["salt_rejected"] == 0
 
 
+@pytest.mark.parametrize("profile", ["vllm-0.33", "sglang-0.5.22", "trtllm"])
+def test_per_tenant_salts_attribute_like_shared_ones(profile: str) -> None:
+    """``cache_salt.per_tenant``: each tenant's salt keeps the engine from reusing another
+    tenant's blocks, and the listener still attributes both chains to the prefix key."""
+    setup = Setup(profile, require_salt=True)
+    body = BODIES["system"]
+    ids = tuple(setup.engine.chat_prompt(body["messages"]))
+    for tenant, reuses in (("acme", False), ("globex", False), ("acme", True)):
+        salt = make_salt(SECRET, BACKEND, router_key(body), tenant)
+        cached = setup.engine.start(GenerationRequest(
+            model=MODEL, prompt_ids=ids, max_tokens=3, temperature=0.0,
+            cache_salt=salt)).run().cached_tokens
+        assert (cached > 0) is reuses, tenant  # a tenant reuses its own blocks only
+        for batch in setup.sink.take():
+            setup.processor.handle_batch(batch)
+    created = [e for e in setup.out if e.type == CACHE_CREATED]
+    assert created and {e.prefix_hash for e in created} == {router_key(body)}
+    stats = setup.processor.stats()
+    assert stats["salt_rejected"] == 0 and stats["unattributed_chains"] == 0
+    assert setup.detokenize_calls() == 0
+
+
 def test_salts_of_vllm_ride_in_block_0_extra_keys() -> None:
     setup = Setup("vllm-0.33", salts=True)
     body = BODIES["system"]
@@ -416,11 +438,11 @@ class SimProcess:
         zmq_port, port = free_port(), free_port()
         self.sub.bind(f"tcp://127.0.0.1:{zmq_port}")
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = Proc([PYTHON, "-m", "continuum.sim.cli", "--port", str(port), "--fast",
-                          "--template", template, "--block-size", "8",
-                          "--zmq-endpoint", f"tcp://127.0.0.1:{zmq_port}"],
-                         log=tmp / f"sim-{template}.log")
-        wait_http(self.url + "/health", proc=self.proc.popen)
+        self.proc = Child([sys.executable, "-m", "continuum.sim.cli", "--port", str(port),
+                           "--fast", "--template", template, "--block-size", "8",
+                           "--zmq-endpoint", f"tcp://127.0.0.1:{zmq_port}"],
+                          log=tmp / f"sim-{template}.log")
+        wait_http(self.url + "/health", children=[self.proc])
         self.http = requests.Session()
 
     def chat(self, body: dict[str, Any]) -> None:
@@ -463,12 +485,14 @@ def test_template_learned_from_a_real_engine(
             raise AssertionError("no KV events from the simulated engine")
         for name, body in BODIES.items():
             sim.chat(body)
-            deadline = time.monotonic() + 20
-            while router_key(body) not in {e.prefix_hash for e in out} and (
-                    time.monotonic() < deadline):
+
+            def learned(body: dict[str, Any] = body) -> bool:
                 for batch in sim.batches():
                     processor.handle_batch(batch)
-            assert router_key(body) in {e.prefix_hash for e in out}, (name, sim.proc.output())
+                return router_key(body) in {e.prefix_hash for e in out}
+
+            wait_until(learned, f"the router's key of {name} among the prefix events", 20,
+                       children=[sim.proc], interval=0.01)
         assert processor.stats()["detokenize_errors"] == 0
     finally:
         processor.close()

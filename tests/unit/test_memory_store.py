@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -11,7 +12,7 @@ from continuum.config import RouterConfig
 from continuum.interfaces import CacheStore
 from continuum.metrics import RouterMetrics
 from continuum.registry import PluginRegistry
-from continuum.testing import CacheStoreContract
+from continuum.testing.stores import CacheStoreCases
 from stores.memory import InMemoryCacheStore
 from stores.redis_store import RedisCacheStore
 
@@ -29,8 +30,9 @@ class FakeClock:
         self.now += seconds
 
 
-class TestInMemoryContract(CacheStoreContract):
-    """The contract every store meets, on a fake clock (no sleeping)."""
+class TestInMemoryContract(CacheStoreCases):
+    """The contract every store meets, on a fake clock (no sleeping); an in-memory store
+    has no foreign keys and no backing service to break."""
 
     @pytest.fixture(autouse=True)
     def _clock(self) -> None:
@@ -56,9 +58,23 @@ def test_registered_under_the_config_names() -> None:
 
 def test_from_config_uses_response_cache_capacity() -> None:
     config = RouterConfig()
-    store = InMemoryCacheStore.from_config(config, redis=None, other="ignored")
+    store = InMemoryCacheStore.from_config(config, resources=None, other="ignored")
     assert isinstance(store, InMemoryCacheStore)
     assert store.capacity == config.response_cache.capacity
+
+
+def test_reload_resizes_in_place_and_keeps_the_store(clock: FakeClock) -> None:
+    config = RouterConfig()
+    store = InMemoryCacheStore(4, clock=clock)
+    for key in "abcd":
+        store.set(key, key.encode(), 60)
+    store.get("a")  # the most recent now: kept by the shrink
+    assert store.reconfigure(config) is None  # capacity 1000: grown, nothing replaced
+    assert (store.capacity, store.stats().entries) == (1000, 4)
+    smaller = replace(config, response_cache=replace(config.response_cache, capacity=2))
+    assert store.reconfigure(smaller) is None
+    assert store.capacity == 2
+    assert [k for k in "abcd" if store.get(k) is not None] == ["a", "d"]
 
 
 def test_least_recently_used_is_evicted_first(clock: FakeClock) -> None:

@@ -11,11 +11,12 @@ import sys
 from continuum.config import parse_config
 from continuum.metrics import RouterMetrics
 from continuum.registry import PluginRegistry
-from continuum.testing import StrategyContract, make_backends, make_context
+from continuum.testing import make_backends, make_context
+from continuum.testing.strategies import DeterministicCases, StickyCases
 from strategies.prefix_aware_hash import PrefixAwareHash, load_bound
 
 
-class TestPrefixAwareHashContract(StrategyContract):
+class TestPrefixAwareHashContract(StickyCases, DeterministicCases):
     strategy_name = "PrefixAwareHash"
 
 

@@ -101,7 +101,7 @@ def test_an_incomplete_last_message_makes_only_its_full_chunks() -> None:
 
 
 def test_the_consumer_reads_the_chain_field_and_refuses_malformed_ones() -> None:
-    from continuum.kv_consumer import MalformedRecord, parse_chain
+    from continuum.kv.consumer import MalformedRecord, parse_chain
 
     assert parse_chain({"prefix_hash": "ab"}) == []
     assert parse_chain({"chain": {"cache_created": [["0A1b", 16]],

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 import pytest
 
-from continuum.backends import Backend
 from continuum.errors import PluginError
 from continuum.interfaces import SelectionStrategy
 from continuum.registry import PluginRegistry
 from continuum.request import RequestContext
+from continuum.routing.backends import Backend
 
 GROUP = "continuum.strategies"
 BUILTINS = ["ConsistentHash", "LeastLatency", "Random", "RoundRobin", "WeightedRoundRobin"]

@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 
 from continuum.auth import ClientAuth
-from continuum.cache_key import cache_key
+from continuum.caching.cache_key import cache_key
+from continuum.caching.response_cache import ResponseCache, decode_entry, encode_entry
 from continuum.config import parse_config
 from continuum.errors import AuthenticationError, StoreError
 from continuum.interfaces import CacheStore, CacheStoreStats
 from continuum.metrics import RouterMetrics
 from continuum.request import ANTHROPIC_MESSAGES, CHAT, parse_request
-from continuum.response_cache import ResponseCache, decode_entry, encode_entry
 
 MSGS = [{"role": "user", "content": "What is 2+2?"}]
 

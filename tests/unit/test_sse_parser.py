@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from continuum.sse import MAX_SSE_BUFFER_SIZE, SseOverflowError, SseParser, SseRecord
+from continuum.wire.sse import MAX_SSE_BUFFER_SIZE, SseOverflowError, SseParser, SseRecord
 
 STREAM = (
     b"\xef\xbb\xbf: a comment\r\n"
@@ -81,6 +81,21 @@ def test_crlf_split_between_chunks_is_one_line_end() -> None:
     # "\r" ends a chunk and "\n" starts the next: one terminator, not an empty line.
     assert parse([b"data: x\r", b"\ndata: y\r", b"\n\r", b"\n"]) == [SseRecord(None, "x\ny", None)]
 
+
+
+def test_mixed_line_endings_still_end_records() -> None:
+    # LF then CRLF, CR then CRLF, CRLF then LF: each pair is a line end and a blank line.
+    assert parse([b"data: a\n\r\ndata: b\r\r\ndata: c\r\n\n"]) == [
+        SseRecord(None, "a", None), SseRecord(None, "b", None), SseRecord(None, "c", None)
+    ]
+
+
+def test_invalid_utf8_is_replaced_not_fatal() -> None:
+    parser = SseParser()
+    assert parser.feed(b"id: \xff1\ndata: caf\xc3\n\n") == [
+        SseRecord(None, "caf\ufffd", "\ufffd1")
+    ]
+    assert parser.feed(b"data: next\n\n") == [SseRecord(None, "next", None)]
 
 def test_comments_and_unknown_fields_are_ignored() -> None:
     text = b": hello\n:\nfoo: bar\nretry: soon\ndata: d\n: mid\n\n"

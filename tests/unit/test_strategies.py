@@ -11,10 +11,16 @@ from collections import Counter
 
 import pytest
 
-from continuum.hashring import HashRing, stable_hash
 from continuum.interfaces import SelectionStrategy
 from continuum.registry import PluginRegistry
-from continuum.testing import StrategyContract, make_backends, make_context
+from continuum.routing.hashring import HashRing, stable_hash
+from continuum.testing import make_backends, make_context
+from continuum.testing.strategies import (
+    DeterministicCases,
+    SpreadingCases,
+    StickyCases,
+    WeightedCases,
+)
 
 GROUP = "continuum.strategies"
 
@@ -26,21 +32,23 @@ def load(name: str, **collaborators: object) -> SelectionStrategy:
 
 
 # -- the contract, once per built-in ---------------------------------------------------
+# Each built-in includes the case mixins its flags call for, so no case is skipped here;
+# test_includes_every_case_that_applies (in each) fails if one that applies is left out.
 
 
-class TestRoundRobinContract(StrategyContract):
+class TestRoundRobinContract(SpreadingCases, DeterministicCases):
     strategy_name = "RoundRobin"
 
 
-class TestWeightedRoundRobinContract(StrategyContract):
+class TestWeightedRoundRobinContract(SpreadingCases, DeterministicCases, WeightedCases):
     strategy_name = "WeightedRoundRobin"
 
 
-class TestLeastLatencyContract(StrategyContract):
+class TestLeastLatencyContract(SpreadingCases, DeterministicCases):
     strategy_name = "LeastLatency"
 
 
-class TestRandomContract(StrategyContract):
+class TestRandomContract(SpreadingCases, DeterministicCases, WeightedCases):
     strategy_name = "Random"
     deterministic = True  # only because every instance here gets the same seed
 
@@ -48,7 +56,7 @@ class TestRandomContract(StrategyContract):
         return cls(seed=1234)
 
 
-class TestConsistentHashContract(StrategyContract):
+class TestConsistentHashContract(StickyCases, DeterministicCases):
     strategy_name = "ConsistentHash"
 
 

@@ -1,4 +1,4 @@
-"""continuum.upstream_http against small threaded servers on 127.0.0.1 that send hand-written
+"""continuum.wire.http_client against small threaded servers on 127.0.0.1 that send hand-written
 HTTP bytes (no HTTP library on the server side)."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import socket
 import ssl
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from continuum import upstream_http as uh
-from continuum.upstream_http import ConnectionPool
+from continuum.devtools.procs import wait_until
+from continuum.wire import http_client as uh
+from continuum.wire.http_client import ConnectionPool
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 WAIT = 10.0  # a safety bound for waits that should end at once, never a timing assertion
@@ -486,16 +486,14 @@ def test_idle_connection_closed_by_the_server_is_not_reused(
 ) -> None:
     """A connection idle past CHECK_AFTER that the server closed is dropped before use:
     the request goes out once, on a fresh connection, with no stale retry."""
-    import continuum.upstream_http as uh
+    import continuum.wire.http_client as uh
 
     monkeypatch.setattr(uh, "CHECK_AFTER", 0.0)
     ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
     server, pool = serve(answer(ok, close=True))  # the server closes after one answer
     assert pool.request("GET", "/").read() == b"ok"
     assert pool.idle == 1
-    deadline = time.monotonic() + 5
-    while not pool._idle[0].dropped() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(pool._idle[0].dropped, "the pool to see the server's close", 5, interval=0.01)
     assert pool.request("GET", "/").read() == b"ok"
     assert server.connections == 2
     assert len(server.requests) == 2  # never sent into the closed connection first

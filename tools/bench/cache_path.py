@@ -18,20 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from continuum.devtools.procs import Child
+from continuum.devtools.redis_server import RedisServer
 from tools.bench.overhead import (
     MODEL,
-    Child,
     Conn,
     children_of,
     cpu_seconds,
-    free_port,
     percentile,
     start_router,
     start_upstream,
@@ -64,18 +63,6 @@ def _phase(conn: Conn, payloads: list[bytes], workers: list[int]) -> dict[str, f
             "router_cpu_ms": (cpu1 - cpu0) / len(payloads) * 1e3}
 
 
-def _start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server is not installed")
-    port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(0.3)
-    return proc, port
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,12 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="bench-cache-"))
     children: list[Child] = []
-    redis_proc = None
+    redis: RedisServer | None = None
     try:
         cache: dict[str, Any] = {"enabled": True, "capacity": 100_000}
         if args.redis:
-            redis_proc, redis_port = _start_redis(tmp)
-            cache.update(backend="redis", redis={"url": f"redis://127.0.0.1:{redis_port}/0"})
+            try:
+                redis = RedisServer()
+            except RuntimeError as exc:
+                raise SystemExit(str(exc)) from None
+            cache.update(backend="redis", redis={"url": redis.url})
         upstream, upstream_port = start_upstream(tmp, chunks=8, chunk_delay_ms=0)
         children.append(upstream)
         router, port = start_router(tmp, upstream_port, 1, str(Path.cwd()),
@@ -109,9 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for child in reversed(children):
             child.stop()
-        if redis_proc is not None:
-            redis_proc.terminate()
-            redis_proc.wait(10)
+        if redis is not None:
+            redis.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     if args.json:
         print(json.dumps(results, indent=2))

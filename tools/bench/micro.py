@@ -33,13 +33,8 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 import timeit
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -59,8 +54,8 @@ def _chat(system: str, user: str = "Summarise the attached notes.") -> dict[str,
 
 def tier1(number: int, repeat: int) -> dict[str, float]:
     from continuum.config import parse_config
-    from continuum.hashring import HashRing
     from continuum.prefix import request_prefix_key
+    from continuum.routing.hashring import HashRing
     from continuum.testing import make_backends, make_context
     from strategies.prefix_aware_hash import PrefixAwareHash
 
@@ -89,47 +84,22 @@ def tier1(number: int, repeat: int) -> dict[str, float]:
     return results
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _redis_server() -> Iterator[int | None]:
     """A throwaway redis-server on a free port (None when none is installed)."""
-    exe = shutil.which("redis-server")
-    if exe is None:
+    from continuum.devtools.redis_server import RedisServer, redis_available
+
+    if redis_available() is None:
         print("redis-server not installed; Redis figures skipped", file=sys.stderr)
         yield None
         return
-    import redis
-
-    port = _free_port()
-    tmp = tempfile.mkdtemp(prefix="bench-redis-")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", tmp],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        client = redis.Redis(port=port)
-        while time.monotonic() < deadline:
-            try:
-                if client.ping():
-                    break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        client.close()
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(tmp, ignore_errors=True)
+    with RedisServer() as server:
+        yield server.port
 
 
 def _redis_roundtrip(number: int, repeat: int) -> dict[str, float]:
     from continuum.config import parse_config
-    from continuum.redis_link import RedisLink
+    from continuum.resources import WorkerResources
     from stores.redis_store import RedisCacheStore
 
     with _redis_server() as port:
@@ -137,8 +107,7 @@ def _redis_roundtrip(number: int, repeat: int) -> dict[str, float]:
             return {}
         config = parse_config({"response_cache": {"backend": "redis", "redis": {
             "url": f"redis://127.0.0.1:{port}/0"}}})
-        link = RedisLink(config.response_cache.redis)
-        store = RedisCacheStore.from_config(config, redis=link)
+        store = RedisCacheStore.from_config(config, resources=WorkerResources())
         value = os.urandom(4096)
         store.set("bench", value, 60)
         n = max(number // 50, 200)
@@ -146,8 +115,7 @@ def _redis_roundtrip(number: int, repeat: int) -> dict[str, float]:
             "redis_get_4KiB": measure(lambda: store.get("bench"), n, repeat),
             "redis_set_4KiB": measure(lambda: store.set("bench", value, 60), n, repeat),
         }
-        store.close()
-        link.close()
+        store.close()  # the last user of its link: closes it
         return out
 
 
@@ -155,7 +123,7 @@ def _redis_roundtrip(number: int, repeat: int) -> dict[str, float]:
 def _redis_kv_index() -> Iterator[Any]:
     """A ``RedisKvIndex`` on a throwaway redis-server (None when none is installed)."""
     from continuum.config import parse_config
-    from continuum.redis_link import RedisLink
+    from continuum.resources import WorkerResources
     from stores.kv_redis import RedisKvIndex
 
     with _redis_server() as port:
@@ -164,13 +132,11 @@ def _redis_kv_index() -> Iterator[Any]:
             return
         config = parse_config({"response_cache": {"redis": {
             "url": f"redis://127.0.0.1:{port}/0"}}, "kv_cache_index": {"backend": "redis"}})
-        link = RedisLink(config.response_cache.redis)
-        index = RedisKvIndex.from_config(config, redis=link)
+        index = RedisKvIndex.from_config(config, resources=WorkerResources())
         try:
             yield index
         finally:
-            index.close()
-            link.close()
+            index.close()  # the last user of its link: closes it
 
 
 def _redis_kv_query(number: int, repeat: int) -> dict[str, float]:
@@ -186,9 +152,9 @@ def _redis_kv_query(number: int, repeat: int) -> dict[str, float]:
 
 
 def tier2(number: int, repeat: int) -> dict[str, float]:
-    from continuum.cache_key import cache_key
+    from continuum.caching.cache_key import cache_key
+    from continuum.caching.response_cache import decode_entry, encode_entry
     from continuum.request import CHAT, parse_request
-    from continuum.response_cache import decode_entry, encode_entry
     from stores.memory import InMemoryCacheStore
 
     body = _chat("You are a careful analyst. " * 60, "hello " * 50)
@@ -212,7 +178,7 @@ def tier2(number: int, repeat: int) -> dict[str, float]:
 
 def tier4(number: int, repeat: int) -> dict[str, float]:
     from continuum.config import parse_config
-    from continuum.kv_scorer import KvOverlapScorer
+    from continuum.kv.scorer import KvOverlapScorer
     from continuum.testing import make_backends, make_context
     from stores.kv_memory import InMemoryKvIndex
 
@@ -262,7 +228,7 @@ def _rag_body() -> dict[str, Any]:
 def chain(number: int, repeat: int) -> dict[str, float]:
     from continuum.config import parse_config
     from continuum.interfaces import CACHE_CREATED
-    from continuum.kv_chain_scorer import ChainOverlapScorer
+    from continuum.kv.chain_scorer import ChainOverlapScorer
     from continuum.prefix_chain import request_chain
     from continuum.testing import make_backends, make_context
     from stores.kv_memory import InMemoryKvIndex
@@ -294,7 +260,7 @@ def chain(number: int, repeat: int) -> dict[str, float]:
     for i, backend in enumerate(backends):
         backend.name = f"vllm-{i}"
     ctx = make_context()
-    ctx.state["chain"] = prompt
+    ctx.chain = prompt
     counter = iter(range(10**12))
     scorer.clock = lambda: float(next(counter))  # every prepare queries the index
 

@@ -29,13 +29,11 @@ concurrency 1) are not met.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import shutil
 import signal
 import socket as std_socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +43,8 @@ from typing import Any
 
 import gevent
 from gevent import socket as gsocket
+
+from continuum.devtools.procs import Child, child_env, free_port, wait_http, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -65,13 +65,6 @@ REFERENCES = [
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with std_socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stat_fields(pid: int) -> list[str]:
@@ -110,79 +103,19 @@ def children_of(ppid: int) -> list[int]:
     return sorted(found)
 
 
-class Child:
-    """A process we started; stopped by its PID only."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], cwd: str,
-                 log: Path) -> None:
-        self.name = name
-        self.log = log
-        with open(log, "wb") as out:  # the child keeps its own descriptor
-            self.popen = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out,
-                                          stderr=subprocess.STDOUT)
-        self.pid = self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
-
-    def output(self, limit: int = 4000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-limit:]
-        except OSError:
-            return ""
-
-
-def wait_ready(child: Child, port: int, path: str, timeout: float) -> None:
-    """Poll ``GET path`` until it answers 200, or raise with the child's output."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        if not child.alive():
-            raise RuntimeError(f"{child.name} exited with {child.popen.returncode}:\n"
-                               + child.output())
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-        try:
-            conn.request("GET", path)
-            resp = conn.getresponse()
-            resp.read()
-            if resp.status == 200:
-                return
-            last = resp.status
-        except OSError as exc:
-            last = exc
-        finally:
-            conn.close()
-        time.sleep(0.05)
-    raise RuntimeError(f"{child.name} not ready after {timeout}s (last: {last}):\n"
-                       + child.output())
-
-
 def _child_env(pythonpath: str) -> dict[str, str]:
-    env = dict(os.environ)
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
-                 "all_proxy"):
-        env.pop(name, None)
-    env["NO_PROXY"] = "127.0.0.1,localhost"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    """A local child's environment with ``pythonpath`` first on its module path."""
+    path = os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p)
+    return child_env({"PYTHONPATH": path, "PYTHONUNBUFFERED": "1"})
 
 
 def start_upstream(tmp: Path, chunks: int, chunk_delay_ms: float) -> tuple[Child, int]:
     port = free_port()
     argv = [PYTHON, "-m", "tools.bench.upstream", "--port", str(port), "--model", MODEL,
             "--chunks", str(chunks), "--chunk-delay-ms", str(chunk_delay_ms)]
-    child = Child("upstream", argv, _child_env(str(ROOT)), str(tmp), tmp / "upstream.log")
-    wait_ready(child, port, "/health", 20)
+    child = Child(argv, tmp / "upstream.log", name="upstream", env=_child_env(str(ROOT)),
+                  cwd=tmp)
+    wait_http(f"http://127.0.0.1:{port}/health", 20, children=[child])
     return child, port
 
 
@@ -208,13 +141,10 @@ def start_router(tmp: Path, upstream_port: int, workers: int, src: str,
     env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     argv = [PYTHON, "-m", "gunicorn", "-c", "python:continuum.gunicorn_conf",
             "continuum.app:get_app()"]
-    child = Child("router", argv, env, str(tmp), tmp / "router.log")
-    wait_ready(child, port, "/health", 30)
-    deadline = time.monotonic() + 20
-    while len(children_of(child.pid)) < workers:
-        if time.monotonic() > deadline:
-            raise RuntimeError("router workers did not start:\n" + child.output())
-        time.sleep(0.05)
+    child = Child(argv, tmp / "router.log", name="router", env=env, cwd=tmp)
+    wait_http(f"http://127.0.0.1:{port}/health", 30, children=[child])
+    wait_until(lambda: len(children_of(child.pid)) >= workers, "the router's workers", 20,
+               children=[child])
     return child, port
 
 
@@ -226,20 +156,15 @@ def start_py_spy(out: str, pid: int, tmp: Path) -> Child:
     fmt = {".svg": "flamegraph", ".json": "speedscope"}.get(Path(out).suffix, "raw")
     argv = [exe, "record", "--pid", str(pid), "--rate", "500", "--nonblocking",
             "--format", fmt, "--output", str(Path(out).resolve())]
-    child = Child("py-spy", argv, dict(os.environ), str(tmp), tmp / "py-spy.log")
+    child = Child(argv, tmp / "py-spy.log", name="py-spy", cwd=tmp)
     time.sleep(1.0)  # attach before the load starts
-    if not child.alive():
-        raise BenchError("py-spy did not start:\n" + child.output())
+    if not child.running():
+        raise BenchError("py-spy did not start:\n" + child.log_tail())
     return child
 
 
 def stop_py_spy(child: Child) -> None:
-    if child.alive():
-        child.popen.send_signal(signal.SIGINT)
-        try:
-            child.popen.wait(30)
-        except subprocess.TimeoutExpired:
-            child.stop()
+    child.stop(signal.SIGINT, timeout=30)
 
 
 # --------------------------------------------------------------------------- load
@@ -673,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchError, RuntimeError, OSError) as exc:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         for child in children:
-            print(f"--- {child.name} log (tail)\n{child.output()}", file=sys.stderr)
+            print(f"--- {child.name} log (tail)\n{child.log_tail()}", file=sys.stderr)
         return 2
     finally:
         for child in reversed(children):

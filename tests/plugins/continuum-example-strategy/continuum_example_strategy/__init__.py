@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from continuum.backends import Backend
 from continuum.errors import NoHealthyBackendError
 from continuum.interfaces import SelectionStrategy
 from continuum.request import RequestContext
+from continuum.routing.backends import Backend
 
 __all__ = ["FirstHealthy"]
 

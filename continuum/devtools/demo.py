@@ -1,0 +1,532 @@
+"""``continuum-router demo``: simulated engines + the router, one table per strategy.
+
+Starts a fleet of simulated engines (``continuum-sim --fleet N``) and, for comparison, one
+engine with the whole fleet's KV capacity and slots; when a scenario uses the KV cache
+index (Tier 4), the fleet publishes its KV events over ZMQ to ``continuum-kv-listener``.
+Then, for each scenario, the router runs under gunicorn with gevent workers and a config
+built from :data:`DEFAULT_ROUTER_CONFIG`. Every scenario replays the same seeded workload
+(:func:`demo_workload`) against fresh engine caches (and, with the listener, a listener and
+router index that are verified empty) and reports requests/s, TTFT, the engines'
+prefix-cache hit rate, the router's response-cache hits and the share of KV-aware routing
+decisions. Every process started is stopped by its PID on the way out, also on Ctrl-C or
+SIGTERM (:mod:`continuum.devtools.fleet`).
+
+``--scenario`` picks the workload: ``default`` (the mixed one), ``rag`` (one system prompt,
+documents with Zipf popularity inside the user turn), ``agent`` (long sessions growing with
+tool outputs) or ``load`` (heavy multi-turn chat with skewed prompt popularity). Each has
+the rows single engine, RoundRobin, PrefixAwareHash, the seed-literal KV index
+(``match: seed``: the seed's system-prompt key and formula) and the KV index with its
+default settings (chain of prefix keys, approximate entries, adaptive load guard).
+
+Later tiers add a row by appending a :class:`Scenario` to :data:`SCENARIOS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from continuum.devtools.fleet import (
+    MODEL,
+    RUN_ENV,
+    Fleet,
+    FleetShape,
+    backend_names,
+    demo_children,
+    engine_stats,
+    kv_index_stats,
+    listener_stats,
+    merge,
+    metric_sum,
+    reset_engines,
+    signals_to_main,
+    slug,
+    start_fleet,
+    start_router,
+    wait_listener_clear,
+    wait_router_index_ready,
+)
+from continuum.devtools.procs import ChildExited, Children, wait_until
+
+if TYPE_CHECKING:
+    import requests
+
+    from continuum.sim.workload import Session, Workload
+
+__all__ = ["LOAD_SCENARIOS", "SCENARIOS", "STANDARD_SCENARIOS", "FleetShape", "Scenario",
+           "main", "merge", "metric_sum"]
+
+CACHE_HIT_METRIC = "continuum_response_cache_requests_total"
+
+#: The router config every scenario starts from; ``backends`` and ``server.bind`` are
+#: filled in at run time, then the scenario's overrides are merged in.
+DEFAULT_ROUTER_CONFIG: dict[str, Any] = {
+    "server": {"workers": 1, "log_level": "warning", "watch_config": False},
+    "selection_strategy": "RoundRobin",
+    "health_check": {"enabled": True, "interval_seconds": 2.0},
+    "prefix_routing": {"enabled": False},
+}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One row of the table: a router config (overrides of the default), or ``direct``:
+    the workload sent straight to the single big engine, with no router. ``kv_events``:
+    the router consumes the listener's streams (``kv_cache_index.event_sources`` is filled
+    in at run time)."""
+
+    name: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    direct: bool = False
+    kv_events: bool = False
+
+
+#: All four tiers with the KV index's defaults (``match: chain``, approximate entries,
+#: adaptive load guard): prefix keys with PrefixAwareHash (CHWBL) as the strategy the KV
+#: scorer falls back to, the response cache, and the KV index fed by the listener.
+KV_INDEX: dict[str, Any] = {
+    "selection_strategy": "PrefixAwareHash",
+    "prefix_routing": {"enabled": True},
+    "response_cache": {"enabled": True, "backend": "memory"},
+    "kv_cache_index": {"enabled": True},
+}
+#: The seed literally: its system-prompt key, its composite score, no guard.
+KV_INDEX_SEED = merge(KV_INDEX, {"kv_cache_index": {
+    "match": "seed", "approximate": {"enabled": False},
+    "scoring": {"load_guard": {"enabled": False}}}})
+#: The seed's key with the CHWBL-bound guard (``load_guard.mode: bound``).
+KV_INDEX_SEED_GUARDED = merge(KV_INDEX_SEED, {"kv_cache_index": {"scoring": {"load_guard": {
+    "enabled": True, "mode": "bound"}}}})
+
+SINGLE = Scenario("single engine", direct=True)
+ROUND_ROBIN = Scenario("RoundRobin", {"selection_strategy": "RoundRobin"})
+PREFIX_AWARE = Scenario(
+    "PrefixAwareHash",
+    {"selection_strategy": "PrefixAwareHash", "prefix_routing": {"enabled": True}},
+)
+KV_SEED = Scenario("KV index (seed key)", KV_INDEX_SEED, kv_events=True)
+KV_DEFAULT = Scenario("KV index", KV_INDEX, kv_events=True)
+
+SCENARIOS: list[Scenario] = [
+    SINGLE,
+    ROUND_ROBIN,
+    PREFIX_AWARE,
+    Scenario(
+        "PrefixAwareHash + response cache",
+        {
+            "selection_strategy": "PrefixAwareHash",
+            "prefix_routing": {"enabled": True},
+            "response_cache": {"enabled": True, "backend": "memory"},
+        },
+    ),
+    KV_SEED,
+    KV_DEFAULT,
+]
+
+#: ``--scenario rag`` / ``agent``: the five rows every scenario is judged on.
+STANDARD_SCENARIOS: list[Scenario] = [SINGLE, ROUND_ROBIN, PREFIX_AWARE, KV_SEED, KV_DEFAULT]
+
+#: ``--scenario load``: the five rows, and the seed's key with the CHWBL-bound guard.
+LOAD_SCENARIOS: list[Scenario] = [
+    SINGLE, ROUND_ROBIN, PREFIX_AWARE, KV_SEED,
+    Scenario("KV index (seed key) + load guard", KV_INDEX_SEED_GUARDED, kv_events=True),
+    KV_DEFAULT,
+]
+
+#: Every row any scenario has, by name (``--strategies`` picks among them).
+ALL_SCENARIOS: list[Scenario] = [*SCENARIOS, LOAD_SCENARIOS[4]]
+
+
+def demo_workload(seed: int, quick: bool, rate: float | None = None) -> Workload:
+    """The built-in workload: users sharing 8 long system prompts, multi-turn
+    conversations over the same prompts, RAG questions over 4 documents; 30% of the
+    single questions repeat exactly (temperature 0)."""
+    from continuum.sim.workload import mixed
+
+    if quick:
+        return mixed(seed, users=40, conversations=14, rag_questions=14, rate=rate or 24.0)
+    return mixed(seed, users=110, conversations=40, rag_questions=40, rate=rate or 24.0)
+
+
+#: ``--scenario load``'s workload (``--quick`` halves the conversations).
+LOAD_WORKLOAD: dict[str, Any] = {"conversations": 180, "turns": (3, 6), "prompts": 8,
+                                 "popularity_skew": 1.5, "think_seconds": 0.2, "rate": 7.0}
+#: ``--scenario load``'s defaults: two slots per engine (the fleet serves ~40 requests/s
+#: on 2 cores, the workload offers ~30) and sessions never wait for a replay worker.
+LOAD_MAX_NUM_SEQS = 2
+LOAD_CONCURRENCY = 512
+
+
+def load_workload(seed: int, quick: bool, rate: float | None = None) -> Workload:
+    """``--scenario load``: multi-turn chat only, conversations arriving faster than the
+    fleet serves them, over 8 system prompts with Zipf popularity, so that the holders of
+    the popular prompts are the busy engines."""
+    from continuum.sim.workload import multi_turn
+
+    options = dict(LOAD_WORKLOAD)
+    if quick:
+        options["conversations"] //= 2
+    if rate:
+        options["rate"] = rate
+    return multi_turn(seed, **options)
+
+
+def rag_workload(seed: int, quick: bool, rate: float | None = None) -> Workload:
+    """``--scenario rag``: one shared system prompt, 24 documents of 600-1200 tokens with
+    Zipf(1.0) popularity inside the user turn, every question distinct."""
+    from continuum.sim.workload import rag_user_documents
+
+    return rag_user_documents(seed, questions=90 if quick else 240, rate=rate or 12.0)
+
+
+def agent_workload(seed: int, quick: bool, rate: float | None = None) -> Workload:
+    """``--scenario agent``: sessions of 6-12 requests, each adding a 120-360 token tool
+    output to the session's history, over two agent system prompts."""
+    from continuum.sim.workload import agent
+
+    return agent(seed, sessions=16 if quick else 40, rate=rate or 2.0)
+
+
+#: ``--scenario`` → (workload maker, rows, engine slots, replay concurrency).
+WORKLOADS: dict[str, Any] = {
+    "default": (lambda seed, quick, rate: demo_workload(seed, quick, rate), SCENARIOS),
+    "rag": (rag_workload, STANDARD_SCENARIOS),
+    "agent": (agent_workload, STANDARD_SCENARIOS),
+    "load": (load_workload, LOAD_SCENARIOS),
+}
+
+
+def warmup_workload(workload: Workload) -> Workload:
+    """One short question per shared prefix, one after the other: the state a fleet is in
+    when load rises, each prompt cached on one engine. (Not a turn of the workload: that
+    would be a response-cache hit later.)"""
+    from dataclasses import replace
+
+    firsts: dict[str, Session] = {}
+    for session in workload.sessions:
+        firsts.setdefault(session.group, session)
+    sessions = tuple(replace(s, id=f"warmup-{s.id}", turns=("Are you there?",), arrival=0.0,
+                             think_seconds=0.0)
+                     for s in firsts.values())
+    return replace(workload, name=f"{workload.name} warm-up", sessions=sessions)
+
+
+def event_sources(listener: str, count: int) -> list[dict[str, Any]]:
+    """``kv_cache_index.event_sources`` for ``count`` engines behind ``listener``."""
+    return [{"backend_name": name, "endpoint": f"{listener}/events/{name}",
+             "reconnect_interval_ms": 200} for name in backend_names(count)]
+
+
+def router_config(
+    scenario: Scenario, engines: Sequence[str], listener: str | None = None,
+) -> dict[str, Any]:
+    """The router config of ``scenario`` in front of ``engines`` (``server.bind`` unset);
+    ``listener`` is the KV listener's URL for a ``kv_events`` scenario."""
+    backends = [{"name": name, "url": url, "models": [MODEL]}
+                for name, url in zip(backend_names(len(engines)), engines, strict=True)]
+    config = merge({**DEFAULT_ROUTER_CONFIG, "backends": backends}, scenario.overrides)
+    if scenario.kv_events and listener is not None:
+        config = merge(config, {"kv_cache_index": {
+            "event_sources": event_sources(listener, len(engines))}})
+    return merge(config, {"admin": {"token": secrets.token_hex(16)}})
+
+
+def check_scenarios(scenarios: Sequence[Scenario]) -> list[str]:
+    """Every config error of the scenarios' router configs (unknown strategy, bad key …),
+    found before anything is started."""
+    from continuum.config import check_config
+    from continuum.registry import PluginRegistry
+
+    registry = PluginRegistry()
+    problems = []
+    for scenario in scenarios:
+        if not scenario.direct:
+            config = router_config(scenario, ["http://127.0.0.1:8000"], "http://127.0.0.1:1")
+            result = check_config(config, f"scenario {scenario.name!r}", registry)
+            problems += [issue.render(result.source) for issue in result.errors]
+    return problems
+
+
+def run_scenario(
+    scenario: Scenario, children: Children, http: requests.Session, workload: Workload,
+    fleet: Fleet, args: argparse.Namespace, warmup: Workload | None = None,
+) -> dict[str, Any]:
+    """Replay ``workload`` through one scenario; return its row.
+
+    Engine caches are reset first; with a listener, the scenario starts only once the
+    listener has applied the resets and the new router's index is connected and empty.
+    ``warmup`` is replayed one session at a time before the measured replay (and, with
+    the KV index, until the index holds one entry per warm-up session).
+    """
+    from continuum.sim.replay import replay
+
+    router = None
+    engines = fleet.single if scenario.direct else fleet.engines
+    kv: dict[str, Any] | None = None
+    start: dict[str, Any] = {}
+    measured_from: dict[str, int] = {}
+    token = ""
+    if scenario.kv_events and fleet.listener is None:
+        raise RuntimeError(f"scenario {scenario.name!r} needs the KV listener")
+    try:
+        reset_engines(http, engines)
+        if fleet.listener is not None and not scenario.direct:
+            wait_listener_clear(http, fleet.listener, backend_names(len(fleet.engines)))
+        if scenario.direct:
+            target = fleet.single[0]
+        else:
+            config = router_config(scenario, fleet.engines, fleet.listener)
+            router, target = start_router(children, http, config, scenario.name)
+            token = config["admin"]["token"]
+            if scenario.kv_events:
+                start = wait_router_index_ready(http, target, token, proc=router)
+        if warmup is not None:
+            done = replay(target, warmup, concurrency=1, max_seconds=60, timeout=30)
+            if done.summary()["errors"]:
+                log = children.log_tail(f"router-{slug(scenario.name)}.log")
+                raise RuntimeError(f"warm-up failed: {done.error_samples()}\n{log}")
+            if scenario.kv_events:
+                wait_until(lambda: kv_index_stats(http, target, token)["index"][
+                    "entry_count"] >= len(warmup.sessions), "the warm-up in the KV index", 10,
+                    children=[router] if router else [], tail=0)
+                time.sleep(0.2)  # past the scorer's 100 ms snapshots
+        if scenario.kv_events:
+            measured_from = kv_index_stats(http, target, token)["routing_decisions"]
+        before = engine_stats(http, engines)
+        result = replay(target, workload, concurrency=args.concurrency,
+                        max_seconds=args.duration, timeout=args.request_timeout)
+        after = engine_stats(http, engines)
+        metrics = http.get(target + "/metrics", timeout=5).text if router else ""
+        if router is not None and scenario.kv_events:
+            end = kv_index_stats(http, target, token)
+            kv = {
+                "entry_count_at_start": start["index"]["entry_count"],
+                "entry_count_at_end": end["index"]["entry_count"],
+                "events_received": sum(s["events_received"] for s in end["event_sources"]),
+                "reconnects": sum(s["reconnect_count"] for s in end["event_sources"]),
+                # the measured replay's decisions (a warm-up's are left out)
+                "routing_decisions": {k: v - measured_from.get(k, 0)
+                                      for k, v in end["routing_decisions"].items()},
+            }
+    finally:
+        if router is not None:
+            children.stop(router)
+    pairs = list(zip(after, before, strict=True))
+    prompt = sum(a["prompt_tokens"] - b["prompt_tokens"] for a, b in pairs)
+    cached = sum(a["cached_prompt_tokens"] - b["cached_prompt_tokens"] for a, b in pairs)
+    decisions = kv["routing_decisions"] if kv else {}
+    return {
+        "name": scenario.name,
+        "direct": scenario.direct,
+        "overrides": scenario.overrides,
+        **result.summary(),
+        "engine_prompt_tokens": prompt,
+        "engine_cached_prompt_tokens": cached,
+        "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+        "engine_requests": [a["requests"] - b["requests"] for a, b in pairs],
+        "router_cache_hits": int(metric_sum(metrics, CACHE_HIT_METRIC, result="hit")),
+        "kv_aware_share": round(decisions["kv_aware"] / decisions["total"], 4)
+        if decisions.get("total") else None,
+        "kv_index": kv,
+        "error_samples": result.error_samples(),
+    }
+
+
+COLUMNS = (
+    ("scenario", "name", "{}"),
+    ("req/s", "requests_per_second", "{:.1f}"),
+    ("TTFT mean ms", "ttft_ms_mean", "{:.1f}"),
+    ("TTFT p99 ms", "ttft_ms_p99", "{:.1f}"),
+    ("prefix hit %", "prefix_hit_rate", "{:.1%}"),
+    ("router cache hits", "router_cache_hits", "{}"),
+    ("KV-aware %", "kv_aware_share", "{:.1%}"),
+    ("errors", "errors", "{}"),
+)
+
+
+def render_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The result rows as an aligned text table."""
+    cells = [[title for title, _, _ in COLUMNS]]
+    for row in rows:
+        cells.append(["-" if row[key] is None else fmt.format(row[key]).rstrip("%")
+                      for _, key, fmt in COLUMNS])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                  for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+        for line in cells
+    ]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``continuum-router demo`` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="continuum-router demo",
+        description="Start simulated engines, the KV listener and the router; compare "
+        "strategies on one seeded workload.",
+    )
+    p.add_argument("--scenario", choices=tuple(WORKLOADS), default="default",
+                   help="default: the mixed workload; rag: one system prompt, documents "
+                   "with Zipf popularity in the user turn; agent: long sessions growing "
+                   "with tool outputs; load: heavy multi-turn chat with skewed prompt "
+                   "popularity")
+    p.add_argument("--engines", type=int, default=4, help="simulated engines behind the router")
+    p.add_argument("--num-blocks", type=int, default=FleetShape.num_blocks,
+                   help="KV capacity of each engine, in 16-token blocks")
+    p.add_argument("--max-num-seqs", type=int,
+                   help=f"concurrent request slots of each engine (default "
+                   f"{FleetShape.max_num_seqs}; {LOAD_MAX_NUM_SEQS} with --scenario load)")
+    p.add_argument("--latency-scale", type=float, default=FleetShape.latency_scale,
+                   help="multiplies every simulated latency")
+    p.add_argument("--rate", type=float, help="session arrivals per second (default: built-in)")
+    p.add_argument("--requests", type=int, help="cap on requests per scenario")
+    p.add_argument("--duration", type=float, default=30.0,
+                   help="seconds after which a scenario starts no new request")
+    p.add_argument("--request-timeout", type=float, default=30.0,
+                   help="seconds one request may take before it counts as an error")
+    p.add_argument("--strategies", nargs="+", metavar="NAME",
+                   help="scenarios to run (names from the table, or any strategy name); "
+                   "default: all of the --scenario")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--concurrency", type=int,
+                   help=f"sessions in flight at once (default 64; {LOAD_CONCURRENCY} with "
+                   "--scenario load)")
+    p.add_argument("--quick", action="store_true", help="a smaller workload (CI)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--keep-logs", action="store_true",
+                   help="keep the work directory with every process's log and config")
+    return p
+
+
+def select_scenarios(names: Sequence[str] | None, default: Sequence[Scenario] = SCENARIOS,
+                     ) -> list[Scenario]:
+    """The scenarios named (case-insensitive, ``single-engine`` or ``single`` for the first
+    row); any other name becomes a row with that ``selection_strategy``."""
+    if not names:
+        return list(default)
+    known = {slug(s.name): s for s in ALL_SCENARIOS}
+    known.setdefault("single", SCENARIOS[0])
+    wanted = [n.strip() for name in names for n in name.split(",") if n.strip()]
+    return [known.get(slug(n)) or Scenario(n, {"selection_strategy": n}) for n in wanted]
+
+
+def _print_results(doc: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return
+    workload = doc["workload"]
+    print(f"\n{doc['engines']} simulated engines; single engine = one engine with their "
+          f"combined KV capacity; workload {workload['name']!r} (seed {args.seed}, "
+          f"{workload['requests']} requests)\n")
+    print(render_table(doc["scenarios"]))
+    print("\nprefix hit % = cached prompt tokens / prompt tokens, from the engines' "
+          "/sim/stats; KV-aware % = requests the KV scorer routed (the rest fell back to "
+          f"the strategy); finished in {doc['wall_seconds']:.1f}s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; 0 when every scenario completed without request errors."""
+    from gevent import monkey
+
+    if not monkey.is_module_patched("socket"):
+        monkey.patch_all()
+    import requests
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # ``continuum-router demo -- --quick``
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
+    load = args.scenario == "load"
+    if args.max_num_seqs is None:
+        args.max_num_seqs = LOAD_MAX_NUM_SEQS if load else FleetShape.max_num_seqs
+    if args.concurrency is None:
+        args.concurrency = LOAD_CONCURRENCY if load else 64
+    if args.engines < 1 or args.concurrency < 1 or args.max_num_seqs < 1:
+        print("continuum-router demo: --engines, --concurrency and --max-num-seqs must be "
+              ">= 1", file=sys.stderr)
+        return 2
+    began = time.monotonic()
+
+    def progress(message: str) -> None:
+        print(f"demo [{time.monotonic() - began:5.1f}s] {message}", file=sys.stderr, flush=True)
+
+    shape = FleetShape(args.engines, args.num_blocks, args.max_num_seqs, args.latency_scale)
+    make_workload, rows_of_scenario = WORKLOADS[args.scenario]
+    workload = make_workload(args.seed, args.quick, args.rate)
+    if args.requests:
+        workload = workload.limit(args.requests)
+    warmup = warmup_workload(workload) if load else None
+    scenarios = select_scenarios(args.strategies, rows_of_scenario)
+    problems = check_scenarios(scenarios)
+    if problems:
+        print("\n".join(f"continuum-router demo: {p}" for p in problems), file=sys.stderr)
+        return 2
+    run_id = secrets.token_hex(8)
+    workdir = Path(tempfile.mkdtemp(prefix="continuum-demo-"))
+    children = demo_children(workdir, run_id)
+    rows: list[dict[str, Any]] = []
+    listener: dict[str, int] | None = None
+    try:
+        with signals_to_main(), requests.Session() as http:
+            http.trust_env = False
+            fleet = start_fleet(children, http, shape, any(s.kv_events for s in scenarios),
+                                progress)
+            progress(f"workload {workload.name!r} seed {args.seed}: "
+                     f"{len(workload.sessions)} sessions, {workload.requests} requests")
+            for scenario in scenarios:
+                progress(f"{scenario.name}: replaying")
+                row = run_scenario(scenario, children, http, workload, fleet, args, warmup)
+                rows.append(row)
+                progress(f"{scenario.name}: {row['ok']} ok, {row['errors']} errors, "
+                         f"hit rate {row['prefix_hit_rate']:.1%}, "
+                         f"{row['requests_per_second']} req/s")
+                for sample in row["error_samples"]:
+                    progress(f"  error: {sample}")
+                if row["errors"] and not scenario.direct:
+                    progress("  router log:\n" + children.log_tail(
+                        f"router-{slug(scenario.name)}.log"))
+            if fleet.listener is not None:
+                listener = listener_stats(http, fleet.listener)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        # OSError: requests' errors, spawn failures
+        print(f"continuum-router demo: {exc}", file=sys.stderr)
+        reported = exc.child if isinstance(exc, ChildExited) else None
+        for child in children.exited():  # whatever else died is likely the cause
+            if child is not reported:
+                print(f"continuum-router demo: {child.exit_report()}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("continuum-router demo: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        children.stop_all()
+        if args.keep_logs:
+            print(f"continuum-router demo: logs and configs in {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    doc = {
+        "run_id": run_id, "run_env": RUN_ENV, "pids": children.pids, "seed": args.seed,
+        "quick": args.quick, "scenario": args.scenario, "engines": shape.engines,
+        "fleet_shape": asdict(shape),
+        "workload": {"name": workload.name, "sessions": len(workload.sessions),
+                     "requests": workload.requests},
+        "wall_seconds": round(time.monotonic() - began, 2), "scenarios": rows,
+        "kv_listener": listener,
+    }
+    _print_results(doc, args)
+    return 1 if any(row["errors"] for row in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

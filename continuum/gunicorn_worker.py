@@ -1,0 +1,141 @@
+"""The router's gunicorn worker: gunicorn's gevent worker with a deadline on request headers.
+
+gunicorn's gevent worker reads each request's header under a single ``keepalive`` timer
+(75 s here), the same one that bounds the idle wait between two requests of a kept-alive
+connection. A client that sends its header a byte at a time therefore holds one of the
+worker's ``worker_connections`` for that long, and enough of them shut every other client
+out. This worker separates the two, like nginx's ``client_header_timeout`` and
+``keepalive_timeout``: a kept-alive connection may stay idle for ``keepalive`` seconds, but
+once the next request's first byte has arrived (for a connection's first request: once it
+is accepted), its whole header, and whatever the previous request left unread of its body,
+must arrive within ``server.client_header_timeout_seconds``. A slower client gets a 408
+with a JSON error body and is closed. The body's own deadline is the application's
+(:func:`continuum.web.http.read_body`, ``server.client_body_timeout_seconds``).
+
+``continuum.gunicorn_conf`` selects this worker (``worker_class``), and puts it back when
+``-k gevent`` on the command line asked for gunicorn's plain one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import TracebackType
+from typing import Any
+
+import gevent
+from gevent.socket import wait_read
+from gunicorn.workers.ggevent import GeventWorker as _GunicornGeventWorker
+
+from continuum.config import ServerConfig
+
+#: The Python path gunicorn loads this worker by (``worker_class``).
+WORKER_CLASS = "continuum.gunicorn_worker.GeventWorker"
+
+#: Longest the 408 answer to a timed-out client may take to write before it is dropped.
+_ANSWER_SECONDS = 1.0
+
+
+class _Connection:
+    """What the header deadline needs to know about the connection one greenlet serves."""
+
+    __slots__ = ("addr", "buffered", "requests", "sock")
+
+    def __init__(self, sock: Any, addr: Any) -> None:
+        self.sock = sock
+        self.addr = addr
+        self.requests = 0  # requests served so far on this connection
+        self.buffered = False  # bytes of the next request already read (pipelining)
+
+
+class _HeaderDeadline:
+    """The context gunicorn reads one request's header in (``with worker.timeout_ctx()``).
+
+    On a kept-alive connection it first waits up to ``keepalive`` seconds for the next
+    request's first byte (none: ``StopIteration``, which gunicorn takes as "close quietly");
+    then the header must be complete within the header timeout, else the 408 is sent and
+    the timer's exception suppressed, which leaves gunicorn without a request: it closes.
+    """
+
+    def __init__(self, worker: GeventWorker, conn: _Connection, idle: float,
+                 seconds: float) -> None:
+        self.worker = worker
+        self.conn = conn
+        self.idle = idle
+        self.seconds = seconds
+        self.timer = gevent.Timeout(seconds)
+
+    def __enter__(self) -> None:
+        if self.conn.requests and not self.conn.buffered:
+            try:
+                wait_read(self.conn.sock.fileno(), timeout=self.idle)
+            except TimeoutError:
+                raise StopIteration("keep-alive timeout") from None
+        self.timer.start()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        self.timer.close()
+        if exc is not self.timer:
+            return False
+        self.worker.log.info("client %s: no complete request header within %g s; 408",
+                             self.conn.addr, self.seconds)
+        _answer_timeout(self.conn.sock, f"request header not received within "
+                                        f"{self.seconds:g} s")
+        return True
+
+
+def _answer_timeout(sock: Any, message: str) -> None:
+    """Send a 408 with an OpenAI-shaped error body, without waiting on the client."""
+    from continuum.web.http import error_body  # loaded in the worker by now; not in the master
+
+    body = error_body(message, "invalid_request_error", "request_timeout")
+    head = (f"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    with contextlib.suppress(OSError), gevent.Timeout(_ANSWER_SECONDS, False):
+        sock.sendall(head + body)
+
+
+class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
+    """gunicorn's gevent worker, with ``server.client_header_timeout_seconds``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._connections: dict[Any, _Connection] = {}
+
+    def handle(self, listener: Any, client: Any, addr: Any) -> None:
+        """Serve one connection (in its own greenlet), remembering it for
+        :meth:`timeout_ctx`."""
+        me = gevent.getcurrent()
+        self._connections[me] = _Connection(client, addr)
+        try:
+            super().handle(listener, client, addr)
+        finally:
+            del self._connections[me]
+
+    def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> Any:
+        """Serve one request; then note whether the next one has already begun arriving."""
+        conn = self._connections.get(gevent.getcurrent())
+        try:
+            return super().handle_request(listener_name, req, sock, addr)
+        finally:
+            if conn is not None:
+                conn.requests += 1
+                buf = getattr(getattr(req, "unreader", None), "buf", None)
+                conn.buffered = buf is None or bool(buf.getvalue())
+
+    def timeout_ctx(self) -> Any:
+        """The deadline for reading the next request's header (see the module doc)."""
+        conn = self._connections.get(gevent.getcurrent())
+        if conn is None:  # not a connection of handle(): gunicorn's own keep-alive timer
+            return super().timeout_ctx()
+        return _HeaderDeadline(self, conn, self.cfg.keepalive,
+                               self._server_config().client_header_timeout_seconds)
+
+    def _server_config(self) -> ServerConfig:
+        """The running ``server`` section (reloads included), or its defaults when the
+        worker serves some other application."""
+        from continuum.web.app import RouterApp
+
+        if isinstance(self.wsgi, RouterApp):
+            return self.wsgi.service.config.server
+        return ServerConfig()

@@ -1,0 +1,187 @@
+"""Active health checks: a greenlet per worker probes every backend.
+
+Invariants:
+  * A backend is either ``healthy`` or not; only :meth:`HealthTracker.observe` changes it.
+  * ``unhealthy_threshold`` consecutive failures take a healthy backend out;
+    ``healthy_threshold`` consecutive successes put an unhealthy one back. A result of the
+    other kind resets the streak.
+  * Passive failures (a connect error while proxying) count like failed probes, so a dead
+    backend leaves rotation at the first requests that hit it, not a probe later.
+
+Transitions (state, event) → state:
+
+    ===========  =======  ===================================================
+    state        event    next
+    ===========  =======  ===================================================
+    healthy      success  healthy (failure streak reset)
+    healthy      failure  healthy, or unhealthy when the streak hits the limit
+    unhealthy    failure  unhealthy (success streak reset)
+    unhealthy    success  unhealthy, or healthy when the streak hits the limit
+    ===========  =======  ===================================================
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import requests
+
+if TYPE_CHECKING:
+    from continuum.config import HealthCheckConfig
+    from continuum.metrics import RouterMetrics
+    from continuum.routing.backends import Backend, BackendPool
+
+log = logging.getLogger(__name__)
+
+
+class HealthTracker:
+    """Consecutive-result counting for one backend (see the module's transition table)."""
+
+    __slots__ = ("_failures", "_successes", "backend", "healthy_threshold", "unhealthy_threshold")
+
+    def __init__(self, backend: Backend, unhealthy_threshold: int, healthy_threshold: int) -> None:
+        self.backend = backend
+        self.unhealthy_threshold = unhealthy_threshold
+        self.healthy_threshold = healthy_threshold
+        self._failures = 0
+        self._successes = 0
+
+    def observe(self, ok: bool) -> bool | None:
+        """Record one result; return the new state if it changed, else None."""
+        backend = self.backend
+        if ok:
+            self._failures = 0
+            self._successes += 1
+            if not backend.healthy and self._successes >= self.healthy_threshold:
+                backend.healthy = True
+                return True
+        else:
+            self._successes = 0
+            self._failures += 1
+            if backend.healthy and self._failures >= self.unhealthy_threshold:
+                backend.healthy = False
+                return False
+        return None
+
+
+class HealthMonitor:
+    """Probes every enabled backend on an interval and keeps ``Backend.healthy`` current."""
+
+    def __init__(
+        self,
+        pool: BackendPool,
+        config: HealthCheckConfig,
+        metrics: RouterMetrics | None = None,
+        session_factory: Callable[[], requests.Session] = requests.Session,
+    ) -> None:
+        self.pool = pool
+        self.config = config
+        self.metrics = metrics
+        self.trackers = {
+            b.name: HealthTracker(b, config.unhealthy_threshold, config.healthy_threshold)
+            for b in pool
+        }
+        self._session = session_factory()
+        self._greenlet: Any = None
+        self._started = False
+        for backend in pool:
+            self._publish(backend)
+
+    def reconfigure(self, config: HealthCheckConfig) -> None:
+        """Apply new probe settings; the running loop picks them up on its next round."""
+        self.config = config
+        for tracker in self.trackers.values():
+            tracker.unhealthy_threshold = config.unhealthy_threshold
+            tracker.healthy_threshold = config.healthy_threshold
+        if config.enabled and self._started:
+            self.start()
+        elif self._greenlet is not None:
+            self._greenlet.kill(block=False)
+            self._greenlet = None
+
+    def observe(self, backend: Backend, ok: bool) -> None:
+        """Feed one probe or passive result for ``backend``."""
+        tracker = self.trackers.get(backend.name)
+        if tracker is None:
+            return
+        changed = tracker.observe(ok)
+        if changed is not None:
+            state = "healthy" if changed else "unhealthy"
+            log.warning("backend %s is now %s", backend.name, state)
+            if self.metrics is not None:
+                self.metrics.child(self.metrics.health_transitions, backend.name, state).inc()
+            self._publish(backend)
+
+    def _publish(self, backend: Backend) -> None:
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.healthy, backend.name).set(1 if backend.healthy else 0)
+
+    def probe(self, backend: Backend) -> bool:
+        """Probe ``backend`` once (blocking I/O; gevent-friendly when patched)."""
+        config = self.config
+        timeout = config.timeout_ms / 1000
+        headers = {}
+        key = backend.config.resolved_api_key()
+        path = config.path
+        if backend.config.protocol == "anthropic":
+            # The Anthropic API has no health path; listing models is its cheapest call.
+            path = "/v1/models"
+            headers["anthropic-version"] = backend.config.anthropic_version
+            if key:
+                headers["x-api-key"] = key
+        elif key:
+            headers["Authorization"] = f"Bearer {key}"
+        try:
+            resp = self._session.get(backend.url + path, timeout=timeout, headers=headers)
+            ok = resp.status_code < 400
+            if ok and path == "/v1/models":
+                backend.discovered_models = _model_ids(resp)
+            elif ok and not backend.config.models:
+                models = self._session.get(
+                    backend.url + "/v1/models", timeout=timeout, headers=headers
+                )
+                if models.status_code < 400:
+                    backend.discovered_models = _model_ids(models)
+        except (requests.RequestException, ValueError) as exc:
+            log.debug("probe of %s failed: %s", backend.name, exc)
+            ok = False
+        self.observe(backend, ok)
+        return ok
+
+    def probe_all(self) -> None:
+        """Probe every enabled backend concurrently and wait for the results."""
+        import gevent
+
+        backends = [b for b in self.pool if b.config.enabled]
+        gevent.joinall([gevent.spawn(self.probe, b) for b in backends])
+
+    def start(self) -> None:
+        """Start the probing greenlet (call in the worker, after the fork)."""
+        self._started = True
+        if not self.config.enabled or self._greenlet is not None:
+            return
+        import gevent
+
+        def loop() -> None:
+            while self.config.enabled:
+                try:
+                    self.probe_all()
+                except Exception:  # a bug here must not stop health checking
+                    log.exception("health check round failed")
+                gevent.sleep(self.config.interval_seconds)
+
+        self._greenlet = gevent.spawn(loop)
+
+    def stop(self) -> None:
+        """Stop the probing greenlet."""
+        if self._greenlet is not None:
+            self._greenlet.kill(block=False)
+            self._greenlet = None
+        self._session.close()
+
+
+def _model_ids(resp: requests.Response) -> frozenset[str]:
+    data = resp.json().get("data", [])
+    return frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))

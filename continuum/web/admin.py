@@ -1,0 +1,223 @@
+"""``/admin`` endpoints: views of the router's state and a few controls, behind a token.
+
+Access is decided in one place, :class:`AdminGate`, a Falcon middleware that runs before
+any admin responder: a valid bearer token when one is configured, else 403 for everyone
+unless ``admin.allow_unauthenticated`` opts out. State is per gunicorn worker (see the
+README): each answer carries ``worker_pid``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from dataclasses import asdict
+from typing import Any
+
+import falcon
+
+from continuum import request as rq
+from continuum.errors import (
+    AuthenticationError,
+    ConfigError,
+    ContinuumError,
+    RequestError,
+    StoreError,
+)
+from continuum.service import RouterService
+from continuum.web.http import read_body, request_id_of
+from continuum.web.reload import ConfigReloader
+
+
+class AdminDisabledError(ContinuumError, PermissionError):
+    """No admin token is configured, so every admin endpoint is closed (403)."""
+
+    status = 403
+    error_type = "permission_error"
+    code = "admin_token_not_configured"
+
+
+class AdminGate:
+    """Falcon middleware: the only place ``/admin`` access is decided.
+
+    It guards every resource derived from :class:`AdminResource`, whatever the path or
+    method, before the responder runs (so a refused request never reads its body). The
+    token is read from the live config on each request, so a reload rotates it.
+    """
+
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
+
+    def process_resource(self, req: falcon.Request, resp: falcon.Response,
+                         resource: object, params: dict[str, Any]) -> None:
+        """Raise unless ``req`` may use ``resource``.
+
+        Raises:
+            AuthenticationError: a token is configured and the request lacks it (401).
+            AdminDisabledError: no token and no ``allow_unauthenticated`` (403).
+        """
+        if not isinstance(resource, AdminResource):
+            return
+        admin = self.service.config.admin
+        token = admin.resolved_token()
+        if token:
+            header = req.get_header("Authorization") or ""
+            scheme, _, given = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    given.strip().encode(), token.encode()):
+                raise AuthenticationError("admin endpoints require a valid bearer token: "
+                                          "send 'Authorization: Bearer <admin.token>'")
+        elif not admin.allow_unauthenticated:
+            raise AdminDisabledError(
+                "admin endpoints are disabled because no admin token is configured: set "
+                "admin.token (or admin.token_env, naming an environment variable) in the "
+                "config and send 'Authorization: Bearer <token>'; for local development "
+                "only, admin.allow_unauthenticated: true opens them without a token")
+
+
+class AdminResource:
+    """Base of every ``/admin`` resource; :class:`AdminGate` guards them all."""
+
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
+
+    def _send(self, resp: falcon.Response, doc: dict[str, Any], status: int = 200) -> None:
+        resp.status = status
+        resp.content_type = "application/json"
+        resp.data = json.dumps({**doc, "worker_pid": os.getpid()}, indent=2).encode()
+
+
+class StrategiesResource(AdminResource):
+    """``GET /admin/strategies``: available and loaded plugins with their distributions."""
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self._send(resp, asdict(self.service.strategies_view()))
+
+
+class BackendsResource(AdminResource):
+    """``GET /admin/backends``: health, in-flight, latency and success rate per backend."""
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self._send(resp, {"backends": [asdict(b) for b in self.service.backend_views()]})
+
+
+class PrefixRoutingStatsResource(AdminResource):
+    """``GET /admin/prefix-routing/stats``: the seed's response shape."""
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self._send(resp, asdict(self.service.prefix_routing_view()))
+
+
+class ExplainResource(AdminResource):
+    """``POST /admin/routing/explain``: how a request body would be routed, sending nothing.
+
+    The body is the request as a client would send it; ``?endpoint=anthropic`` reads it as
+    an Anthropic Messages request.
+    """
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        endpoint = rq.ANTHROPIC_MESSAGES if req.get_param("endpoint") == "anthropic" else rq.CHAT
+        server = self.service.config.server
+        raw = read_body(req, server.max_body_bytes, server.client_body_timeout_seconds)
+        ctx = self.service.admit(raw, endpoint, request_id_of(req), caching=False)
+        self._send(resp, self.service.explain(ctx))
+
+
+class ConfigReloadResource(AdminResource):
+    """``POST /admin/config/reload``: re-read the config file in every worker."""
+
+    def __init__(self, service: RouterService, reloader: ConfigReloader | None) -> None:
+        super().__init__(service)
+        self.reloader = reloader
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        if self.reloader is None:
+            raise _NoConfigFile("this router was not started from a config file")
+        try:
+            report = self.reloader.reload(broadcast=True)
+        except ConfigError as exc:
+            self._send(resp, {"success": False, "errors": [
+                issue.render(exc.source) for issue in exc.issues]}, status=400)
+            return
+        self._send(resp, {"success": True, **report.as_dict()})
+
+
+class ResponseCacheStatsResource(AdminResource):
+    """``GET /admin/response-cache/stats``: the seed's response shape."""
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self._send(resp, self.service.response_cache.stats())
+
+
+class ResponseCacheInvalidateResource(AdminResource):
+    """``POST /admin/response-cache/invalidate`` with ``{"clear_all": true}``."""
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        raw = read_body(req, 65536, self.service.config.server.client_body_timeout_seconds)
+        try:
+            body = rq.load_json(raw or b"{}")
+        except RequestError:
+            raise RequestError("body must be JSON: {\"clear_all\": true}") from None
+        if not isinstance(body, dict) or body.get("clear_all") is not True:
+            raise RequestError("only {\"clear_all\": true} is supported")
+        try:
+            cleared = self.service.response_cache.clear()
+        except StoreError as exc:
+            self._send(resp, {"success": False, "action": "clear_all",
+                              "error": exc.message}, status=503)
+            return
+        self._send(resp, {"success": True, "action": "clear_all", "cleared_entries": cleared})
+
+
+class KvIndexStatsResource(AdminResource):
+    """``GET /admin/kv-index/stats``: the seed's response shape."""
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self._send(resp, asdict(self.service.kv_index_view()))
+
+
+class KvIndexBackendsResource(AdminResource):
+    """``GET /admin/kv-index/backends``: per-backend event statistics."""
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self._send(resp, asdict(self.service.kv_sources_view()))
+
+
+class KvIndexClearResource(AdminResource):
+    """``POST /admin/kv-index/clear``: drop every entry; events rebuild the index."""
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        try:
+            cleared = self.service.clear_kv_index()
+        except StoreError as exc:
+            self._send(resp, {"success": False, "error": exc.message}, status=503)
+            return
+        if cleared is None:
+            self._send(resp, {"success": False, "error": "KV cache index is not enabled"})
+            return
+        self._send(resp, {"success": True, **asdict(cleared)})
+
+
+class _NoConfigFile(ContinuumError):
+    status = 409
+    error_type = "invalid_request_error"
+    code = "no_config_file"
+
+
+def add_routes(
+    app: falcon.App[Any, Any], service: RouterService, reloader: ConfigReloader | None = None,
+) -> None:
+    """Mount every admin resource on ``app`` (which must also carry :class:`AdminGate`)."""
+    app.add_route("/admin/strategies", StrategiesResource(service))
+    app.add_route("/admin/backends", BackendsResource(service))
+    app.add_route("/admin/prefix-routing/stats", PrefixRoutingStatsResource(service))
+    app.add_route("/admin/routing/explain", ExplainResource(service))
+    app.add_route("/admin/config/reload", ConfigReloadResource(service, reloader))
+    app.add_route("/admin/response-cache/stats", ResponseCacheStatsResource(service))
+    app.add_route("/admin/response-cache/invalidate", ResponseCacheInvalidateResource(service))
+    app.add_route("/admin/kv-index/stats", KvIndexStatsResource(service))
+    app.add_route("/admin/kv-index/backends", KvIndexBackendsResource(service))
+    app.add_route("/admin/kv-index/clear", KvIndexClearResource(service))
+
+
+__all__ = ["AdminDisabledError", "AdminGate", "AdminResource", "RequestError", "add_routes"]

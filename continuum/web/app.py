@@ -1,0 +1,179 @@
+"""The WSGI application: thin Falcon resources over :class:`~continuum.service.RouterService`.
+
+``gunicorn -c conf/gunicorn.conf.py 'continuum.app:get_app()'`` calls
+:func:`get_app` in each worker after the fork; it reads ``$CONTINUUM_CONFIG``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import falcon
+
+from continuum import request as rq
+from continuum.config import CONFIG_ENV, RouterConfig, check_config_file
+from continuum.errors import ConfigError, ConfigIssue, ContinuumError, RequestError
+from continuum.metrics import CONTENT_TYPE, RouterMetrics
+from continuum.registry import PluginRegistry
+from continuum.routing import anthropic
+from continuum.service import RouterService
+from continuum.web import admin
+from continuum.web.http import (
+    JSON,
+    RequestIdHeader,
+    handle_continuum_error,
+    handle_unexpected,
+    read_body,
+    request_id_of,
+    serialize_http_error,
+)
+from continuum.web.reload import ConfigReloader
+
+log = logging.getLogger(__name__)
+
+
+class ProxyResource:
+    """``POST`` an OpenAI-compatible request to the chosen backend."""
+
+    def __init__(self, service: RouterService, endpoint: str, path: str) -> None:
+        self.service = service
+        self.endpoint = endpoint
+        self.path = path
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        service = self.service
+        tenant = service.auth.tenant(req.get_header("Authorization"),
+                                     req.get_header("x-api-key"))
+        server = service.config.server
+        raw = read_body(req, server.max_body_bytes, server.client_body_timeout_seconds)
+        forward = None
+        if self.endpoint == rq.ANTHROPIC_MESSAGES:
+            forward = {name: value for name in anthropic.FORWARDED_HEADERS
+                       if (value := req.get_header(name))}
+        ctx = service.admit(raw, self.endpoint, request_id_of(req), tenant=tenant,
+                            cache_control=req.get_header("Cache-Control"),
+                            forward_headers=forward)
+        result = service.proxy(ctx, self.path)
+        resp.status = result.status
+        for name, value in result.headers.items():
+            resp.set_header(name, value)
+        if result.stream is not None:
+            resp.set_header("Cache-Control", "no-cache")
+            resp.stream = result.stream
+        else:
+            resp.data = result.body
+
+
+class ModelsResource:
+    """``GET /v1/models``: the union of every routable backend's models."""
+
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        data = [
+            {"id": mid, "object": "model", "created": 0, "owned_by": "continuum-router"}
+            for mid in self.service.pool.model_ids("openai")
+        ]
+        resp.content_type = JSON
+        resp.data = json.dumps({"object": "list", "data": data}).encode()
+
+
+class HealthResource:
+    """``GET /health``: 200 while at least one routable backend is healthy, else 503."""
+
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        routable = self.service.pool.routable()
+        healthy = sum(1 for b in routable if b.healthy)
+        ok = healthy > 0
+        resp.status = 200 if ok else 503
+        resp.content_type = JSON
+        resp.data = json.dumps(
+            {"status": "ok" if ok else "unavailable",
+             "backends": {"healthy": healthy, "total": len(routable)}}
+        ).encode()
+
+
+class MetricsResource:
+    """``GET /metrics``: Prometheus text exposition (all workers in multiprocess mode)."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.content_type = CONTENT_TYPE
+        resp.data = self.metrics.exposition()
+
+
+class RouterApp(falcon.App):  # type: ignore[type-arg]
+    """The Falcon app, with the worker's :class:`RouterService` at ``.service``."""
+
+    service: RouterService
+
+
+def create_app(
+    config: RouterConfig,
+    *,
+    registry: PluginRegistry | None = None,
+    metrics: RouterMetrics | None = None,
+    service: RouterService | None = None,
+    reloader: ConfigReloader | None = None,
+) -> RouterApp:
+    """Build the Falcon app for ``config``; collaborators may be injected (tests)."""
+    registry = registry or PluginRegistry()
+    metrics = metrics or RouterMetrics()
+    service = service or RouterService(config, registry=registry, metrics=metrics)
+    app = RouterApp(media_type=JSON, middleware=[admin.AdminGate(service)])
+    app.req_options.strip_url_path_trailing_slash = True
+    app.add_middleware(RequestIdHeader())
+    app.add_error_handler(Exception, handle_unexpected)
+    app.add_error_handler(ContinuumError, handle_continuum_error)
+    app.set_error_serializer(serialize_http_error)
+    app.add_route("/v1/chat/completions", ProxyResource(service, rq.CHAT, "/v1/chat/completions"))
+    app.add_route("/v1/completions", ProxyResource(service, rq.COMPLETIONS, "/v1/completions"))
+    app.add_route("/v1/embeddings", ProxyResource(service, rq.EMBEDDINGS, "/v1/embeddings"))
+    app.add_route("/v1/models", ModelsResource(service))
+    app.add_route(
+        "/anthropic/v1/messages",
+        ProxyResource(service, rq.ANTHROPIC_MESSAGES, "/v1/messages"),
+    )
+    app.add_route("/health", HealthResource(service))
+    app.add_route("/metrics", MetricsResource(metrics))
+    admin.add_routes(app, service, reloader)
+    app.service = service
+    return app
+
+
+def get_app() -> RouterApp:
+    """Entry point for gunicorn: load ``$CONTINUUM_CONFIG``, build the app, start greenlets."""
+    registry = PluginRegistry()
+    path = os.environ.get(CONFIG_ENV)
+    if not path:
+        raise ConfigError([ConfigIssue("<file>", f"set ${CONFIG_ENV} to the config file")])
+    result = check_config_file(path, registry)
+    if result.config is None:
+        raise ConfigError(result.errors, path)
+    config = result.config
+    logging.basicConfig(
+        level=config.server.log_level.upper(),
+        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
+    )
+    for warning in result.warnings:
+        log.warning("config: %s", warning.render(result.source))
+    metrics = RouterMetrics()
+    service = RouterService(config, registry=registry, metrics=metrics)
+    reloader = ConfigReloader(service, path)
+    app = create_app(config, registry=registry, metrics=metrics, service=service,
+                     reloader=reloader)
+    service.start()
+    if config.server.watch_config:
+        reloader.start(config.server.watch_interval_seconds)
+    return app
+
+
+__all__ = ["RequestError", "create_app", "get_app"]

@@ -1,0 +1,143 @@
+"""HTTP plumbing shared by the proxy resources and the admin API: request ids, bounded
+body reads and error documents in the client's dialect.
+
+It sits below both :mod:`continuum.web.app` and :mod:`continuum.web.admin`, so that the
+app can mount the admin resources without the admin module importing the app back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+from typing import Any
+
+import falcon
+import gevent
+
+from continuum import request as rq
+from continuum.config import ServerConfig
+from continuum.errors import ContinuumError, PayloadTooLargeError, RequestTimeoutError
+from continuum.routing import anthropic
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+ANTHROPIC_PREFIX = "/anthropic/"
+
+
+def error_body(message: str, error_type: str, code: str | None, param: Any = None) -> bytes:
+    """An OpenAI-shaped error document."""
+    return json.dumps(
+        {"error": {"message": message, "type": error_type, "code": code, "param": param}}
+    ).encode()
+
+
+def _is_anthropic(req: falcon.Request) -> bool:
+    return req.path.startswith(ANTHROPIC_PREFIX)
+
+
+def request_id_of(req: falcon.Request) -> str:
+    """The request's id: the client's sane ``X-Request-Id`` or a fresh one, fixed on first
+    use. It is sent upstream, returned as ``X-Request-Id``, and names the request in every
+    log line and every 5xx body, so that a client's report finds the log entry."""
+    rid: str | None = getattr(req.context, "request_id", None)
+    if rid is None:
+        rid = req.context.request_id = rq.new_request_id(req.get_header("X-Request-Id"))
+    return rid
+
+
+class RequestIdHeader:
+    """Middleware: every answer, errors included, carries ``X-Request-Id``."""
+
+    def process_response(self, req: falcon.Request, resp: falcon.Response, resource: Any,
+                         req_succeeded: bool) -> None:
+        resp.set_header("X-Request-Id", request_id_of(req))
+
+
+def _error_document(req: falcon.Request, status: int, message: str, error_type: str,
+                    code: str | None, param: Any = None) -> bytes:
+    """The error body in the client's dialect; a 5xx also names the request id."""
+    if status >= 500:
+        message = f"{message} (request id {request_id_of(req)})"
+    if _is_anthropic(req):
+        return anthropic.error_document(status, message)
+    return error_body(message, error_type, code, param)
+
+
+def handle_continuum_error(
+    req: falcon.Request, resp: falcon.Response, exc: ContinuumError, params: Any
+) -> None:
+    """Falcon error handler: a :class:`ContinuumError` as its status and error document."""
+    if exc.status >= 500:
+        # The full message (backend name, address, socket error) is for operators only.
+        log.warning("request %s: %s %s -> %d: %s", request_id_of(req), req.method, req.path,
+                    exc.status, exc.message)
+    resp.status = exc.status
+    resp.content_type = JSON
+    resp.data = _error_document(req, exc.status, exc.public_message or exc.message,
+                                exc.error_type, exc.code, exc.fields.get("param"))
+    if exc.status == 401:
+        resp.set_header("WWW-Authenticate", "Bearer")
+
+
+def handle_unexpected(
+    req: falcon.Request, resp: falcon.Response, exc: Exception, params: Any
+) -> None:
+    """A bug, not a client or upstream problem: log it with the request, answer 500 in the
+    client's error shape (never a traceback)."""
+    log.exception("request %s: unhandled error in %s %s", request_id_of(req), req.method,
+                  req.path)
+    resp.status = 500
+    resp.content_type = JSON
+    resp.data = _error_document(req, 500, "internal error in the router (logged)",
+                                "server_error", "internal_error")
+
+
+def serialize_http_error(
+    req: falcon.Request, resp: falcon.Response, exc: falcon.HTTPError
+) -> None:
+    """Falcon's own errors (404, 405…) in the client's error shape."""
+    code = exc.status[:3] if isinstance(exc.status, str) else str(exc.status)
+    error_type = "invalid_request_error" if code.startswith("4") else "server_error"
+    message = exc.description or exc.title or "error"
+    resp.content_type = JSON
+    resp.data = _error_document(req, int(code), message, error_type, code)
+
+
+def read_body(
+    req: falcon.Request, limit: int,
+    timeout: float = ServerConfig.client_body_timeout_seconds,
+) -> bytes:
+    """Read the request body, refusing more than ``limit`` bytes, and a client that takes
+    longer than ``timeout`` seconds to send it (408), which is then hung up on so that it
+    holds none of the worker's connections any longer."""
+    length = req.content_length
+    if length is not None and length > limit:
+        raise PayloadTooLargeError(
+            f"request body of {length} bytes exceeds the limit of {limit} bytes"
+        )
+    timer = gevent.Timeout(timeout)
+    try:
+        with timer:
+            data = req.bounded_stream.read(limit + 1)
+    except gevent.Timeout as exc:
+        if exc is not timer:
+            raise
+        _stop_reading(req)
+        raise RequestTimeoutError(
+            f"request body not received within {timeout:g} s"
+        ) from None
+    if len(data) > limit:
+        raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+    return data
+
+
+def _stop_reading(req: falcon.Request) -> None:
+    """Shut the read side of the client's socket: gunicorn would otherwise drain the rest
+    of the body before the next request; now it sees the end, sends the 408 and closes."""
+    sock = req.env.get("gunicorn.socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RD)

@@ -1,0 +1,202 @@
+"""One Redis/Valkey connection pool per worker, with the fallback state machine.
+
+The response cache (Tier 3) and the KV index (Tier 4) share the same :class:`RedisLink`,
+so they reuse one pool and one credential set and agree on whether Redis is up: both lease
+it from the worker's :class:`~continuum.resources.WorkerResources` with :func:`lease_link`,
+keyed by the connection settings, and the last one to let go closes it.
+
+States and transitions:
+
+    ========  ======================================  ========
+    state     event                                   next
+    ========  ======================================  ========
+    online    command ok                              online
+    online    connection error or timeout             fallback
+    online    other Redis error (error reply, …)      online
+    online    unusable reply (too deep, malformed)    online
+    fallback  background probe (PING) ok              online
+    fallback  background probe fails                  fallback
+    ========  ======================================  ========
+
+Invariants: while in ``fallback`` no command is sent to Redis (callers get a
+:class:`~continuum.errors.StoreError` of kind ``fallback`` at once and use their in-memory
+fallback, or treat it as a miss); only the probe greenlet talks to Redis then, every
+``probe_interval_seconds``; listeners hear every transition. Whatever a command raises (short
+of the greenlet being killed) reaches the caller as a ``StoreError``: a reply that cannot be
+parsed or used — nested deeper than the parser's recursion, say — is kind ``protocol``, so a
+misbehaving server costs a cache miss, never a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import redis
+
+from continuum.errors import StoreError
+
+if TYPE_CHECKING:
+    from continuum.config import RedisConfig
+    from continuum.metrics import RouterMetrics
+    from continuum.resources import Lease, WorkerResources
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Listener = Callable[[bool], None]
+
+
+class RedisLink:
+    """The shared Redis client of one worker, its error counters and fallback flag."""
+
+    def __init__(self, config: RedisConfig, metrics: RouterMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics
+        kwargs: dict[str, Any] = {
+            "max_connections": config.pool_size,
+            "socket_connect_timeout": config.connect_timeout_ms / 1000,
+            "socket_timeout": config.command_timeout_ms / 1000,
+            "timeout": config.command_timeout_ms / 1000,
+            "health_check_interval": 30,
+        }
+        url = config.url
+        if config.tls and url.startswith("redis://"):
+            url = "rediss://" + url[len("redis://"):]
+        self.pool = redis.BlockingConnectionPool.from_url(url, **kwargs)
+        self.client = redis.Redis(connection_pool=self.pool)
+        self.fallback_active = False
+        self.errors = {"connection": 0, "timeout": 0, "protocol": 0, "other": 0}
+        self._listeners: list[weakref.WeakMethod[Listener]] = []
+        self._greenlet: Any = None
+        self._publish_state()
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call the bound method ``listener(fallback_active)`` on every transition.
+
+        Held by weak reference: the link is the app's and outlives stores and indexes, so a
+        dropped store is collected and stops listening without unregistering.
+        """
+        self._listeners = [ref for ref in self._listeners if ref() is not None]
+        self._listeners.append(weakref.WeakMethod(listener))
+
+    def execute(self, operation: str, command: Callable[[redis.Redis], T]) -> T:
+        """Run ``command(client)``, timing it and classifying failures.
+
+        Raises:
+            StoreError: Redis is in fallback (kind ``fallback``), unreachable
+                (``connection``), too slow (``timeout``), answered an error (``other``) or
+                something that could not be read or used (``protocol``).
+        """
+        if self.fallback_active:
+            raise StoreError("Redis is unavailable (fallback active)", store="redis",
+                             kind="fallback")
+        started = time.perf_counter()
+        try:
+            return command(self.client)
+        except redis.TimeoutError as exc:
+            self._failed("timeout", exc, operation)
+            raise StoreError(f"Redis {operation} timed out", store="redis",
+                             kind="timeout") from None
+        except redis.ConnectionError as exc:
+            self._failed("connection", exc, operation)
+            raise StoreError(f"Redis {operation} failed: {exc}", store="redis",
+                             kind="connection") from None
+        except redis.RedisError as exc:
+            self._count("other")
+            raise StoreError(f"Redis {operation} failed: {exc}", store="redis",
+                             kind="other") from None
+        except Exception as exc:  # the parser or a reply callback choked on the reply
+            # redis-py drops a connection whose read failed: no half-read reply is reused.
+            self._count("protocol")
+            log.debug("Redis %s: unusable reply (%s)", operation, type(exc).__name__)
+            raise StoreError(f"Redis {operation}: unusable reply ({type(exc).__name__})",
+                             store="redis", kind="protocol") from None
+        finally:
+            if self.metrics is not None:
+                self.metrics.child(self.metrics.redis_latency, operation).observe(
+                    time.perf_counter() - started)
+
+    def _count(self, kind: str) -> None:
+        self.errors[kind] += 1
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.redis_errors, kind).inc()
+
+    def _failed(self, kind: str, exc: Exception, operation: str) -> None:
+        self._count(kind)
+        if not self.fallback_active:
+            log.warning("Redis %s failed (%s: %s); switching to fallback", operation, kind, exc)
+            self._set_fallback(True)
+
+    def _set_fallback(self, active: bool) -> None:
+        self.fallback_active = active
+        if not active:
+            # Connections from before the outage are dead; start clean.
+            self.pool.disconnect(inuse_connections=False)
+        self._publish_state()
+        for ref in self._listeners:
+            listener = ref()
+            if listener is None:
+                continue
+            try:
+                listener(active)
+            except Exception:  # one listener must not stop the others
+                log.exception("Redis fallback listener failed")
+
+    def _publish_state(self) -> None:
+        if self.metrics is not None:
+            self.metrics.fallback_active.set(1 if self.fallback_active else 0)
+
+    def probe(self) -> bool:
+        """PING Redis directly (even in fallback); leave fallback when it answers."""
+        try:
+            ok = bool(self.client.ping())
+        except Exception as exc:  # a Redis error or an unusable reply alike
+            log.debug("Redis probe failed: %s", exc)
+            ok = False
+        if ok and self.fallback_active:
+            log.warning("Redis is reachable again; leaving fallback")
+            self._set_fallback(False)
+        return ok
+
+    def start(self) -> None:
+        """Start the probe greenlet (call in the worker, after the fork)."""
+        if self._greenlet is not None:
+            return
+        import gevent
+
+        def loop() -> None:
+            while True:
+                gevent.sleep(self.config.probe_interval_seconds)
+                if self.fallback_active:
+                    self.probe()
+
+        self._greenlet = gevent.spawn(loop)
+
+    def close(self) -> None:
+        """Stop probing and close every connection."""
+        if self._greenlet is not None:
+            self._greenlet.kill(block=False)
+            self._greenlet = None
+        self.pool.disconnect()
+
+    def connection_stats(self) -> dict[str, int]:
+        """Connections in use and idle in the pool."""
+        in_use = len(getattr(self.pool, "_in_use_connections", ()))
+        created = len(getattr(self.pool, "_connections", ()))
+        return {"active": in_use, "idle": max(created - in_use, 0)}
+
+
+def lease_link(
+    resources: WorkerResources, config: RedisConfig, metrics: RouterMetrics | None = None
+) -> Lease[RedisLink]:
+    """The worker's :class:`RedisLink` for ``config``, shared by every plugin that asks with
+    the same settings (created by the first, closed after the last lease is released).
+
+    Keyed by every ``response_cache.redis`` setting, so a reload that changes any of them
+    gets a pool of its own while a user of the old settings (a Redis KV index) keeps its.
+    """
+    return resources.acquire(("redis", config), lambda: RedisLink(config, metrics))

@@ -1,0 +1,170 @@
+"""continuum.devtools.procs: free ports, child processes stopped by PID, bounded waits.
+
+Real processes and real sockets on 127.0.0.1; every wait has a deadline, nothing asserts
+on time.
+"""
+
+from __future__ import annotations
+
+import http.server
+import re
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from continuum.devtools.procs import (
+    Child,
+    ChildExited,
+    Children,
+    WaitTimeout,
+    child_env,
+    free_port_block,
+    http_status,
+    wait_http,
+    wait_until,
+)
+
+PY = sys.executable
+
+
+def test_exit_report_names_the_child_its_status_and_its_error(tmp_path: Path) -> None:
+    children = Children(tmp_path)
+    failed = children.spawn([PY, "-c", "import sys; print('starting', flush=True);"
+                             "raise SystemExit('LookupError: no engine named x')"], "engine.log")
+    killed = children.spawn([PY, "-c",
+                             "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], "sim.log")
+    running = children.spawn([PY, "-c", "import time; time.sleep(30)"], "idle.log")
+    try:
+        failed.wait(10)
+        killed.wait(10)
+        assert children.exited() == [failed, killed]
+        report = failed.exit_report()
+        assert report is not None
+        head, _, tail = report.partition("\n")
+        assert re.fullmatch(rf"engine \(pid {failed.pid}\) exited with status 1 after \d+\.\ds "
+                            r"\(LookupError: no engine named x\); the end of engine.log:", head)
+        assert tail == "starting\nLookupError: no engine named x"
+        assert re.fullmatch(rf"sim \(pid {killed.pid}\) was killed by SIGKILL after \d+\.\ds",
+                            killed.exit_report() or "")
+        assert running.exit_report() is None
+        with pytest.raises(ChildExited) as err:
+            wait_until(lambda: False, "the engine", 10, children=[running, failed])
+        assert err.value.child is failed
+        assert str(err.value) == f"while waiting for the engine: {failed.exit_report()}"
+    finally:
+        children.stop_all()
+    assert children.live == [] and children.exited() == []
+    assert children.pids == [failed.pid, killed.pid, running.pid]
+    assert running.returncode == -signal.SIGTERM
+
+
+def test_wait_until_returns_the_first_truthy_value_and_retries_os_errors() -> None:
+    calls: list[int] = []
+
+    def condition() -> list[int]:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise ConnectionRefusedError("not serving yet")
+        return calls[2:]
+
+    assert wait_until(condition, "three calls", 20, interval=0.001) == [2]
+    assert len(calls) == 3
+
+
+def test_other_errors_of_the_condition_are_not_swallowed() -> None:
+    def condition() -> bool:
+        raise KeyError("bad document")
+
+    with pytest.raises(KeyError):
+        wait_until(condition, "a document", 20)
+
+
+def test_a_timeout_names_what_the_last_error_and_the_watched_log(tmp_path: Path) -> None:
+    child = Child([PY, "-c", "import time; print('listening soon', flush=True); "
+                             "time.sleep(30)"], tmp_path / "server.log")
+    try:
+        wait_until(lambda: "listening" in child.log_text(), "the first line", 20)
+
+        def refused() -> bool:
+            raise ConnectionRefusedError("nobody home")
+
+        with pytest.raises(WaitTimeout) as err:
+            wait_until(refused, lambda: "the server (state: starting)", 0.2,
+                       children=[child])
+    finally:
+        child.stop()
+    assert str(err.value) == (
+        "timed out after 0.2s waiting for the server (state: starting) "
+        "(last error: ConnectionRefusedError('nobody home')):\nlistening soon")
+
+
+def test_stop_kills_a_child_that_ignores_its_stop_signal(tmp_path: Path) -> None:
+    child = Child([PY, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+                             "print('ignoring', flush=True); time.sleep(30)"],
+                  tmp_path / "stubborn.log")
+    wait_until(lambda: "ignoring" in child.log_text(), "the handler", 20, children=[child])
+    assert child.stop(timeout=0.2) == -signal.SIGKILL
+    assert child.stop() == -signal.SIGKILL  # idempotent
+
+
+class _Status(http.server.BaseHTTPRequestHandler):
+    status = 503
+
+    def do_GET(self) -> None:
+        self.send_response(self.status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def unhealthy() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Status)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/health"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+def test_wait_http_waits_for_the_statuses_asked_for(unhealthy: str) -> None:
+    assert http_status(unhealthy) == 503
+    wait_http(unhealthy, statuses=(200, 503))
+    with pytest.raises(WaitTimeout, match=r"waiting for http://127\.0\.0\.1:\d+/health "
+                                          r"\(last status: 503\)$"):
+        wait_http(unhealthy, 0.2)
+
+
+def test_http_status_is_none_where_nothing_listens() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        assert http_status(f"http://127.0.0.1:{s.getsockname()[1]}/") is None
+
+
+def test_a_port_block_is_free_as_a_whole() -> None:
+    base = free_port_block(5)
+    held = []
+    try:
+        for port in range(base, base + 5):
+            s = socket.socket()
+            held.append(s)
+            s.bind(("127.0.0.1", port))
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_child_env_drops_proxies_and_adds_what_is_asked() -> None:
+    env = child_env({"EXTRA": "1"}, base={"HTTP_PROXY": "http://proxy:3128",
+                                          "https_proxy": "x", "PATH": "/bin"})
+    assert env == {"PATH": "/bin", "NO_PROXY": "127.0.0.1,localhost", "EXTRA": "1"}
