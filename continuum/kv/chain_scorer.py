@@ -182,21 +182,8 @@ class ChainOverlapScorer(KvOverlapScorer):
         if cached is not None and now - cached[0] < SNAPSHOT_TTL:
             matches = cached[1]
         else:
-            started = time.perf_counter()
-            try:
-                matches = self.index.query_chain(chain.keys, ctx.prefix_hash)
-            except StoreError as exc:
-                log.debug("KV index chain query failed (%s); scoring as empty", exc.kind)
-                self.query_errors += 1
-                matches = ()
-            except Exception as exc:  # an index bug: route without the index, never a 500
-                log.warning("KV index chain query failed (%s); scoring as empty",
-                            type(exc).__name__)
-                self.query_errors += 1
-                matches = ()
-            self.query_count += 1
-            if self.metrics is not None:
-                self.metrics.kv_query_latency.observe(time.perf_counter() - started)
+            keys, prefix_hash = chain.keys, ctx.prefix_hash
+            matches = self._query(lambda: self.index.query_chain(keys, prefix_hash))
             if len(self._matches) >= _MAX_SNAPSHOTS:
                 self._matches.clear()
             self._matches[tip] = (now, matches)

@@ -37,7 +37,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from continuum.errors import StoreError
 from continuum.interfaces import (
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SNAPSHOT_TTL = 0.1
+_T = TypeVar("_T")
 _MAX_SNAPSHOTS = 4096
 _EMPTY: dict[str, KvHolding] = {}
 
@@ -170,20 +171,7 @@ class KvOverlapScorer(BackendScorer):
         if snapshot is not None and now - snapshot.taken_at < SNAPSHOT_TTL:
             ctx.kv_snapshot = snapshot
             return
-        started = time.perf_counter()
-        try:
-            holdings = self.index.query_backends(prefix)
-        except StoreError as exc:
-            log.debug("KV index query failed (%s); scoring as empty", exc.kind)
-            self.query_errors += 1
-            holdings = ()
-        except Exception as exc:  # an index bug: route without the index, never a 500
-            log.warning("KV index query failed (%s); scoring as empty", type(exc).__name__)
-            self.query_errors += 1
-            holdings = ()
-        self.query_count += 1
-        if self.metrics is not None:
-            self.metrics.kv_query_latency.observe(time.perf_counter() - started)
+        holdings = self._query(lambda: self.index.query_backends(prefix))
         snapshot = _Snapshot(holdings, candidates, now, self.guard_epsilon, self.guard_floor)
         if len(self._snapshots) >= _MAX_SNAPSHOTS:
             self._snapshots.clear()
@@ -191,6 +179,26 @@ class KvOverlapScorer(BackendScorer):
         # Kept per request: a concurrent prepare() for the same prefix may replace the
         # shared slot before this request reads its scores or records its tier.
         ctx.kv_snapshot = snapshot
+
+    def _query(self, fetch: Callable[[], Sequence[_T]]) -> Sequence[_T]:
+        """One index query, timed and counted; a failing index answers empty (the request
+        is routed without the index, never a 500)."""
+        started = time.perf_counter()
+        found: Sequence[_T]
+        try:
+            found = fetch()
+        except StoreError as exc:
+            log.debug("KV index query failed (%s); scoring as empty", exc.kind)
+            self.query_errors += 1
+            found = ()
+        except Exception as exc:  # an index bug: route without the index, never a 500
+            log.warning("KV index query failed (%s); scoring as empty", type(exc).__name__)
+            self.query_errors += 1
+            found = ()
+        self.query_count += 1
+        if self.metrics is not None:
+            self.metrics.kv_query_latency.observe(time.perf_counter() - started)
+        return found
 
     def score(self, backend: Backend, ctx: RequestContext) -> float:
         """The composite score of ``backend`` (0 for non-holders)."""
