@@ -247,8 +247,9 @@ class ResponseCache:
             },
         }
         extra = (store_stats.extra or {}) if store_stats else {}
-        if config.backend == "redis" or "connections" in extra:
-            doc["redis"] = {
+        if store_stats and "connections" in extra:
+            # A store with a connection pool (Redis) gets a section under its own name.
+            doc[store_stats.backend] = {
                 "connections": extra.get("connections", {"active": 0, "idle": 0}),
                 "fallback_active": bool(extra.get("fallback_active", False)),
                 "errors": extra.get("errors", {"connection": 0, "timeout": 0, "protocol": 0,
