@@ -237,6 +237,15 @@ class RedisConfig:
                          "every key in the database)")
 
 
+def _numpy_installed() -> bool:
+    """Whether numpy can be imported, without importing it (a ``None`` in
+    ``sys.modules``, which blocks an import, counts as missing)."""
+    try:
+        return importlib.util.find_spec("numpy") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 @dataclass(frozen=True)
 class SemanticCacheConfig:
     """``response_cache.semantic``: the similarity path, tried after an exact-cache miss.
@@ -660,7 +669,7 @@ class RouterConfig:
         if not sem.enabled:
             return
         path = "response_cache.semantic"
-        if importlib.util.find_spec("numpy") is None:
+        if not _numpy_installed():
             issues.error(join(path, "enabled"), "needs numpy: install continuum-router[semantic]")
         if not self.response_cache.enabled:
             issues.warn(join(path, "enabled"), "has no effect without response_cache.enabled")
