@@ -166,8 +166,11 @@ class ResponseCacheInvalidateResource(AdminResource):
             self._send(resp, {"success": False, "action": "clear_all",
                               "error": exc.message}, status=503)
             return
-        self._send(resp, {"success": True, "action": "clear_all", "cleared_entries": cleared,
-                          "cleared_semantic_index_entries": semantic})
+        doc: dict[str, Any] = {"success": True, "action": "clear_all",
+                               "cleared_entries": cleared}
+        if self.service.semantic is not None:  # the seed's shape when the path is off
+            doc["cleared_semantic_index_entries"] = semantic
+        self._send(resp, doc)
 
 
 class KvIndexStatsResource(AdminResource):
