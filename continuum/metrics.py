@@ -134,6 +134,43 @@ class RouterMetrics:
             [],
             registry=r,
         )
+        self.semantic_requests = Counter(
+            "continuum_semantic_cache_requests_total",
+            "Semantic cache lookups after an exact miss by result (hit, miss, skip)",
+            ["result"],
+            registry=r,
+        )
+        self.semantic_skips = Counter(
+            "continuum_semantic_cache_skips_total",
+            "Requests that skipped the semantic path, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.semantic_gate_refusals = Counter(
+            "continuum_semantic_cache_gate_refusals_total",
+            "Matches above the threshold the false-hit gate refused (negation, number, entity)",
+            ["reason"],
+            registry=r,
+        )
+        self.semantic_embedding_latency = Histogram(
+            "continuum_semantic_cache_embedding_seconds",
+            "Embedding call latency (failures included)",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r,
+        )
+        self.semantic_embedding_errors = Counter(
+            "continuum_semantic_cache_embedding_errors_total",
+            "Failed embedding calls by kind (timeout, connect, status, invalid, protocol)",
+            ["kind"],
+            registry=r,
+        )
+        self.semantic_entries = Gauge(
+            "continuum_semantic_cache_index_entries",
+            "Vectors in the semantic index (per worker, summed)",
+            [],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
         self.redis_latency = Histogram(
             "continuum_cache_redis_latency_seconds",
             "Redis command latency by operation",

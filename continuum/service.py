@@ -36,6 +36,7 @@ from continuum.routing.health import HealthMonitor
 from continuum.routing.selection import SelectionPipeline
 
 if TYPE_CHECKING:
+    from continuum.caching.semantic import Probe, SemanticCache
     from continuum.config import RouterConfig
     from continuum.interfaces import BackendScorer, CacheStore, KvCacheIndex, SelectionStrategy
     from continuum.request import RequestContext
@@ -114,12 +115,24 @@ class RouterService:
                          registry.load(CACHE_STORES, config.response_cache.backend))
         store = store_cls.from_config(config, **self._collaborators())
         self.response_cache = ResponseCache(config.response_cache, store, metrics)
+        self.semantic = self._build_semantic(config)
         self._build_kv_tier(config)
         self._build_scorers(config)
 
     def _collaborators(self) -> dict[str, Any]:
         """What every scorer, store and index plugin is built with (``from_config``)."""
         return {"metrics": self.metrics, "resources": self.resources}
+
+    def _build_semantic(self, config: RouterConfig) -> SemanticCache | None:
+        """The semantic path, when on; imported only then (it needs numpy, an extra).
+        Its bodies go to whatever store the response cache has at the time."""
+        cache = config.response_cache
+        if not (cache.enabled and cache.semantic.enabled):
+            return None
+        from continuum.caching.semantic import SemanticCache
+
+        backend = next(b for b in config.backends if b.name == cache.semantic.backend)
+        return SemanticCache(cache, backend, lambda: self.response_cache.store, self.metrics)
 
     def _build_kv_tier(self, config: RouterConfig) -> None:
         """Tier 4: the index and its event consumers."""
@@ -192,6 +205,8 @@ class RouterService:
         if self.kv_index is not None:
             self.kv_index.close()
         self.response_cache.store.close()
+        if self.semantic is not None:
+            self.semantic.close()
         self.forwarder.close()
         self.resources.close()  # whatever a plugin did not hand back
 
@@ -265,12 +280,18 @@ class RouterService:
                 headers["Cache-Control"] = "no-cache"
                 return ProxyResult(200, headers, stream=entry.events())
             return ProxyResult(200, headers, body=entry.payload)
-        result = self._forward(ctx, path, cache)
+        probe = self.semantic.lookup(ctx) if self.semantic is not None else None
+        if probe is not None and probe.entry is not None:
+            assert self.semantic is not None
+            headers, body, stream = self.semantic.replay(probe)
+            return ProxyResult(200, headers, body=body, stream=stream)
+        result = self._forward(ctx, path, cache, probe)
         result.headers["X-Cache"] = MISS
         return result
 
     def _forward(
-        self, ctx: RequestContext, path: str, cache: ResponseCache | None = None
+        self, ctx: RequestContext, path: str, cache: ResponseCache | None = None,
+        probe: Probe | None = None,
     ) -> ProxyResult:
         error_event = anthropic_error_event if ctx.protocol == "anthropic" \
             else openai_error_event
@@ -281,12 +302,16 @@ class RouterService:
         if ctx.stream and upstream.status == 200:
             stream = self.forwarder.relay(upstream, error_event)
             if cache is not None:
+                done = None if probe is None or self.semantic is None else \
+                    self.semantic.stream_done(probe, content_type)
                 stream = cache.tee_stream(ctx, stream, content_type,
-                                          lambda: upstream.completed)
+                                          lambda: upstream.completed, done)
             return ProxyResult(200, headers, stream=stream)
         data = self.forwarder.read_all(upstream)
         if cache is not None and not ctx.stream:
             cache.store_body(ctx, upstream.status, content_type, data)
+            if probe is not None and self.semantic is not None:
+                self.semantic.store_body(probe, upstream.status, content_type, data)
         return ProxyResult(upstream.status, headers, body=data)
 
     def _send(self, ctx: RequestContext, path: str) -> Upstream:
@@ -484,3 +509,25 @@ class RouterService:
         if replacement is not None:
             replacement.start()
         self.response_cache.reconfigure(new.response_cache, replacement)
+        if self.semantic is None or self.semantic.config != new.response_cache:
+            if self.semantic is not None:
+                self.semantic.close()
+            self.semantic = self._build_semantic(new)
+
+    def response_cache_stats(self) -> dict[str, Any]:
+        """``/admin/response-cache/stats``: the exact cache's document with a ``semantic``
+        section."""
+        doc = self.response_cache.stats()
+        doc["semantic"] = self.semantic.stats() if self.semantic is not None else \
+            {"enabled": False}
+        return doc
+
+    def clear_response_cache(self) -> tuple[int, int]:
+        """Drop every response-cache entry (the ``sem:`` space with them) and this worker's
+        semantic index: (store entries, index entries).
+
+        Raises:
+            StoreError: the store could not be cleared.
+        """
+        cleared = self.response_cache.clear()
+        return cleared, self.semantic.clear() if self.semantic is not None else 0

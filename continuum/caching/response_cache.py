@@ -181,10 +181,12 @@ class ResponseCache:
         stream: Iterator[bytes],
         content_type: str,
         completed: Callable[[], bool],
+        on_complete: Callable[[bytes], None] | None = None,
     ) -> Iterator[bytes]:
         """Pass ``stream`` through unchanged while buffering it; store it at the end when
         ``completed()`` says the upstream finished normally, the stream carries its end
-        marker and it fit in ``max_stream_buffer_size``."""
+        marker and it fit in ``max_stream_buffer_size`` (then ``on_complete`` gets it too:
+        the semantic cache indexes it)."""
         limit = self.config.max_stream_buffer_size
         buffer: bytearray | None = bytearray()
         finished = False
@@ -205,8 +207,10 @@ class ResponseCache:
             if buffer is not None and finished and completed():
                 marker = _STREAM_END[ctx.protocol]
                 if marker in buffer[-256:]:
-                    self._store(_key_of(ctx),
-                                encode_entry("sse", content_type, bytes(buffer)))
+                    payload = bytes(buffer)
+                    self._store(_key_of(ctx), encode_entry("sse", content_type, payload))
+                    if on_complete is not None:
+                        on_complete(payload)
                 else:
                     self.metrics.child(self.metrics.response_cache_stores, "incomplete").inc()
             elif buffer is not None:
@@ -247,8 +251,9 @@ class ResponseCache:
             },
         }
         extra = (store_stats.extra or {}) if store_stats else {}
-        if config.backend == "redis" or "connections" in extra:
-            doc["redis"] = {
+        if store_stats and "connections" in extra:
+            # A store with a connection pool (Redis) gets a section under its own name.
+            doc[store_stats.backend] = {
                 "connections": extra.get("connections", {"active": 0, "idle": 0}),
                 "fallback_active": bool(extra.get("fallback_active", False)),
                 "errors": extra.get("errors", {"connection": 0, "timeout": 0, "protocol": 0,

@@ -29,6 +29,7 @@ from continuum.config.schema import (
     RedisConfig,
     ResponseCacheConfig,
     RouterConfig,
+    SemanticCacheConfig,
     ServerConfig,
 )
 from continuum.errors import ConfigError, ConfigIssue
@@ -52,6 +53,7 @@ __all__ = [
     "RedisConfig",
     "ResponseCacheConfig",
     "RouterConfig",
+    "SemanticCacheConfig",
     "ServerConfig",
     "check_config",
     "check_config_file",

@@ -5,6 +5,7 @@ Later tiers add their sections here; ``continuum-router config defaults`` prints
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -236,6 +237,44 @@ class RedisConfig:
                          "every key in the database)")
 
 
+def _numpy_installed() -> bool:
+    """Whether numpy can be imported, without importing it (a ``None`` in
+    ``sys.modules``, which blocks an import, counts as missing)."""
+    try:
+        return importlib.util.find_spec("numpy") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class SemanticCacheConfig:
+    """``response_cache.semantic``: the similarity path, tried after an exact-cache miss.
+
+    The local config is the whole switch: there is no hub or control-plane flag. The
+    embedding backend may be ``internal: true`` (never routed client traffic) but not
+    ``enabled: false``; both are checked in :meth:`RouterConfig.check`, which knows the
+    backends."""
+
+    enabled: bool = setting(False, doc="answer paraphrases of cached deterministic chat "
+                            "requests (needs the 'semantic' extra: numpy)")
+    backend: str | None = setting(
+        None, doc="configured backend serving /v1/embeddings (required when enabled)")
+    embedding_model: str | None = setting(
+        None, doc="model asked of that backend (required when enabled)")
+    threshold: float = setting(0.92, doc="cosine similarity a hit needs", min=0.0, max=1.0)
+    max_entries: int = setting(1000, doc="vectors in each router's index; oldest out first",
+                               min=1, max=1_000_000)
+    ttl: float | None = setting(None, doc="lifetime of an entry; omitted: response_cache.ttl",
+                                min=1, max=30 * 86400, duration=True)
+    embedding_timeout_ms: int = setting(
+        2000, doc="longest embedding call; past it the request is a plain miss",
+        min=100, max=60000)
+    max_input_bytes: int = setting(
+        8192, doc="a longer last user message skips the path", min=1, max=1048576)
+    false_hit_gate: bool = setting(
+        True, doc="refuse a match whose texts differ in negations, numbers or names")
+
+
 @dataclass(frozen=True)
 class ResponseCacheConfig:
     """``response_cache``: Tier 2 exact and streaming response cache."""
@@ -258,6 +297,8 @@ class ResponseCacheConfig:
         True, doc="buffer streamed responses (up to max_stream_buffer_size) and cache them"
     )
     redis: RedisConfig = setting(default_factory=RedisConfig, doc="Redis/Valkey store")
+    semantic: SemanticCacheConfig = setting(
+        default_factory=SemanticCacheConfig, doc="semantic (similarity) cache")
 
 
 @dataclass(frozen=True)
@@ -637,6 +678,7 @@ class RouterConfig:
             issues.warn("kv_cache_index.enabled",
                         "the KV scorer only runs with prefix_routing.enabled: true")
         self._check_scorers(issues)
+        self._check_semantic(issues)
         if kv.cache_salt.enabled and kv.cache_salt.per_tenant:
             if not self.prefix_routing.enabled:
                 issues.warn("kv_cache_index.cache_salt.per_tenant", "salts are only issued "
@@ -665,3 +707,29 @@ class RouterConfig:
         if self.scorers and self.scorers != DEFAULT_SCORERS and not self.prefix_routing.enabled:
             issues.warn("scorers", "scorers only run on requests with a prefix key: set "
                         "prefix_routing.enabled: true")
+
+    def _check_semantic(self, issues: Issues) -> None:
+        """The semantic cache needs its backend, its model and numpy; the backend follows
+        the visibility rule (``internal`` allowed, ``enabled: false`` refused)."""
+        sem = self.response_cache.semantic
+        if not sem.enabled:
+            return
+        path = "response_cache.semantic"
+        if not _numpy_installed():
+            issues.error(join(path, "enabled"), "needs numpy: install continuum-router[semantic]")
+        if not self.response_cache.enabled:
+            issues.warn(join(path, "enabled"), "has no effect without response_cache.enabled")
+        if sem.embedding_model is None:
+            issues.error(join(path, "embedding_model"), "required when semantic.enabled")
+        if sem.backend is None:
+            issues.error(join(path, "backend"), "required when semantic.enabled")
+            return
+        found = next((b for b in self.backends if b is not None and b.name == sem.backend),
+                     None)
+        if found is None:
+            issues.error(join(path, "backend"), "no backend of this name", sem.backend)
+        elif not found.enabled:
+            issues.error(join(path, "backend"), "names an enabled: false backend", sem.backend)
+        elif found.type != "openai":
+            issues.error(join(path, "backend"), "must be a type: openai backend "
+                         "(it is asked for /v1/embeddings)", sem.backend)

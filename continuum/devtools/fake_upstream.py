@@ -11,6 +11,11 @@ completions as OpenAI's SSE chunks ending in ``data: [DONE]``. Requests steer it
 * ``hang`` (seconds): sleep before answering
 * ``break_after`` (int): drop the connection after this many stream chunks
 
+``/v1/embeddings`` embeds with the simulator's deterministic embedder
+(:mod:`continuum.sim.embedder`, 64 dimensions) when the model's name starts with
+``embed``; other models get ``[0.1, 0.2]``; ``/_test/embed_delay?seconds=S`` makes every
+embedding answer S seconds late (a slow embedding backend).
+
 ``GET /_test/stats`` reports what it saw: request count, the last request's headers and
 body, streams started, finished and aborted by the client. ``/_test/sick`` and
 ``/_test/well`` make ``/health`` answer 503 or 200.
@@ -35,11 +40,13 @@ from typing import Any
 import gevent
 from gevent.pywsgi import WSGIHandler, WSGIServer
 
+from continuum.sim import embedder
+
 StartResponse = Callable[..., Any]
 
 STATS: dict[str, Any] = {"requests": 0, "streams_started": 0, "streams_finished": 0,
                          "streams_aborted": 0, "last_headers": {}, "last_body": None,
-                         "healthy": True}
+                         "healthy": True, "embeddings": 0, "embed_delay": 0.0}
 NAME = "up"
 
 
@@ -87,6 +94,18 @@ def _stream(model: str, n: int, delay: float, break_after: int | None) -> Iterat
             STATS["streams_aborted"] += 1
 
 
+def _embeddings(start: StartResponse, model: str, body: dict[str, Any]) -> list[bytes]:
+    STATS["embeddings"] += 1
+    if STATS["embed_delay"]:
+        gevent.sleep(STATS["embed_delay"])
+    text = body.get("input")
+    vector = embedder.embed(text, 64) if model.startswith("embed") and isinstance(text, str) \
+        else [0.1, 0.2]
+    return _json(start, 200, {"object": "list", "model": model, "data": [
+        {"object": "embedding", "index": 0, "embedding": vector}],
+        "usage": {"prompt_tokens": 1, "total_tokens": 1}})
+
+
 def app(environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
     """The WSGI app."""
     path = environ["PATH_INFO"]
@@ -99,6 +118,9 @@ def app(environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
         return _json(start, 200, {})
     if path == "/_test/well":
         STATS["healthy"] = True
+        return _json(start, 200, {})
+    if path == "/_test/embed_delay":
+        STATS["embed_delay"] = float(environ.get("QUERY_STRING", "seconds=0").split("=")[1])
         return _json(start, 200, {})
     if path == "/v1/models":
         return _json(start, 200, {"object": "list", "data": [
@@ -117,9 +139,7 @@ def app(environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
             "message": f"scripted {knobs['status']}", "type": "test_error", "code": "scripted"}})
     model = body.get("model", "m")
     if path == "/v1/embeddings":
-        return _json(start, 200, {"object": "list", "model": model, "data": [
-            {"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
-            "usage": {"prompt_tokens": 1, "total_tokens": 1}})
+        return _embeddings(start, model, body)
     if body.get("stream"):
         start("200 OK", [("Content-Type", "text/event-stream")])
         return _stream(model, int(knobs.get("chunks", 3)), float(knobs.get("delay", 0)),

@@ -239,11 +239,7 @@ class Forwarder:
                 backend=backend.name,
             ) from None
         except upstream_http.ReadTimeout:
-            self._failed(lease, "timeout")
-            raise UpstreamTimeoutError(
-                f"backend '{backend.name}' ({backend.url}) did not answer in time",
-                backend=backend.name,
-            ) from None
+            raise self._timed_out(lease) from None
         except (upstream_http.HTTPClientError, OSError) as exc:
             # The backend closed or broke the connection before a valid response head (a
             # stale kept-alive one was already retried on a fresh connection by the pool):
@@ -259,6 +255,15 @@ class Forwarder:
         if self.on_result is not None and response.status < 500:
             self.on_result(backend, True)
         return Upstream(backend, response, lease, ctx.request_id)
+
+    def _timed_out(self, lease: Lease) -> UpstreamTimeoutError:
+        """Record a read timeout (504) on ``lease``; the error to raise."""
+        self._failed(lease, "timeout")
+        backend = lease.backend
+        return UpstreamTimeoutError(
+            f"backend '{backend.name}' ({backend.url}) did not answer in time",
+            backend=backend.name,
+        )
 
     def _failed(self, lease: Lease, kind: str) -> None:
         status = 504 if kind == "timeout" else 502
@@ -288,11 +293,7 @@ class Forwarder:
                 backend=upstream.backend.name,
             ) from None
         except upstream_http.ReadTimeout:
-            self._failed(lease, "timeout")
-            raise UpstreamTimeoutError(
-                f"backend '{backend.name}' ({backend.url}) did not answer in time",
-                backend=backend.name,
-            ) from None
+            raise self._timed_out(lease) from None
         except (upstream_http.HTTPClientError, OSError) as exc:
             response.close()
             self._failed(lease, "stream")

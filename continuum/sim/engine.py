@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,13 +24,13 @@ from gevent.lock import BoundedSemaphore
 
 from continuum.errors import ModelNotFoundError, RequestError
 from continuum.kv_events import BlockHasher, KvEventSink
+from continuum.sim import embedder
 from continuum.sim.cache import Allocation, PrefixCache
 from continuum.sim.latency import LatencyModel
 from continuum.sim.templates import get_template
 from continuum.sim.tokenizer import SimTokenizer
 
 DEFAULT_MODEL = "sim-model"
-_WORD = re.compile(r"\w+")
 ENGINES = ("vllm", "sglang", "trtllm")
 
 
@@ -339,16 +338,9 @@ class SimEngine:
     # -- embeddings ------------------------------------------------------------------------
 
     def embed(self, text: str, dimensions: int | None = None) -> list[float]:
-        """A unit vector for ``text``: the normalised sum of per-word pseudo-random vectors,
-        so texts sharing most of their words have a high cosine similarity."""
-        dims = dimensions or self.config.embedding_dim
-        words = [w for w in _WORD.findall(text.lower()) if w]
-        vector = [0.0] * dims
-        for word in words or ["\0" + text]:
-            for i, x in enumerate(_word_vector(word, dims)):
-                vector[i] += x
-        norm = sum(x * x for x in vector) ** 0.5 or 1.0
-        return [x / norm for x in vector]
+        """A unit vector for ``text`` from :mod:`continuum.sim.embedder` (hashed words,
+        word pairs and character trigrams), so paraphrases have a high cosine."""
+        return embedder.embed(text, dimensions or self.config.embedding_dim)
 
 
 _METRICS = (
@@ -435,18 +427,3 @@ def _seed(request: GenerationRequest) -> int:
             return int.from_bytes(os.urandom(8), "big")
         digest.update(f"|seed={request.seed}|t={request.temperature}".encode())
     return int.from_bytes(digest.digest()[:8], "big")
-
-
-_WORD_CACHE: dict[tuple[str, int], list[float]] = {}
-
-
-def _word_vector(word: str, dims: int) -> list[float]:
-    key = (word, dims)
-    vector = _WORD_CACHE.get(key)
-    if vector is None:
-        rng = random.Random(hashlib.sha256(word.encode("utf-8", "surrogatepass")).digest())
-        vector = [rng.gauss(0.0, 1.0) for _ in range(dims)]
-        if len(_WORD_CACHE) > 8192:
-            _WORD_CACHE.clear()
-        _WORD_CACHE[key] = vector
-    return vector

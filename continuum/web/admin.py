@@ -146,7 +146,7 @@ class ResponseCacheStatsResource(AdminResource):
     """``GET /admin/response-cache/stats``: the seed's response shape."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self._send(resp, self.service.response_cache.stats())
+        self._send(resp, self.service.response_cache_stats())
 
 
 class ResponseCacheInvalidateResource(AdminResource):
@@ -161,12 +161,16 @@ class ResponseCacheInvalidateResource(AdminResource):
         if not isinstance(body, dict) or body.get("clear_all") is not True:
             raise RequestError("only {\"clear_all\": true} is supported")
         try:
-            cleared = self.service.response_cache.clear()
+            cleared, semantic = self.service.clear_response_cache()
         except StoreError as exc:
             self._send(resp, {"success": False, "action": "clear_all",
                               "error": exc.message}, status=503)
             return
-        self._send(resp, {"success": True, "action": "clear_all", "cleared_entries": cleared})
+        doc: dict[str, Any] = {"success": True, "action": "clear_all",
+                               "cleared_entries": cleared}
+        if self.service.semantic is not None:  # the seed's shape when the path is off
+            doc["cleared_semantic_index_entries"] = semantic
+        self._send(resp, doc)
 
 
 class KvIndexStatsResource(AdminResource):

@@ -1,0 +1,192 @@
+"""The semantic cache through real gunicorn with the official ``openai`` SDK: paraphrase
+hits, partition isolation, the false-hit gate, embedding failures, TTL and ``max_entries``
+eviction, streamed replay, admin stats/invalidate, and sharing across workers via Redis.
+
+The embedding backend is a fake upstream (``internal: true``) answering with the
+simulator's deterministic embedder (64 dims): "How do I reset my password?" and "How can I
+reset my password?" have a cosine of about 0.89, unrelated questions about 0.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import openai
+import pytest
+import requests
+
+from continuum.devtools.fleet import metric_sum
+from continuum.devtools.procs import free_port
+
+pytestmark = pytest.mark.e2e
+
+Q = "How do I reset my password?"
+PARA = "How can I reset my password?"
+OTHER = "Explain how photosynthesis works in plants"
+OTHER_PARA = "Explain how photosynthesis works in green plants"
+
+
+def _config(up: Any, emb_url: str, **semantic: Any) -> dict[str, Any]:
+    cache: dict[str, Any] = semantic.pop("cache", {})
+    return {
+        "backends": [{"name": up.name, "url": up.url, "models": ["m"]},
+                     {"name": "emb", "url": emb_url, "models": ["embed-sim"],
+                      "internal": True}],
+        "response_cache": {"enabled": True, **cache, "semantic": {
+            "enabled": True, "backend": "emb", "embedding_model": "embed-sim",
+            "threshold": 0.85, **semantic}},
+        "auth": {"keys": [{"key": "key-acme", "tenant": "acme"},
+                          {"key": "key-globex", "tenant": "globex"}]},
+        "health_check": {"interval_seconds": 30},
+    }
+
+
+def _ask(client: openai.OpenAI, text: str, **extra: Any) -> tuple[str, str | None, str]:
+    raw = client.chat.completions.with_raw_response.create(
+        model="m", messages=[*extra.pop("history", []), {"role": "user", "content": text}],
+        temperature=0, **extra)
+    return (raw.headers["x-cache"], raw.headers.get("x-cache-mode"),
+            raw.parse().choices[0].message.content or "")
+
+
+def _client(router: Any, key: str = "key-acme") -> openai.OpenAI:
+    return openai.OpenAI(base_url=router.url + "/v1", api_key=key, max_retries=0)
+
+
+def _stats(router: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = requests.get(router.url + "/admin/response-cache/stats",
+                                       timeout=5).json()
+    return doc
+
+
+def test_paraphrase_hits_and_partitions_isolate(upstreams, router_factory) -> None:
+    up, emb = upstreams("a"), upstreams("e")
+    router = router_factory(_config(up, emb.url))
+    with _client(router) as client:
+        assert _ask(client, Q)[:2] == ("MISS", None)
+        assert _ask(client, PARA) == ("HIT", "semantic", "hello from a")
+        assert up.stats()["requests"] == 1
+        # Same question, another partition each time: never served.
+        assert _ask(client, PARA, history=[{"role": "system", "content": "Be terse."}])[0] \
+            == "MISS"
+        tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+        assert _ask(client, PARA, tools=[tool])[0] == "MISS"
+        assert _ask(client, PARA, seed=7)[0] == "MISS"
+        # The false-hit gate: close vectors, opposite meaning.
+        assert _ask(client, "How do I enable 2FA on my account?")[0] == "MISS"
+        assert _ask(client, "How do I enable 2FA on my account, please?")[:2] == \
+            ("HIT", "semantic")
+    with _client(router, "key-globex") as other:
+        assert _ask(other, PARA)[0] == "MISS"
+    assert up.stats()["requests"] == 6
+    text = router.metrics()
+    assert metric_sum(text, "continuum_semantic_cache_requests_total", result="hit") == 2
+    assert metric_sum(text, "continuum_semantic_cache_index_entries") == 6
+    stats = _stats(router)["semantic"]
+    assert stats["requests"]["hit"] == 2 and stats["index_entries"] == 6
+    assert stats["config"]["threshold"] == 0.85
+    # Invalidate covers the semantic space.
+    cleared = requests.post(router.url + "/admin/response-cache/invalidate",
+                            json={"clear_all": True}, timeout=5).json()
+    assert cleared["cleared_semantic_index_entries"] == 6
+    with _client(router) as client:
+        assert _ask(client, PARA)[0] == "MISS"
+
+
+def test_gate_refuses_negations_and_skips_are_counted(upstreams, router_factory) -> None:
+    up, emb = upstreams("a"), upstreams("e")
+    router = router_factory(_config(up, emb.url, threshold=0.5, max_input_bytes=64))
+    with _client(router) as client:
+        assert _ask(client, "How do I enable 2FA on my account?")[0] == "MISS"
+        assert _ask(client, "How do I disable 2FA on my account?")[0] == "MISS"
+        assert _ask(client, "x" * 65)[0] == "MISS"  # too long: skips the path
+        client.chat.completions.create(model="m", messages=[
+            {"role": "user", "content": Q}], temperature=0.5)
+    stats = _stats(router)["semantic"]
+    assert stats["gate_refusals"] == {"negation": 1}
+    assert stats["skips"] == {"too_long": 1}
+    assert emb.stats()["embeddings"] == 2
+
+
+@pytest.mark.parametrize("failure", ["down", "slow"])
+def test_embedding_failure_is_a_plain_miss(upstreams, router_factory, failure) -> None:
+    up, emb = upstreams("a"), upstreams("e")
+    emb_url = f"http://127.0.0.1:{free_port()}" if failure == "down" else emb.url
+    if failure == "slow":
+        requests.get(emb.url + "/_test/embed_delay?seconds=2", timeout=5)
+    router = router_factory(_config(up, emb_url, embedding_timeout_ms=200))
+    errors, caches = 0, []
+    with _client(router) as client:
+        for text in (Q, PARA, Q):
+            try:
+                cache, _mode, body = _ask(client, text)
+            except openai.APIError:
+                errors += 1
+                continue
+            caches.append(cache)
+            assert body == "hello from a"
+    assert errors == 0
+    assert caches == ["MISS", "MISS", "HIT"]
+    stats = _stats(router)["semantic"]
+    assert stats["requests"]["hit"] == 0
+    kind = "connect" if failure == "down" else "timeout"
+    # The third ask is an exact hit: only two reached the semantic path.
+    assert stats["embedding_errors"] == {kind: 2}
+    assert metric_sum(router.metrics(), "continuum_semantic_cache_embedding_errors_total",
+                      kind=kind) == 2
+
+
+def test_ttl_and_max_entries_evict(upstreams, router_factory) -> None:
+    up, emb = upstreams("a"), upstreams("e")
+    router = router_factory(_config(up, emb.url, max_entries=1, ttl="1s"))
+    with _client(router) as client:
+        assert _ask(client, Q)[0] == "MISS"
+        assert _ask(client, OTHER)[0] == "MISS"  # evicts Q's vector (max_entries 1)
+        assert _ask(client, OTHER_PARA)[:2] == ("HIT", "semantic")
+        assert _ask(client, PARA)[0] == "MISS"  # indexed now, OTHER evicted
+        assert _ask(client, "how can i reset my password")[:2] == ("HIT", "semantic")
+        time.sleep(1.2)  # past the semantic ttl (1s); the exact entries live 300s
+        assert _ask(client, "How can I reset my password")[0] == "MISS"
+    assert _stats(router)["semantic"]["evictions"] >= 1
+
+
+def test_streamed_answer_is_replayed_through_the_sdk(upstreams, router_factory) -> None:
+    up, emb = upstreams("a"), upstreams("e")
+    router = router_factory(_config(up, emb.url))
+    texts, caches = [], []
+    with _client(router) as client:
+        for text in (Q, PARA):
+            raw = client.chat.completions.with_raw_response.create(
+                model="m", messages=[{"role": "user", "content": text}], temperature=0,
+                stream=True)
+            caches.append((raw.headers["x-cache"], raw.headers.get("x-cache-mode")))
+            texts.append("".join(c.choices[0].delta.content or "" for c in raw.parse()
+                                 if c.choices))
+    assert caches == [("MISS", None), ("HIT", "semantic")]
+    assert texts == ["t0 t1 t2 "] * 2
+    assert up.stats()["requests"] == 1
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("workers", [1, 2])
+def test_workers_share_entries_through_redis(upstreams, router_factory, redis_server,
+                                             workers) -> None:
+    """Every paraphrase hits with 2 workers as with 1: a worker that did not index an
+    entry pulls it from the partition directory in Redis on a local miss."""
+    up, emb = upstreams("a"), upstreams("e")
+    prefix = f"cr:sem{workers}:{time.monotonic_ns()}:"
+    router = router_factory(_config(up, emb.url, cache={
+        "backend": "redis", "redis": {"url": redis_server.url, "key_prefix": prefix}}),
+        workers=workers)
+    questions = [f"How do I reset the password of account number {i}?" for i in range(8)]
+    hits = 0
+    with _client(router) as client:
+        for q in questions:
+            assert _ask(client, q)[0] == "MISS"
+        for q in questions:
+            # New connections, so that with 2 workers both get some of them.
+            with _client(router) as fresh:
+                cache, mode, _ = _ask(fresh, q.replace("How do I", "How can I"))
+            hits += cache == "HIT" and mode == "semantic"
+    assert hits == len(questions)
