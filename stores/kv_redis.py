@@ -465,12 +465,13 @@ class RedisKvIndex(KvCacheIndex):
         if self._link.fallback_active:
             return self._fallback.query_chain(keys, prefix_hash)
         try:
-            rows = self._link.execute("kv_query", partial(self._read_chain, keys, prefix_hash))
+            # Parsed inside execute(): a reply of the wrong shape is a StoreError too.
+            found = self._link.execute("kv_query", partial(self._chain_matches, keys,
+                                                           prefix_hash))
         except StoreError as exc:
             if exc.kind not in UNREACHABLE:
                 raise
             return self._fallback.query_chain(keys, prefix_hash)
-        found = self._parse_chain_rows(rows)
         if not found:
             return EMPTY_MATCHES
         found.sort(key=rank_key)
@@ -542,7 +543,10 @@ class RedisKvIndex(KvCacheIndex):
         return self._chain_query(keys=names, args=[repr(self._clock()), len(keys)],
                                  client=client)
 
-    def _parse_chain_rows(self, rows: Sequence[Any]) -> list[ChainMatch]:
+    def _chain_matches(self, keys: Sequence[str], prefix_hash: str | None,
+                       client: redis.Redis) -> list[ChainMatch]:
+        """Query the chain (one script call) and parse its rows; unranked."""
+        rows = self._read_chain(keys, prefix_hash, client)
         found = []
         cutoff = self._clock() - self.entry_ttl_seconds
         for i in range(0, len(rows), 4):
