@@ -511,7 +511,8 @@ def test_listener_process_wires_token_and_subscriber_cap(tmp_path: Path) -> None
         manager.start()
         wait_until(lambda: listener.health()["sources"]["vllm-1"]["subscribers"] == 1,
                    "the router's subscription")
-        assert manager.consumers[0].connected
+        # The listener counts the subscriber before the consumer has read the response head.
+        wait_until(lambda: manager.consumers[0].connected, "the consumer to see its stream open")
         over = requests.get(url, timeout=5, headers={"Authorization": "Bearer proc-s3cret"})
         assert over.status_code == 503 and "max_subscribers: 1" in over.text
     finally:
