@@ -93,6 +93,11 @@ class SelectionStrategy(abc.ABC):
         return None
 
 
+#: A scorer's best score must be strictly above this for it to pick the backend (the seed's
+#: ``DEFAULT_SCORER_THRESHOLD``); otherwise the selection strategy decides. Here rather than
+#: in the pipeline so that a scorer can place its scores relative to it.
+SCORER_THRESHOLD = 0.3
+
 #: The tier of the KV data a backend holds for a prefix.
 TIER_NONE = "none"
 TIER_GPU_HOT = "gpu_hot"
@@ -227,6 +232,25 @@ class KvHolding:
     updated_at: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class ChainMatch:
+    """How far one backend's cache goes into a request's chain of prefix keys
+    (:mod:`continuum.prefix_chain`).
+
+    ``depth`` counts the chain's keys the backend holds up to its deepest one (key
+    ``depth - 1`` is held); ``token_count`` is what that key covers on the backend.
+    ``approximate``: recorded by the router when it routed there, not confirmed by an
+    engine event (it expires after its own TTL).
+    """
+
+    backend: str
+    depth: int
+    token_count: int
+    tier: str = TIER_GPU_HOT
+    approximate: bool = False
+    updated_at: float = 0.0
+
+
 #: Event types on a listener's per-backend stream.
 CACHE_CREATED = "cache_created"
 CACHE_EVICTED = "cache_evicted"
@@ -278,6 +302,45 @@ class KvCacheIndex(abc.ABC):
     @abc.abstractmethod
     def query_backends(self, prefix_hash: str) -> Sequence[KvHolding]:
         """Unexpired holders of ``prefix_hash``, most tokens first (ties by name)."""
+
+    def apply_chain(  # noqa: B027 - optional, an index without chains ignores them
+        self, backend: str, event: str, entries: Sequence[tuple[str, int]],
+        *, ttl: float | None = None,
+    ) -> None:
+        """Apply one event to chain keys (:mod:`continuum.prefix_chain`) of ``backend``:
+        ``entries`` are ``(key hex, token_count)``; the transitions are those of
+        :meth:`apply`, and ``cache_cleared`` through :meth:`apply` removes chain entries too.
+
+        ``ttl`` set: an *approximate* entry that the router records when it routes a
+        request (``cache_created`` only). It expires ``ttl`` seconds after it was recorded
+        and never replaces an entry an engine event confirmed; an event for the same key
+        confirms it (``cache_created``) or removes it (``cache_evicted``).
+
+        Default: chain keys are ignored (an index that predates chains).
+
+        Raises:
+            ValueError: unknown event type, negative token count, or ``ttl`` with an event
+                other than ``cache_created``.
+        """
+
+    def query_chain(self, keys: Sequence[str],
+                    prefix_hash: str | None = None) -> Sequence[ChainMatch]:
+        """Each backend's longest match of ``keys`` (a chain, shortest prefix first), most
+        tokens first (ties by name).
+
+        A backend's match is the longest run of keys from the first that it holds
+        unexpired, as an engine's prefix cache can only use a prefix whose every block it
+        holds: a backend that lost a middle key matches up to the key before it. With
+        ``prefix_hash`` (the seed key), a backend that holds none of ``keys`` but holds that
+        prefix is returned with ``depth`` 0 and the seed entry's tokens and tier (engines
+        whose prompts the listener cannot recover report only the seed key).
+
+        Default: ``prefix_hash``'s holders at depth 0 (an index that predates chains).
+        """
+        if prefix_hash is None:
+            return ()
+        return tuple(ChainMatch(h.backend, 0, h.token_count, h.tier, False, h.updated_at)
+                     for h in self.query_backends(prefix_hash))
 
     @abc.abstractmethod
     def clear(self) -> int:

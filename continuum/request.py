@@ -16,9 +16,12 @@ import re
 import sys
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from continuum.errors import RequestError
+
+if TYPE_CHECKING:
+    from continuum.prefix_chain import PrefixChain
 
 #: Endpoint kinds the router proxies.
 CHAT = "chat"
@@ -68,6 +71,9 @@ class RequestContext:
     #: What the KV scorer read from the index for this request (its ``prepare``), kept per
     #: request so that every later read sees the same moment; opaque to other stages.
     kv_snapshot: object | None = None
+    #: The chain of prefix keys (:mod:`continuum.prefix_chain`), derived with the prefix
+    #: key when the KV scorer matches chains (``kv_cache_index.match: chain``).
+    chain: PrefixChain | None = None
 
     @property
     def protocol(self) -> str:
@@ -78,6 +84,15 @@ class RequestContext:
     def prefix_hash(self) -> str | None:
         """The prefix key as lowercase hex, or ``None`` when the request has none."""
         return None if self.prefix_key is None else self.prefix_key.hex()
+
+    @property
+    def route_key(self) -> bytes | None:
+        """The key a prefix-hashing strategy places the request by: its chain's route key
+        (a document in the user turn, :attr:`PrefixChain.route_key`) when it has one, so
+        new documents behind one system prompt spread over the fleet; else the prefix key."""
+        chain = self.chain
+        key = chain.route_key if chain is not None else None
+        return key if key is not None else self.prefix_key
 
 
 def new_request_id(supplied: str | None = None) -> str:

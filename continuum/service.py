@@ -16,6 +16,7 @@ from continuum.caching.response_cache import BYPASS, HIT, MISS, ResponseCache
 from continuum.config import restart_required
 from continuum.config.fields import keep_restart_fields, walk
 from continuum.errors import ContinuumError, RequestError, UpstreamConnectError
+from continuum.kv.chain_scorer import ChainOverlapScorer
 from continuum.kv.consumer import KvEventConsumerManager
 from continuum.kv.scorer import KvOverlapScorer
 from continuum.metrics import RouterMetrics
@@ -154,6 +155,9 @@ class RouterService:
         returns None: ``KvOverlap`` without a KV index).
         """
         self.kv_scorer: KvOverlapScorer | None = None
+        #: The KV scorer when it matches chains (``kv_cache_index.match: chain``): requests
+        #: get their chain of prefix keys, and the routes taken are recorded in the index.
+        self._chain_scorer: ChainOverlapScorer | None = None
         if not config.prefix_routing.enabled:
             return
         built: list[BackendScorer] = []
@@ -165,6 +169,8 @@ class RouterService:
                 built.append(scorer)
         self.pipeline.scorers = tuple(built)
         self.kv_scorer = next((s for s in built if isinstance(s, KvOverlapScorer)), None)
+        self._chain_scorer = self.kv_scorer \
+            if isinstance(self.kv_scorer, ChainOverlapScorer) else None
 
     def _make_strategy(self, config: RouterConfig) -> SelectionStrategy:
         strategy: SelectionStrategy = self.registry.create(
@@ -243,13 +249,17 @@ class RouterService:
     def prepare(
         self, ctx: RequestContext, cache_control: str | None = None, *, caching: bool = True
     ) -> None:
-        """Derive what routing and caching need from the parsed request: the prefix key
-        and, when the response cache may answer it, the cache key."""
+        """Derive what routing and caching need from the parsed request: the prefix key,
+        the chain of prefix keys when the KV scorer matches chains, and, when the response
+        cache may answer it, the cache key."""
         settings = self.config.prefix_routing
         if settings.enabled:
             ctx.prefix_key = request_prefix_key(
                 ctx.body, ctx.model, max_prefix_length=settings.max_prefix_length
             )
+            chain_scorer = self._chain_scorer
+            if chain_scorer is not None and ctx.prefix_key is not None:
+                ctx.chain = chain_scorer.request_chain(ctx)
         if caching and self.response_cache.eligible(ctx, cache_control):
             ctx.cache_key = cache_key(ctx)
 
@@ -317,6 +327,7 @@ class RouterService:
         headers = ctx.forward_headers
         candidates = forwarder.candidates(ctx)
         backend = select(candidates, ctx)
+        self._routed(ctx, backend)
         try:
             return forwarder.send(backend, ctx, path, self._body_for(ctx, backend), headers)
         except UpstreamConnectError:
@@ -324,7 +335,15 @@ class RouterService:
                 raise
             forwarder.retrying(backend, ctx)
         backend = select([b for b in candidates if b is not backend], ctx)
+        self._routed(ctx, backend)
         return forwarder.send(backend, ctx, path, self._body_for(ctx, backend), headers)
+
+    def _routed(self, ctx: RequestContext, backend: Backend) -> None:
+        """With chain matching, the chain scorer records the route in the index
+        (``kv_cache_index.approximate``), so the next request sharing the chain finds it
+        before (or without) the engine's KV events."""
+        if self._chain_scorer is not None:
+            self._chain_scorer.record_route(ctx, backend)
 
     def _refuse_client_salt(self, ctx: RequestContext) -> None:
         """With per-tenant salts, a client's own ``cache_salt`` would let tenants that pick
@@ -358,9 +377,14 @@ class RouterService:
         upstream."""
         serving = self.pool.serving(ctx.model, ctx.protocol)
         candidates = [b for b in serving if b.healthy]
+        chain = ctx.chain
         doc: dict[str, Any] = {
             "model": ctx.model,
             "prefix_hash": ctx.prefix_hash,
+            "kv_match": None if self.kv_scorer is None
+            else "chain" if self._chain_scorer is not None else "seed",
+            "chain": {"depth": len(chain.keys), "bytes": chain.total_bytes,
+                      "keys": list(chain.keys)} if chain is not None else None,
             "prefix_routing_enabled": self.config.prefix_routing.enabled,
             "strategy": self.config.selection_strategy,
             "candidates": [
@@ -381,14 +405,22 @@ class RouterService:
             doc["kv_scores"] = rows
             best = max(rows, key=lambda row: row["score"])
             if best["score"] > self.pipeline.threshold:
+                reason = ("highest composite score above the pool threshold "
+                          f"{self.pipeline.threshold}")
+                if "why" in best:
+                    reason = (f"highest score above the pool threshold "
+                              f"{self.pipeline.threshold}: it matches {best['matched_depth']} "
+                              f"of {best['chain_depth']} chain keys ({best['matched_tokens']} "
+                              f"tokens) and {best['why']}")
                 doc["decision"] = {"decision": "kv_aware", "backend": best["backend"],
                                    "tier": best["tier"], "score": best["score"],
-                                   "reason": "highest composite score above the pool "
-                                   f"threshold {self.pipeline.threshold}"}
+                                   "reason": reason}
                 return doc
             doc["kv_fallback_reason"] = (
                 "no candidate holds this prefix" if not any(r["token_count"] for r in rows)
-                else f"no composite score above {self.pipeline.threshold}")
+                else f"no score above {self.pipeline.threshold}"
+                + "".join(f"; {r['backend']}: {r['why']}" for r in rows
+                          if r.get("token_count") and "why" in r))
         explain = getattr(self.strategy, "explain", None)
         if explain is not None:
             doc["decision"] = explain(candidates, ctx)

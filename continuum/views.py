@@ -153,6 +153,8 @@ class KvScoringView:
     gpu_tier_weight: float
     storage_tier_weight: float
     load_guard: bool
+    #: ``adaptive`` (saved prefill against extra queue) or ``bound`` (the CHWBL bound).
+    load_guard_mode: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +165,8 @@ class KvIndexSettings:
     max_entries: int
     entry_ttl_seconds: int
     event_sources_count: int
+    #: ``chain`` (longest match of the request's chain of prefix keys) or ``seed``.
+    match: str
     scoring: KvScoringView
 
 
@@ -174,6 +178,11 @@ class KvIndexCounts:
     entry_count: int = 0
     total_hits: int = 0
     total_evictions: int = 0
+    #: Chain keys (:mod:`continuum.prefix_chain`) held, their (key, backend) entries, and
+    #: how many of those the router recorded itself (``approximate``), not yet confirmed.
+    chain_key_count: int = 0
+    chain_entry_count: int = 0
+    chain_approximate_entries: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +221,9 @@ def index_counts(index: KvCacheIndex | None) -> KvIndexCounts:
         entry_count=stats.get("entry_count", 0),
         total_hits=stats.get("total_hits", 0),
         total_evictions=stats.get("total_evictions", 0),
+        chain_key_count=stats.get("chain_key_count", 0),
+        chain_entry_count=stats.get("chain_entry_count", 0),
+        chain_approximate_entries=stats.get("chain_approximate_entries", 0),
     )
 
 
@@ -230,6 +242,7 @@ def kv_index_view(
             max_entries=kv.max_entries,
             entry_ttl_seconds=kv.entry_ttl_seconds,
             event_sources_count=len(kv.event_sources),
+            match=kv.match,
             scoring=KvScoringView(
                 overlap_weight=scoring.overlap_weight,
                 load_weight=scoring.load_weight,
@@ -238,6 +251,7 @@ def kv_index_view(
                 gpu_tier_weight=scoring.gpu_tier_weight,
                 storage_tier_weight=scoring.storage_tier_weight,
                 load_guard=scoring.load_guard.enabled,
+                load_guard_mode=scoring.load_guard.mode,
             ),
         ),
         index=index_counts(index),

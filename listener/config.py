@@ -41,6 +41,11 @@ class LimitsConfig:
     max_retained_tokens: int = setting(
         16777216, doc="token ids kept (4 bytes each; 64 MiB by default), oldest pruned first",
         min=1, max=1_000_000_000)
+    max_chain_text_bytes: int = setting(
+        16777216, doc="token ids of recent chains kept so that any of their blocks can be "
+        "extended with chain keys (4 bytes a token; 0: no chain keys, only the seed key)",
+        min=0,
+        max=10_000_000_000)
     max_message_bytes: int = setting(
         8 * 1024 * 1024, doc="largest ZMQ message part accepted (ZMQ_MAXMSGSIZE); a larger "
         "one drops the publisher's connection, which reconnects", min=65536, max=1024**3)
@@ -133,6 +138,10 @@ class SourceConfig:
                                      "events", min=1, max=1_000_000)
     max_prefix_length: int = setting(1024, doc="must equal the router's "
                                      "prefix_routing.max_prefix_length", min=1, max=1048576)
+    chain_chunk_bytes: int = setting(1024, doc="must equal the router's "
+                                     "kv_cache_index.chain.chunk_bytes", min=64, max=65536)
+    chain_max_keys: int = setting(128, doc="must equal the router's "
+                                  "kv_cache_index.chain.max_keys", min=1, max=1024)
     require_salt: bool | None = setting(
         None, doc="attribute only chains with a valid router-issued salt (default: true for "
         "trtllm, false otherwise)")

@@ -69,6 +69,7 @@ import time
 from collections import deque
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from gevent.event import Event
 
@@ -137,9 +138,10 @@ def format_record(event: PrefixEvent | str, record_id: str | None = None) -> byt
     """One SSE record: ``id:`` (optional), ``event:``, ``data:`` JSON, blank line.
 
     A control event (``buffer_overflow``, ``draining``) is given by name. ``prefix_hash``
-    and ``token_count`` appear in the JSON only when set.
+    and ``token_count`` appear in the JSON only when set; ``chain`` (an object of event
+    types to ``[key, token_count]`` lists) only when the event carries chain changes.
     """
-    payload: dict[str, str | int]
+    payload: dict[str, Any]
     if isinstance(event, str):
         kind, payload = event, {"event": event}
     else:
@@ -148,6 +150,11 @@ def format_record(event: PrefixEvent | str, record_id: str | None = None) -> byt
             payload["prefix_hash"] = event.prefix_hash
         if event.token_count is not None:
             payload["token_count"] = event.token_count
+        if event.chain:
+            chain: dict[str, list[list[str | int]]] = {}
+            for kind, key, tokens in event.chain:
+                chain.setdefault(kind, []).append([key, tokens])
+            payload["chain"] = chain
     head = f"id: {record_id}\n" if record_id is not None else ""
     data = json.dumps(payload, separators=(",", ":"))
     return f"{head}event: {kind}\ndata: {data}\n\n".encode()
@@ -171,15 +178,30 @@ class _Stream:
         self.latest = 0
         self.history: deque[tuple[int, bytes]] = deque(maxlen=history_size)
         self.view: dict[str, tuple[str, int | None]] = {}
+        #: prefix -> chain key -> (tier, tokens): the chain keys last reported per prefix
+        self.chain_view: dict[str, dict[str, tuple[str, int]]] = {}
         self.subscribers: set[_Subscriber] = set()
         self.counters = BackendCounters()
 
     def apply(self, event: PrefixEvent) -> None:
         if event.type == CACHE_CLEARED:
             self.view.clear()
-        elif event.prefix_hash is None:
+            self.chain_view.clear()
             return
-        elif event.type == CACHE_CREATED:
+        if event.prefix_hash is None:
+            return
+        if event.chain:
+            keys = self.chain_view.setdefault(event.prefix_hash, {})
+            for kind, key, held in event.chain:
+                if kind == CACHE_EVICTED:
+                    keys.pop(key, None)
+                else:
+                    keys[key] = (_GPU if kind == CACHE_CREATED else _STORAGE, held)
+            if not keys:
+                del self.chain_view[event.prefix_hash]
+        if event.type == CACHE_EVICTED:
+            self.chain_view.pop(event.prefix_hash, None)
+        if event.type == CACHE_CREATED:
             self.view[event.prefix_hash] = (_GPU, event.token_count)
         elif event.type == CACHE_OFFLOADED:
             old = self.view.get(event.prefix_hash)
@@ -387,7 +409,9 @@ class EventHub:
         events = [PrefixEvent(CACHE_CLEARED)]
         for prefix, (tier, tokens) in stream.view.items():
             kind = CACHE_CREATED if tier == _GPU else CACHE_OFFLOADED
-            events.append(PrefixEvent(kind, prefix, tokens))
+            chain = tuple((CACHE_CREATED if held == _GPU else CACHE_OFFLOADED, key, count)
+                          for key, (held, count) in stream.chain_view.get(prefix, {}).items())
+            events.append(PrefixEvent(kind, prefix, tokens, chain))
         last = self.event_id(stream.latest)
         return [format_record(event, last if i == len(events) - 1 else None)
                 for i, event in enumerate(events)]

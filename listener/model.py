@@ -24,18 +24,26 @@ CACHE_OFFLOADED = "cache_offloaded"
 CACHE_CLEARED = "cache_cleared"
 
 
+#: A chain key's change carried by a :class:`PrefixEvent`: ``(event type, key hex, tokens)``.
+ChainChange = tuple[str, str, int]
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixEvent:
     """One event for the router: a prefix appeared, moved or disappeared on the backend.
 
     ``prefix_hash`` is the router's prefix key (lowercase hex, 64 characters); it is None
     only for ``cache_cleared``. ``token_count`` is how many tokens of that prefix's chains
-    the backend holds (the longest attributed chain), when known.
+    the backend holds (the longest attributed chain), when known. ``chain``: the chain keys
+    (:mod:`continuum.prefix_chain`) of that prefix whose state changed, each with the
+    tokens the backend holds up to the key's end; a change of chain keys alone is sent on
+    a ``cache_created``/``cache_offloaded`` that repeats the prefix's current state.
     """
 
     type: str
     prefix_hash: str | None = None
     token_count: int | None = None
+    chain: tuple[ChainChange, ...] = ()
 
 
 Emit = Callable[[PrefixEvent], None]

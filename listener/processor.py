@@ -37,6 +37,13 @@ tainted, ``mismatched_blocks`` counts the event and one warning per source is lo
 drops a block from every cache level. ``AllBlocksCleared`` without a medium is a reset;
 with one, that medium is dropped from every block.
 
+Chain keys (:mod:`listener.chain`): after the prefixes, every stored event whose blocks
+carry their token ids gets the router's chain keys of its blocks (one ``/detokenize`` call
+per event), each attributed to the block its end lies in and reported under the prefix of
+the chain's tip; evicting a block removes exactly the chain keys whose end lay in it.
+Chains attributed through a salt get none (a salt names the seed key only, and costs no
+call).
+
 Nothing logs or exposes prompt text, token ids, salts or response bodies.
 """
 
@@ -49,6 +56,7 @@ from typing import Any
 
 from continuum.cache_salt import SALT_VERSION, verify_salt
 from continuum.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
+from listener.chain import ChainKeys, NewBlocks
 from listener.config import DetokenizeConfig, LimitsConfig, SourceConfig
 from listener.model import CACHE_CLEARED, Emit, PrefixEvent
 from listener.recovery import EngineClient, HttpClient, PromptRecovery, RecoveryJob
@@ -112,6 +120,9 @@ class DefaultSourceProcessor:
             client = self._own_client = EngineClient(detok.max_response_bytes)
         self.tracker = BlockTracker(limits)
         self.recovery = PromptRecovery(source, detok, client or _NoClient(), clock=clock)
+        self.chain = ChainKeys(self.recovery.detokenize, source.chain_chunk_bytes,
+                               source.chain_max_keys, limits.max_chain_text_bytes,
+                               limits.max_chain_tokens)
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self._group_kinds: dict[int, str] = {}
         self._warned_mismatch = False
@@ -121,16 +132,19 @@ class DefaultSourceProcessor:
     def handle_batch(self, batch: KvEventBatch) -> None:
         """Apply one decoded batch (events in order) and emit what changed."""
         tips: dict[BlockKey, str] = {}  # last block of each store → model for recovery
+        stores: list[NewBlocks] = []  # new blocks with their tokens, for chain keys
         for event in batch.events:
             self.counters["events_in"] += 1
             if isinstance(event, BlockStored):
-                self._stored(event, tips)
+                self._stored(event, tips, stores)
             elif isinstance(event, BlockRemoved):
                 self._removed(event)
             elif isinstance(event, AllBlocksCleared):
                 tips.clear()
+                stores.clear()
                 self._cleared(event)
         self._recover(tips)
+        self._chain_keys(stores)
         for key in tips:
             block = self.tracker.get(key)
             if block is not None and block.prefix is None:
@@ -143,6 +157,7 @@ class DefaultSourceProcessor:
         log.info("kv-listener source %s: state reset (%s)", self.source.backend_name, reason)
         self.tracker.clear()
         self.recovery.clear()
+        self.chain.clear()
         self._send([PrefixEvent(CACHE_CLEARED)])
         self._report()
 
@@ -154,6 +169,8 @@ class DefaultSourceProcessor:
             "tracked_blocks": self.tracker.tracked_blocks,
             "retained_tokens": self.tracker.retained_tokens,
             "attributed_prefixes": self.tracker.held_prefixes,
+            "chain_keys": self.tracker.held_chain_keys,
+            "chain_unknown_parents": self.chain.unknown_parents,
             "pruned_blocks": self.tracker.pruned_blocks,
             "detokenize_calls": recovery.calls,
             "detokenize_errors": recovery.errors,
@@ -169,7 +186,8 @@ class DefaultSourceProcessor:
 
     # -- events ------------------------------------------------------------------------------
 
-    def _stored(self, event: BlockStored, tips: dict[BlockKey, str]) -> None:
+    def _stored(self, event: BlockStored, tips: dict[BlockKey, str],
+                stores: list[NewBlocks]) -> None:
         count = len(event.block_hashes)
         if not count:
             return
@@ -202,6 +220,10 @@ class DefaultSourceProcessor:
                                        else (group, int(event.parent_block_hash)))
         salt_prefix: str | None = None
         end = 0
+        first_parent = parent_key
+        keys: list[BlockKey] = []
+        ends: list[int] = []
+        fresh = False
         for i, block_hash in enumerate(event.block_hashes):
             key: BlockKey = (group, int(block_hash))
             parent = self.tracker.get(parent_key)
@@ -240,9 +262,23 @@ class DefaultSourceProcessor:
                 if tokens is None and prefix is None:
                     flags |= NO_TEXT
                 self.tracker.add(key, parent_key, tokens, end, media, prefix, flags)
+                fresh = True
+            keys.append(key)
+            ends.append(end)
             parent_key = key
         assert parent_key is not None
         tips[parent_key] = model or ""
+        if (fresh and not tainted and model is not None and segments[0] is not None
+                and salt_prefix is None
+                and self.chain.enabled and self.recovery.available
+                and all(self._untainted(k) for k in keys)):
+            stores.append(NewBlocks(first_parent, tuple(keys), tuple(ends),
+                                    tuple(event.token_ids), model))
+
+    def _untainted(self, key: BlockKey) -> bool:
+        """Whether ``key`` is still tracked (small limits may prune it at once) and clean."""
+        block = self.tracker.get(key)
+        return block is not None and not block.flags & TAINTED
 
     def _salt(self, event: BlockStored) -> tuple[str | None, bool]:
         """``(prefix_hash, rejected)`` from the event's salt, under the source's rules."""
@@ -282,6 +318,7 @@ class DefaultSourceProcessor:
             if self.tracker.tracked_blocks:
                 return
         self.tracker.clear()
+        self.chain.clear()
         self._send([PrefixEvent(CACHE_CLEARED)])
 
     # -- recovery ----------------------------------------------------------------------------
@@ -346,6 +383,25 @@ class DefaultSourceProcessor:
                 if result.decided_at is not None and index >= result.decided_at:
                     assert result.prefix_hash is not None
                     tracker.attribute(key, result.prefix_hash)
+
+    def _chain_keys(self, stores: list[NewBlocks]) -> None:
+        """Attribute the chain keys of the batch's new blocks (see :mod:`listener.chain`)."""
+        if not stores:
+            return
+        markers = self.recovery.markers()
+        if markers is None:
+            return
+        tracker = self.tracker
+        for new in stores:
+            if tracker.get(new.keys[-1]) is None:
+                continue  # pruned or removed within the batch
+            found = self.chain.keys_for(new, markers)
+            tip = tracker.get(new.keys[-1])
+            if not found or tip is None or tip.prefix is None:
+                continue  # no text, or no prefix to report the keys under
+            for block_key, chain_key, _tokens in found:
+                if tracker.get(block_key) is not None:
+                    tracker.add_chain_key(block_key, chain_key, tip.prefix)
 
     # -- output ------------------------------------------------------------------------------
 

@@ -122,6 +122,40 @@ def find_anchor(text: str, markers: ChatMarkers, max_prefix_length: int) -> Anch
         pos = end + len(markers.sep)  # an empty system message: the anchor comes later
 
 
+@dataclass(frozen=True)
+class RenderedMessage:
+    """One turn found in a rendered prompt: its role, its content as rendered, where the
+    content starts in the text, and whether the turn is known to be complete (the next
+    turn's opening follows it)."""
+
+    role: str
+    content: str
+    start: int
+    complete: bool
+
+
+def parse_messages(text: str, markers: ChatMarkers) -> list[RenderedMessage] | None:
+    """Every turn of a (possibly cut) rendered prompt, in order; None when the text does
+    not start like a prompt of this template. The last turn may be incomplete (its
+    undecided tail dropped as in :func:`find_anchor`); a cut role header ends the list."""
+    if not text.startswith(markers.first):
+        return None
+    pos = len(markers.first)
+    out: list[RenderedMessage] = []
+    while True:
+        role_end = text.find(markers.post, pos, pos + MAX_ROLE + len(markers.post))
+        if role_end <= pos:
+            return out
+        role = text[pos:role_end]
+        start = role_end + len(markers.post)
+        end = text.find(markers.sep, start)
+        if end < 0:
+            out.append(RenderedMessage(role, _settled(text[start:], markers.sep), start, False))
+            return out
+        out.append(RenderedMessage(role, text[start:end], start, True))
+        pos = end + len(markers.sep)
+
+
 def _split_role(head: str, role: str) -> tuple[str, str]:
     at = head.rfind(role)
     if at < 0:

@@ -25,15 +25,26 @@ tier. :meth:`BlockTracker.drain` turns state changes since the last drain into e
 GPU copy left but an offloaded one, or its count changed), ``cache_evicted`` (the last
 referencing block was removed or pruned). Changes inside one batch net out, so a block that
 moves GPU → CPU within a batch yields one ``cache_offloaded``.
+
+Chain keys (:mod:`listener.chain`) are held the same way: each is counted in the tier
+bucket of every block its end lies in (``Block.chain``), so it is held while one of those
+blocks is, and :meth:`BlockTracker.drain` attaches each changed key, as
+``(event type, key, tokens)``, to an event of the prefix it was found under.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from listener.config import LimitsConfig
-from listener.model import CACHE_CREATED, CACHE_EVICTED, CACHE_OFFLOADED, PrefixEvent
+from listener.model import (
+    CACHE_CREATED,
+    CACHE_EVICTED,
+    CACHE_OFFLOADED,
+    ChainChange,
+    PrefixEvent,
+)
 
 #: ``(group_idx, block_hash)``: vLLM hashes are per request, so one hash can be stored by
 #: several KV-cache groups; keying by group keeps their lifetimes apart.
@@ -59,7 +70,7 @@ _GPU, _OFFLOADED = "gpu", "offloaded"
 class Block:
     """One tracked block (see the module docstring)."""
 
-    __slots__ = ("end", "flags", "media", "parent", "prefix", "tokens")
+    __slots__ = ("chain", "end", "flags", "media", "parent", "prefix", "tokens")
 
     def __init__(self, parent: BlockKey | None, tokens: tuple[int, ...] | None, end: int,
                  media: int, prefix: str | None, flags: int) -> None:
@@ -69,6 +80,8 @@ class Block:
         self.media = media
         self.prefix = prefix
         self.flags = flags
+        #: chain keys (:mod:`listener.chain`) whose end lies in this block
+        self.chain: tuple[str, ...] = ()
 
     @property
     def tier(self) -> str:
@@ -104,6 +117,11 @@ class BlockTracker:
         self._holdings: dict[str, _Holding] = {}
         self._touched: dict[str, None] = {}
         self._media: dict[str, int] = {}
+        # Chain keys, held like prefixes (by the blocks their end lies in), each reported
+        # under the prefix of the chain it was found in.
+        self._chain: dict[str, _Holding] = {}
+        self._chain_prefix: dict[str, str] = {}
+        self._chain_touched: dict[str, None] = {}
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -183,6 +201,20 @@ class BlockTracker:
         block.prefix = prefix
         self._count(prefix, block.tier, block.end, 1)
 
+    def add_chain_key(self, key: BlockKey, chain_key: str, prefix: str) -> None:
+        """Attribute ``chain_key`` (reported under ``prefix``) to the tracked block ``key``."""
+        block = self.blocks[key]
+        if chain_key in block.chain:
+            return
+        block.chain += (chain_key,)
+        self._chain_prefix.setdefault(chain_key, prefix)
+        self._count_chain(chain_key, block.tier, block.end, 1)
+
+    @property
+    def held_chain_keys(self) -> int:
+        """Chain keys with at least one block."""
+        return sum(1 for h in self._chain.values() if h.gpu or h.offloaded)
+
     def drop_tokens(self, key: BlockKey) -> None:
         """Release a tracked block's token segment, if it holds one."""
         block = self.blocks[key]
@@ -215,9 +247,53 @@ class BlockTracker:
         self.retained_tokens = 0
         self._holdings.clear()
         self._touched.clear()
+        self._chain.clear()
+        self._chain_prefix.clear()
+        self._chain_touched.clear()
 
     def drain(self) -> list[PrefixEvent]:
-        """Events for the prefixes whose state changed since the last drain."""
+        """Events for the prefixes whose state changed since the last drain, each carrying
+        its chain keys' changes; a prefix whose chain keys alone changed gets an event that
+        repeats its current state."""
+        events = self._drain_prefixes()
+        changes = self._drain_chain()
+        if not changes:
+            return events
+        for i, event in enumerate(events):
+            if event.prefix_hash in changes:
+                events[i] = replace(event, chain=tuple(changes.pop(event.prefix_hash)))
+        for prefix, chain in changes.items():
+            holding = self._holdings.get(prefix)
+            state = holding.emitted if holding is not None else None
+            if state is None:
+                events.append(PrefixEvent(CACHE_EVICTED, prefix, None, tuple(chain)))
+            else:
+                kind = CACHE_CREATED if state[0] == _GPU else CACHE_OFFLOADED
+                events.append(PrefixEvent(kind, prefix, state[1], tuple(chain)))
+        return events
+
+    def _drain_chain(self) -> dict[str, list[ChainChange]]:
+        """Chain keys whose state changed since the last drain, grouped by prefix."""
+        changes: dict[str, list[ChainChange]] = {}
+        for key in self._chain_touched:
+            holding = self._chain[key]
+            state = holding.state()
+            if state != holding.emitted:
+                if state is None:
+                    change: ChainChange = (CACHE_EVICTED, key, 0)
+                else:
+                    change = (CACHE_CREATED if state[0] == _GPU else CACHE_OFFLOADED, key,
+                              state[1])
+                changes.setdefault(self._chain_prefix[key], []).append(change)
+            if state is None:
+                del self._chain[key]
+                del self._chain_prefix[key]
+            else:
+                holding.emitted = state
+        self._chain_touched.clear()
+        return changes
+
+    def _drain_prefixes(self) -> list[PrefixEvent]:
         events: list[PrefixEvent] = []
         for prefix in self._touched:
             holding = self._holdings[prefix]
@@ -247,22 +323,40 @@ class BlockTracker:
         block = self.blocks.pop(key)
         if block.prefix is not None:
             self._count(block.prefix, block.tier, block.end, -1)
+        for chain_key in block.chain:
+            self._count_chain(chain_key, block.tier, block.end, -1)
 
     def _set_media(self, block: Block, media: int) -> None:
         old_tier = block.tier
         block.media = media
-        if block.prefix is not None and block.tier != old_tier:
+        if block.tier == old_tier:
+            return
+        if block.prefix is not None:
             self._count(block.prefix, old_tier, block.end, -1)
             self._count(block.prefix, block.tier, block.end, 1)
+        for chain_key in block.chain:
+            self._count_chain(chain_key, old_tier, block.end, -1)
+            self._count_chain(chain_key, block.tier, block.end, 1)
+
+    def _count_chain(self, key: str, tier: str, end: int, delta: int) -> None:
+        holding = self._chain.get(key)
+        if holding is None:
+            holding = self._chain[key] = _Holding()
+        _bump(holding.gpu if tier == _GPU else holding.offloaded, end, delta)
+        self._chain_touched[key] = None
 
     def _count(self, prefix: str, tier: str, end: int, delta: int) -> None:
         holding = self._holdings.get(prefix)
         if holding is None:
             holding = self._holdings[prefix] = _Holding()
-        bucket = holding.gpu if tier == _GPU else holding.offloaded
-        count = bucket.get(end, 0) + delta
-        if count:
-            bucket[end] = count
-        else:
-            del bucket[end]
+        _bump(holding.gpu if tier == _GPU else holding.offloaded, end, delta)
         self._touched[prefix] = None
+
+
+def _bump(bucket: dict[int, int], end: int, delta: int) -> None:
+    """Add ``delta`` blocks of chain length ``end`` to a tier bucket."""
+    count = bucket.get(end, 0) + delta
+    if count:
+        bucket[end] = count
+    else:
+        del bucket[end]

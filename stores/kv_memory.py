@@ -30,6 +30,15 @@ Invariants (under ``_lock``):
 * ``ranked`` of a prefix is None or its holdings sorted most tokens first, ties by name.
 * Entries past their TTL may linger until a query meets them, the sweep reaches them, or
   capacity pushes them out; queries never return them.
+
+Chain keys (:meth:`InMemoryKvIndex.apply_chain`, :mod:`continuum.prefix_chain`) live in a
+second table with the same rules: ``_chain`` maps a key to its holders, ordered by last
+upsert and bounded by ``max_entries`` keys; ``_chain_by_backend[b]`` is exactly the set of
+keys holding an entry of ``b``. An entry expires ``entry_ttl_seconds`` after its last event,
+or, when approximate (recorded by the router, not by an engine event), ``ttl`` seconds after
+it was recorded (``ttl`` is at most ``entry_ttl_seconds``, so the sweep's early stop holds).
+A query walks the chain from its deepest key and stops once every backend that holds any
+chain key has been found: ``O(len(chain))`` dictionary reads at worst.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from continuum.interfaces import (
     KV_EVENT_TYPES,
     TIER_GPU_HOT,
     TIER_STORAGE_WARM,
+    ChainMatch,
     KvCacheIndex,
     KvHolding,
 )
@@ -97,9 +107,38 @@ def action_for(table: dict[str, str], event: str, token_count: int) -> str:
     return action
 
 
-def rank_key(holding: KvHolding) -> tuple[int, str]:
+def rank_key(holding: KvHolding | ChainMatch) -> tuple[int, str]:
     """Sort key: most tokens first, ties by backend name."""
     return -holding.token_count, holding.backend
+
+
+def check_chain(event: str, entries: Sequence[tuple[str, int]], ttl: float | None) -> None:
+    """Refuse what :meth:`KvCacheIndex.apply_chain` must refuse, before anything changes.
+
+    Raises:
+        ValueError: a negative token count, or ``ttl`` with an event that is not
+            ``cache_created`` (only routed requests are recorded approximately).
+    """
+    if ttl is not None and (event != CACHE_CREATED or ttl <= 0):
+        raise ValueError(f"approximate chain entries are cache_created with a positive ttl "
+                         f"(got {event!r}, ttl={ttl})")
+    for _, tokens in entries:
+        if tokens < 0:
+            raise ValueError(f"token_count must not be negative (got {tokens})")
+
+
+class _ChainEntry:
+    """One backend's holding of one chain key (mutated only under the index lock)."""
+
+    __slots__ = ("approximate", "at", "expires", "tier", "tokens")
+
+    def __init__(self, tokens: int, tier: str, at: float, expires: float,
+                 approximate: bool) -> None:
+        self.tokens = tokens
+        self.tier = tier
+        self.at = at
+        self.expires = expires
+        self.approximate = approximate
 
 
 class _Prefix:
@@ -164,6 +203,12 @@ class InMemoryKvIndex(KvCacheIndex):
         self._evicted = 0
         self._expired = 0
         self._greenlet: Any = None
+        self._chain: OrderedDict[str, dict[str, _ChainEntry]] = OrderedDict()
+        self._chain_touched: dict[str, float] = {}
+        self._chain_by_backend: dict[str, set[str]] = {}
+        self._chain_entries = 0
+        self._chain_approximate = 0
+        self._chain_hits = 0
 
     @classmethod
     def from_config(
@@ -206,6 +251,8 @@ class InMemoryKvIndex(KvCacheIndex):
             if action == REMOVE_BACKEND:
                 for held in tuple(self._by_backend.get(backend, ())):
                     self._drop(held, backend)
+                for key in tuple(self._chain_by_backend.get(backend, ())):
+                    self._chain_drop(key, backend)
                 return
             now = self._clock()
             prefix = self._prefixes.get(prefix_hash)
@@ -244,6 +291,45 @@ class InMemoryKvIndex(KvCacheIndex):
             self._hits += 1
             return ranked
 
+    def apply_chain(self, backend: str, event: str, entries: Sequence[tuple[str, int]],
+                    *, ttl: float | None = None) -> None:
+        """Apply one event to ``backend``'s chain keys (see
+        :meth:`~continuum.interfaces.KvCacheIndex.apply_chain`).
+
+        Raises:
+            ValueError: unknown event type, negative token count, bad ``ttl``.
+        """
+        action = action_for(self._table, event, 0)
+        check_chain(event, entries, ttl)
+        with self._lock:
+            self._events[event] += 1
+            if action == REMOVE_BACKEND:
+                for key in tuple(self._chain_by_backend.get(backend, ())):
+                    self._chain_drop(key, backend)
+                return
+            now = self._clock()
+            for key, tokens in entries:
+                self._chain_apply(action, backend, key, tokens, now, ttl)
+
+    def query_chain(self, keys: Sequence[str],
+                    prefix_hash: str | None = None) -> Sequence[ChainMatch]:
+        """Each backend's longest run of ``keys`` held from the first, most tokens first
+        (ties by name); seed-only holders of ``prefix_hash`` at depth 0 (see
+        :meth:`~continuum.interfaces.KvCacheIndex.query_chain`)."""
+        found: dict[str, ChainMatch] = {}
+        if self._chain and keys and keys[0] in self._chain:
+            with self._lock:
+                self._walk_chain(keys, found)
+        if prefix_hash is not None:
+            for holding in self.query_backends(prefix_hash):
+                if holding.backend not in found:
+                    found[holding.backend] = ChainMatch(
+                        holding.backend, 0, holding.token_count, holding.tier, False,
+                        holding.updated_at)
+        if not found:
+            return ()
+        return tuple(sorted(found.values(), key=rank_key))
+
     def cleanup_expired(self, yield_between: Callable[[], Any] | None = None) -> int:
         """Drop prefixes whose every entry is past its TTL; return how many entries went.
 
@@ -257,6 +343,15 @@ class InMemoryKvIndex(KvCacheIndex):
                 cutoff = self._clock() - self.entry_ttl_seconds
                 prefixes = self._prefixes
                 for _ in range(SWEEP_BATCH):
+                    chain = self._chain
+                    if chain:
+                        key = next(iter(chain))
+                        if self._chain_touched[key] <= cutoff:
+                            for backend in tuple(chain[key]):
+                                self._chain_drop(key, backend)
+                                removed += 1
+                                self._expired += 1
+                            continue
                     if not prefixes:
                         return removed
                     prefix_hash, prefix = next(iter(prefixes.items()))
@@ -272,11 +367,15 @@ class InMemoryKvIndex(KvCacheIndex):
     def clear(self) -> int:
         """Drop every entry; return how many there were (expired ones not yet swept too)."""
         with self._lock:
-            removed = self._entries
+            removed = self._entries + self._chain_entries
             self._prefixes.clear()
             self._by_backend.clear()
             self._entries = 0
             self._tiers = dict.fromkeys(self._tiers, 0)
+            self._chain.clear()
+            self._chain_touched.clear()
+            self._chain_by_backend.clear()
+            self._chain_entries = self._chain_approximate = 0
             return removed
 
     def stats(self) -> dict[str, Any]:
@@ -293,7 +392,11 @@ class InMemoryKvIndex(KvCacheIndex):
                 "expired": self._expired,
                 "events": dict(self._events),
                 "tiers": dict(self._tiers),
-                "backends": len(self._by_backend),
+                "chain_key_count": len(self._chain),
+                "chain_entry_count": self._chain_entries,
+                "chain_approximate_entries": self._chain_approximate,
+                "chain_hits": self._chain_hits,
+                "backends": len(self._by_backend.keys() | self._chain_by_backend.keys()),
                 "max_entries": self.max_entries,
                 "entry_ttl_seconds": self.entry_ttl_seconds,
                 "storage_offloading": self.storage_offloading,
@@ -360,3 +463,95 @@ class InMemoryKvIndex(KvCacheIndex):
             for backend in tuple(prefix.holdings):
                 self._drop(prefix_hash, backend)
                 self._evicted += 1
+
+    def _chain_apply(self, action: str, backend: str, key: str, tokens: int, now: float,
+                     ttl: float | None) -> None:
+        holders = self._chain.get(key)
+        old = holders.get(backend) if holders is not None else None
+        if old is not None and old.expires <= now:
+            self._chain_drop(key, backend)  # expired: the event meets no entry
+            self._expired += 1
+            old = None
+        if ttl is not None:  # approximate: never over an entry an event confirmed
+            if old is None or old.approximate:
+                self._chain_put(key, backend, tokens, TIER_GPU_HOT, now, now + ttl, True, old)
+        elif action == UPSERT_GPU_HOT:
+            self._chain_put(key, backend, tokens, TIER_GPU_HOT, now,
+                            now + self.entry_ttl_seconds, False, old)
+        elif action == UPSERT_STORAGE_WARM or (
+            action == DEMOTE and old is not None and old.tier == TIER_GPU_HOT
+            and not old.approximate
+        ):
+            self._chain_put(key, backend, tokens, TIER_STORAGE_WARM, now,
+                            now + self.entry_ttl_seconds, False, old)
+        elif old is not None:  # REMOVE, or DEMOTE of a warm or approximate entry
+            self._chain_drop(key, backend)
+
+    def _chain_put(self, key: str, backend: str, tokens: int, tier: str, now: float,
+                   expires: float, approximate: bool, old: _ChainEntry | None) -> None:
+        holders = self._chain.get(key)
+        if holders is None:
+            if len(self._chain) >= self.max_entries:
+                self._chain_evict_oldest()
+            holders = self._chain[key] = {}
+        else:
+            self._chain.move_to_end(key)
+        if old is None:
+            self._chain_entries += 1
+            self._chain_by_backend.setdefault(backend, set()).add(key)
+        else:
+            self._chain_approximate -= old.approximate
+            if not tokens:
+                tokens = old.tokens
+        self._chain_approximate += approximate
+        holders[backend] = _ChainEntry(tokens, tier, now, expires, approximate)
+        self._chain_touched[key] = now
+
+    def _chain_drop(self, key: str, backend: str) -> None:
+        holders = self._chain[key]
+        entry = holders.pop(backend)
+        self._chain_entries -= 1
+        self._chain_approximate -= entry.approximate
+        held = self._chain_by_backend[backend]
+        held.discard(key)
+        if not held:
+            del self._chain_by_backend[backend]
+        if not holders:
+            del self._chain[key]
+            del self._chain_touched[key]
+
+    def _chain_evict_oldest(self) -> None:
+        chain = self._chain
+        for _ in range(max(1, self.max_entries // 10)):
+            if not chain:
+                return
+            key = next(iter(chain))
+            for backend in tuple(chain[key]):
+                self._chain_drop(key, backend)
+                self._evicted += 1
+
+    def _walk_chain(self, keys: Sequence[str], found: dict[str, ChainMatch]) -> None:
+        """Fill ``found`` with each backend's longest unexpired run of ``keys``."""
+        chain = self._chain
+        now = self._clock()
+        alive: set[str] | None = None
+        last: dict[str, tuple[int, _ChainEntry]] = {}
+        for depth, key in enumerate(keys, 1):
+            holders = chain.get(key)
+            if holders is None:
+                break
+            expired = [b for b, e in holders.items() if e.expires <= now]
+            for backend in expired:  # an expired entry is a gap in the run
+                self._chain_drop(key, backend)
+                self._expired += 1
+            held = holders.keys() if key in chain else set()
+            alive = set(held) if alive is None else alive & held
+            if not alive:
+                break
+            for backend in alive:
+                last[backend] = (depth, holders[backend])
+        for backend, (depth, entry) in last.items():
+            found[backend] = ChainMatch(backend, depth, entry.tokens, entry.tier,
+                                        entry.approximate, entry.at)
+        if found:
+            self._chain_hits += 1

@@ -26,6 +26,21 @@ Reads: ``query_backends`` pipelines ``ZREVRANGEBYSCORE key +inf -inf WITHSCORES`
 ``HGETALL key:tier`` in one round trip (no ``MULTI``: a holder caught without its tier
 field is reported GpuHot), then orders ties by name.
 
+Chain keys (:meth:`RedisKvIndex.apply_chain`, :mod:`continuum.prefix_chain`):
+
+* ``<prefix>c:<chain key>`` — hash, ``backend -> "<tokens>|<tier>|<time>|<expires>|<0/1>"``
+  (the last field: approximate), ``EXPIRE`` ``entry_ttl_seconds`` refreshed by every write.
+  An entry's own ``expires`` (``entry_ttl_seconds`` after its last event, or the
+  approximate ``ttl``) is what queries check.
+* ``<prefix>cb:<name>`` — sorted set, ``chain key -> time of last write``: the chain keys a
+  backend holds, for ``cache_cleared``; trimmed like ``backend:<name>``.
+
+``apply_chain`` is one Lua script whatever the number of keys (it must read each entry to
+keep a confirmed entry from being overwritten by an approximate one, and to demote).
+``query_chain`` is one Lua script too: it walks the chain from its first key with
+``HGETALL`` until no backend holds the next key, and reads the seed key's holders in the
+same call, so a query costs one round trip whatever the chain's length.
+
 ``max_entries`` is not enforced in Redis: the TTL bounds the index (size it with
 ``maxmemory``; an entry costs roughly 200 bytes). ``stats`` never talks to Redis, so its
 ``prefix_count`` and ``entry_count`` are -1 (unknown).
@@ -49,9 +64,11 @@ from typing import TYPE_CHECKING, Any
 
 from continuum.errors import StoreError
 from continuum.interfaces import (
+    CACHE_CLEARED,
     KV_EVENT_TYPES,
     TIER_GPU_HOT,
     TIER_STORAGE_WARM,
+    ChainMatch,
     KvCacheIndex,
     KvHolding,
 )
@@ -61,8 +78,10 @@ from stores.kv_memory import (
     REMOVE,
     REMOVE_BACKEND,
     UPSERT_GPU_HOT,
+    UPSERT_STORAGE_WARM,
     InMemoryKvIndex,
     action_for,
+    check_chain,
     rank_key,
     transition_table,
 )
@@ -78,6 +97,9 @@ if TYPE_CHECKING:
     from stores.redis_link import RedisLink
 
 Clock = Callable[[], float]
+
+#: What a chain query that matched nothing returns.
+EMPTY_MATCHES: tuple[ChainMatch, ...] = ()
 
 #: KEYS: entries zset, tier hash, backend zset. ARGV: backend, prefix_hash, now, ttl,
 #: token_count, StorageWarm tier value, cutoff (now - ttl). Returns 1 if demoted.
@@ -103,6 +125,97 @@ redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[2])
 return 0
 """
+
+
+#: KEYS: the chain keys' hashes, then the backend's chain set. ARGV: action (gpu, warm,
+#: demote, remove), backend, now, key EXPIRE seconds, approximate ttl (0: an event),
+#: entry ttl, then one token count per key, then one chain key name per key.
+CHAIN_WRITE_SCRIPT = f"""
+local action, backend = ARGV[1], ARGV[2]
+local now, expire = tonumber(ARGV[3]), tonumber(ARGV[4])
+local approx_ttl, entry_ttl = tonumber(ARGV[5]), tonumber(ARGV[6])
+local n = #KEYS - 1
+local bkey = KEYS[n + 1]
+for i = 1, n do
+  local key, tokens, name = KEYS[i], tonumber(ARGV[6 + i]), ARGV[6 + n + i]
+  local old = redis.call('HGET', key, backend)
+  local otok, otier, oapprox, stale = 0, '', '0', false
+  if old then
+    local f = {{}}
+    for part in string.gmatch(old, '[^|]+') do f[#f + 1] = part end
+    otok, otier, oapprox = tonumber(f[1]) or 0, f[2] or '', f[5] or '0'
+    if (tonumber(f[4]) or 0) <= now then old, otok, stale = nil, 0, true end
+  end
+  local tier, expires, approx = nil, now + entry_ttl, '0'
+  if approx_ttl > 0 then
+    if (not old) or oapprox == '1' then
+      tier, expires, approx = '{TIER_GPU_HOT}', now + approx_ttl, '1'
+    end
+  elseif action == 'gpu' then tier = '{TIER_GPU_HOT}'
+  elseif action == 'warm' or (action == 'demote' and old and otier == '{TIER_GPU_HOT}'
+                               and oapprox == '0') then tier = '{TIER_STORAGE_WARM}'
+  elseif old then tier = 'del' end
+  if tier == 'del' then
+    redis.call('HDEL', key, backend)
+    redis.call('ZREM', bkey, name)
+  elseif tier then
+    if tokens == 0 then tokens = otok end
+    redis.call('HSET', key, backend, string.format('%d|%s|%s|%.3f|%s', tokens, tier, ARGV[3],
+                                                     expires, approx))
+    redis.call('EXPIRE', key, expire)
+    redis.call('ZADD', bkey, now, name)
+  elseif stale then
+    redis.call('HDEL', key, backend)
+  end
+end
+if n > 0 then
+  redis.call('ZREMRANGEBYSCORE', bkey, '-inf', now - entry_ttl)
+  redis.call('EXPIRE', bkey, expire)
+end
+return 0
+"""
+
+#: KEYS: the chain keys' hashes (ARGV[2] of them), then optionally the seed key's holder
+#: set and tier hash. ARGV: now, chain length. Returns flat rows ``backend, depth, value,
+#: seed tier``: depth > 0 with the chain entry's value, or depth 0 with the seed holder's
+#: token count and tier value.
+CHAIN_QUERY_SCRIPT = """
+local now, n = tonumber(ARGV[1]), tonumber(ARGV[2])
+local alive, last = nil, {}
+for d = 1, n do
+  local flat = redis.call('HGETALL', KEYS[d])
+  local here, any = {}, false
+  for i = 1, #flat, 2 do
+    local b, v = flat[i], flat[i + 1]
+    local expires = tonumber(string.match(v, '^[^|]*|[^|]*|[^|]*|([^|]*)'))
+    if expires and expires > now and (alive == nil or alive[b]) then
+      here[b], any = v, true
+    end
+  end
+  if not any then break end
+  for b, v in pairs(here) do last[b] = {d, v} end
+  alive = here
+end
+local out = {}
+for b, dv in pairs(last) do
+  out[#out + 1] = b; out[#out + 1] = dv[1]; out[#out + 1] = dv[2]; out[#out + 1] = ''
+end
+if #KEYS > n then
+  local ranked = redis.call('ZRANGE', KEYS[n + 1], 0, -1, 'WITHSCORES')
+  for i = 1, #ranked, 2 do
+    local b = ranked[i]
+    if last[b] == nil then
+      out[#out + 1] = b; out[#out + 1] = 0; out[#out + 1] = ranked[i + 1]
+      out[#out + 1] = redis.call('HGET', KEYS[n + 2], b) or ''
+    end
+  end
+end
+return out
+"""
+
+#: ``transition_table`` action -> the chain write script's action.
+_CHAIN_ACTIONS = {UPSERT_GPU_HOT: "gpu", UPSERT_STORAGE_WARM: "warm", DEMOTE: "demote",
+                  REMOVE: "remove"}
 
 
 def parse_tier(value: bytes | None) -> tuple[str, float]:
@@ -169,6 +282,8 @@ class RedisKvIndex(KvCacheIndex):
         self._table = transition_table(storage_offloading, treat_eviction_as_offload)
         self._clock = clock
         self._demote = link.client.register_script(DEMOTE_SCRIPT)
+        self._chain_write = link.client.register_script(CHAIN_WRITE_SCRIPT)
+        self._chain_query = link.client.register_script(CHAIN_QUERY_SCRIPT)
         self._fallback = InMemoryKvIndex(
             max_entries, entry_ttl_seconds, storage_offloading=storage_offloading,
             treat_eviction_as_offload=treat_eviction_as_offload, clock=clock)
@@ -230,6 +345,14 @@ class RedisKvIndex(KvCacheIndex):
     def backend_key(self, backend: str) -> str:
         """The sorted set of the prefixes ``backend`` holds."""
         return f"{self.key_prefix}backend:{backend}"
+
+    def chain_key(self, key: str) -> str:
+        """The hash of ``key``'s holders (a chain key, :mod:`continuum.prefix_chain`)."""
+        return f"{self.key_prefix}c:{key}"
+
+    def chain_backend_key(self, backend: str) -> str:
+        """The sorted set of the chain keys ``backend`` holds."""
+        return f"{self.key_prefix}cb:{backend}"
 
     def start(self) -> None:
         """Start the link's probe and the fallback's sweep (idempotent; in the worker)."""
@@ -303,6 +426,59 @@ class RedisKvIndex(KvCacheIndex):
         holdings.sort(key=rank_key)
         return tuple(holdings)
 
+    def apply_chain(self, backend: str, event: str, entries: Sequence[tuple[str, int]],
+                    *, ttl: float | None = None) -> None:
+        """Apply one event to ``backend``'s chain keys: one script call (see the module
+        docstring; ``cache_cleared`` goes through :meth:`apply`).
+
+        Raises:
+            ValueError: unknown event type, negative token count, bad ``ttl``.
+            StoreError: Redis answered with an error.
+        """
+        action = action_for(self._table, event, 0)
+        check_chain(event, entries, ttl)
+        if action == REMOVE_BACKEND:
+            self.apply(backend, CACHE_CLEARED, "")
+            return
+        with self._counts_lock:
+            self._events[event] += 1
+        if not entries:
+            return
+        if not self._link.fallback_active:
+            write = partial(self._write_chain, _CHAIN_ACTIONS[action], backend, entries, ttl)
+            try:
+                self._link.execute("kv_apply", write)
+                return
+            except StoreError as exc:
+                if exc.kind not in UNREACHABLE:
+                    raise
+        self._fallback.apply_chain(backend, event, entries, ttl=ttl)
+
+    def query_chain(self, keys: Sequence[str],
+                    prefix_hash: str | None = None) -> Sequence[ChainMatch]:
+        """Each backend's longest run of ``keys``, and seed-only holders of
+        ``prefix_hash`` at depth 0: one script call.
+
+        Raises:
+            StoreError: Redis answered with an error.
+        """
+        if self._link.fallback_active:
+            return self._fallback.query_chain(keys, prefix_hash)
+        try:
+            # Parsed inside execute(): a reply of the wrong shape is a StoreError too.
+            found = self._link.execute("kv_query", partial(self._chain_matches, keys,
+                                                           prefix_hash))
+        except StoreError as exc:
+            if exc.kind not in UNREACHABLE:
+                raise
+            return self._fallback.query_chain(keys, prefix_hash)
+        if not found:
+            return EMPTY_MATCHES
+        found.sort(key=rank_key)
+        with self._counts_lock:
+            self._hits += 1
+        return tuple(found)
+
     def clear(self) -> int:
         """Remove every key under ``key_prefix``; return how many entries went.
 
@@ -348,6 +524,46 @@ class RedisKvIndex(KvCacheIndex):
 
     # -- internals -------------------------------------------------------------------
 
+    def _write_chain(self, action: str, backend: str, entries: Sequence[tuple[str, int]],
+                     ttl: float | None, client: redis.Redis) -> None:
+        keys = [self.chain_key(key) for key, _ in entries]
+        keys.append(self.chain_backend_key(backend))
+        args: list[str | int | float] = [action, backend, repr(self._clock()), self._ttl,
+                                         repr(ttl or 0), repr(self.entry_ttl_seconds)]
+        args.extend(tokens for _, tokens in entries)
+        args.extend(key for key, _ in entries)
+        self._chain_write(keys=keys, args=args, client=client)
+
+    def _read_chain(self, keys: Sequence[str], prefix_hash: str | None,
+                    client: redis.Redis) -> Any:
+        names = [self.chain_key(key) for key in keys]
+        if prefix_hash is not None:
+            seed = self.prefix_key(prefix_hash)
+            names += [seed, seed + ":tier"]
+        return self._chain_query(keys=names, args=[repr(self._clock()), len(keys)],
+                                 client=client)
+
+    def _chain_matches(self, keys: Sequence[str], prefix_hash: str | None,
+                       client: redis.Redis) -> list[ChainMatch]:
+        """Query the chain (one script call) and parse its rows; unranked."""
+        rows = self._read_chain(keys, prefix_hash, client)
+        found = []
+        cutoff = self._clock() - self.entry_ttl_seconds
+        for i in range(0, len(rows), 4):
+            backend = rows[i].decode()
+            depth = int(rows[i + 1])
+            if depth:
+                tokens, tier, at, _expires, approximate = rows[i + 2].decode().split("|")
+                found.append(ChainMatch(backend, depth, int(tokens), tier, approximate == "1",
+                                        float(at)))
+                continue
+            tier, updated_at = parse_tier(rows[i + 3] or None)
+            if updated_at and updated_at <= cutoff:
+                continue  # the seed key is fresh, this backend's entry is not
+            found.append(ChainMatch(backend, 0, int(float(rows[i + 2])), tier, False,
+                                    updated_at))
+        return found
+
     def _write(self, action: str, backend: str, prefix_hash: str, token_count: int,
                client: redis.Redis) -> None:
         if action == REMOVE_BACKEND:
@@ -382,21 +598,16 @@ class RedisKvIndex(KvCacheIndex):
         pipe.execute()
 
     def _remove_backend(self, backend: str, client: redis.Redis) -> None:
-        backend_key, cursor = self.backend_key(backend), 0
-        while True:
-            # Removing members ZSCAN has returned is safe: the rest are still returned.
-            cursor, members = client.zscan(backend_key, cursor, count=SCAN_COUNT)
-            if members:
-                pipe = client.pipeline(transaction=False)
-                for member, _ in members:
-                    name = member.decode() if isinstance(member, bytes) else str(member)
-                    key = self.prefix_key(name)
-                    pipe.zrem(key, backend)
-                    pipe.hdel(key + ":tier", backend)
-                pipe.zrem(backend_key, *(member for member, _ in members))
-                pipe.execute()
-            if cursor == 0:
-                return
+        def seed_entry(pipe: Any, name: str) -> None:
+            key = self.prefix_key(name)
+            pipe.zrem(key, backend)
+            pipe.hdel(key + ":tier", backend)
+
+        def chain_entry(pipe: Any, name: str) -> None:
+            pipe.hdel(self.chain_key(name), backend)
+
+        _drain_set(client, self.backend_key(backend), seed_entry)
+        _drain_set(client, self.chain_backend_key(backend), chain_entry)
 
     def _clear_redis(self) -> int:
         removed, cursor = 0, 0
@@ -415,14 +626,33 @@ class RedisKvIndex(KvCacheIndex):
 
     def _unlink_batch(self, keys: list[bytes], client: redis.Redis) -> int:
         prefix_len = len(self._prefix_bytes)
-        entry_keys = [k for k in keys
-                      if not k.endswith(b":tier") and not k[prefix_len:].startswith(b"backend:")]
         pipe = client.pipeline(transaction=False)
-        for key in entry_keys:
-            pipe.zcard(key)
+        for key in keys:
+            rest = key[prefix_len:]
+            if rest.startswith(b"c:"):
+                pipe.hlen(key)
+            elif not (key.endswith(b":tier") or rest.startswith((b"backend:", b"cb:"))):
+                pipe.zcard(key)
         pipe.unlink(*keys)
         # A foreign value under our prefix (WRONGTYPE for ZCARD) is garbage: unlink it too.
         replies = pipe.execute(raise_on_error=False)
         if isinstance(replies[-1], Exception):
             raise replies[-1]
         return sum(size for size in replies[:-1] if isinstance(size, int))
+
+
+def _drain_set(client: redis.Redis, set_key: str, drop: Callable[[Any, str], None]) -> None:
+    """Empty the sorted set ``set_key``, calling ``drop(pipeline, member)`` for each member
+    in pipelined batches (removing members ZSCAN has returned is safe: the rest are still
+    returned)."""
+    cursor = 0
+    while True:
+        cursor, members = client.zscan(set_key, cursor, count=SCAN_COUNT)
+        if members:
+            pipe = client.pipeline(transaction=False)
+            for member, _ in members:
+                drop(pipe, member.decode() if isinstance(member, bytes) else str(member))
+            pipe.zrem(set_key, *(member for member, _ in members))
+            pipe.execute()
+        if cursor == 0:
+            return

@@ -12,6 +12,11 @@ once per ``select``:
   * ``prefix_hash``: the owner took it (including the all-full case, which keeps locality);
   * ``overflow``: the owner was full and a later backend on the ring took it;
   * ``fallback``: no prefix key; model-name hash, no bound.
+
+Behind the KV scorer with ``kv_cache_index.match: chain`` the ring position comes from
+:attr:`~continuum.request.RequestContext.route_key` (the chain key of a document in the user
+turn, when the request has one) instead of the system-prompt key, so that new documents
+behind one system prompt spread over the fleet.
 """
 
 from __future__ import annotations
@@ -84,7 +89,7 @@ class PrefixAwareHash(ConsistentHash):
         """The choice, its label and the load bound, without recording anything."""
         if not candidates:
             raise NoHealthyBackendError("no healthy backend to select from")
-        key = ctx.prefix_key
+        key = ctx.route_key
         if key is None:
             return super().select(candidates, ctx), FALLBACK, None
         ring = self.ring(candidates)
@@ -114,13 +119,14 @@ class PrefixAwareHash(ConsistentHash):
     def explain(self, candidates: Sequence[Backend], ctx: RequestContext) -> dict[str, Any]:
         """What :meth:`select` would do for ``ctx`` and why, changing nothing."""
         backend, label, bound = self.decide(candidates, ctx)
-        if ctx.prefix_key is None:
+        key = ctx.route_key
+        if key is None:
             ring = self.ring(candidates)
             order = [candidates[i].name for i in ring.walk_indices(ctx.model.encode())]
             reason = "no prefix key: model-name hash, first backend clockwise, no load bound"
         else:
             ring = self.ring(candidates)
-            start = ring.lookup_probes(ctx.prefix_key)
+            start = ring.lookup_probes(key)
             order = [candidates[i].name for i in ring.walk_indices_at(start)]
             reason = {
                 PREFIX_HASH: "the key's owner is under the load bound"

@@ -304,10 +304,23 @@ class ResponseCacheConfig:
 @dataclass(frozen=True)
 class LoadGuardConfig:
     """``kv_cache_index.scoring.load_guard``: keep KV-aware routing from piling onto a
-    busy holder (beyond the seed, off by default)."""
+    busy holder. ``adaptive`` (with ``match: chain``): a holder qualifies while the prefill
+    its match saves is worth more than its queue beyond the candidates' mean;
+    ``bound``: while it is under the CHWBL bound (the only mode of ``match: seed``)."""
 
-    enabled: bool = setting(False, doc="a holder qualifies only within the CHWBL bound",
+    enabled: bool = setting(True, doc="guard KV-aware routing against load",
                             restart=True)
+    mode: str = setting("adaptive", doc="adaptive: saved prefill vs extra queue; bound: "
+                        "the CHWBL bound", choices=("adaptive", "bound"), restart=True)
+    prefill_ms_per_1k_tokens: float = setting(
+        100.0, doc="adaptive: what computing 1000 prompt tokens costs a backend (ms)",
+        min=0.001, max=100000.0, restart=True,
+    )
+    queue_ms_per_request: float = setting(
+        10.0, doc="adaptive: least cost of each in-flight request beyond the candidates' "
+        "mean (ms); a backend's latency EWMA / its in-flight count when higher",
+        min=0.0, max=100000.0, restart=True,
+    )
     load_factor_epsilon: float = setting(
         0.25, doc="bound = max(floor, ceil((1 + epsilon) * (in_flight_total + 1) / N))",
         min=0.01, max=10.0, restart=True,
@@ -429,6 +442,30 @@ class CacheSaltConfig:
 
 
 @dataclass(frozen=True)
+class ChainConfig:
+    """``kv_cache_index.chain``: the chain of prefix keys (:mod:`continuum.prefix_chain`).
+    The KV listener's ``chain_chunk_bytes`` must be the same."""
+
+    chunk_bytes: int = setting(1024, doc="bytes of canonical prompt per key (messages are "
+                               "cut on their own)", min=64, max=65536, restart=True)
+    max_keys: int = setting(128, doc="keys per request at most; the rest of a longer "
+                            "prompt is ignored", min=1, max=1024, restart=True)
+
+
+@dataclass(frozen=True)
+class ApproximateConfig:
+    """``kv_cache_index.approximate``: the router records the chain it routed a request
+    to, so backends without KV events (and events not arrived yet) still give locality."""
+
+    enabled: bool = setting(True, doc="record each routed request's chain for its backend",
+                            restart=True)
+    ttl_seconds: float = setting(60.0, doc="lifetime of a recorded entry an engine event "
+                                 "has not confirmed", min=0.1, max=86400.0, restart=True)
+    weight: float = setting(0.8, doc="multiplier of an unconfirmed match's saved tokens",
+                            min=0.0, max=1.0, restart=True)
+
+
+@dataclass(frozen=True)
 class KvCacheIndexConfig:
     """``kv_cache_index``: Tier 4, the index of what each engine's GPU holds.
 
@@ -446,6 +483,12 @@ class KvCacheIndexConfig:
                                      min=1, max=86400, restart=True)
     redis_key_prefix: str = setting("cr:kvidx:", doc="namespace of the Redis index",
                                     restart=True)
+    match: str = setting("chain", doc="chain: longest match of the request's chain of "
+                         "prefix keys; seed: the seed's system-prompt key only",
+                         choices=("chain", "seed"), restart=True)
+    chain: ChainConfig = setting(default_factory=ChainConfig, doc="chain of prefix keys")
+    approximate: ApproximateConfig = setting(default_factory=ApproximateConfig,
+                                             doc="router-recorded chains (match: chain)")
     scoring: KvScoringConfig = setting(default_factory=KvScoringConfig, doc="scorer weights")
     storage_offloading: StorageOffloadingConfig = setting(
         default_factory=StorageOffloadingConfig, doc="storage-tier awareness"
@@ -472,6 +515,9 @@ class KvCacheIndexConfig:
     def check(self, path: str, issues: Issues) -> None:
         check_secret_source(path, issues, "listener_token", inline=self.listener_token,
                             file=self.listener_token_file, env_name=self.listener_token_env)
+        if self.approximate.ttl_seconds > self.entry_ttl_seconds:
+            issues.error(join(path, "approximate.ttl_seconds"),
+                         "must not exceed entry_ttl_seconds", self.approximate.ttl_seconds)
         if set(self.redis_key_prefix) & _GLOB_CHARS or not self.redis_key_prefix:
             issues.error(join(path, "redis_key_prefix"),
                          "must be non-empty and free of glob characters", self.redis_key_prefix)

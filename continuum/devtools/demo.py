@@ -11,8 +11,12 @@ prefix-cache hit rate, the router's response-cache hits and the share of KV-awar
 decisions. Every process started is stopped by its PID on the way out, also on Ctrl-C or
 SIGTERM (:mod:`continuum.devtools.fleet`).
 
-``--scenario load`` replays a heavier multi-turn workload with skewed prompt popularity
-instead, to compare the KV scorer with and without ``scoring.load_guard``.
+``--scenario`` picks the workload: ``default`` (the mixed one), ``rag`` (one system prompt,
+documents with Zipf popularity inside the user turn), ``agent`` (long sessions growing with
+tool outputs) or ``load`` (heavy multi-turn chat with skewed prompt popularity). Each has
+the rows single engine, RoundRobin, PrefixAwareHash, the seed-literal KV index
+(``match: seed``: the seed's system-prompt key and formula) and the KV index with its
+default settings (chain of prefix keys, approximate entries, adaptive load guard).
 
 Later tiers add a row by appending a :class:`Scenario` to :data:`SCENARIOS`.
 """
@@ -59,8 +63,8 @@ if TYPE_CHECKING:
 
     from continuum.sim.workload import Session, Workload
 
-__all__ = ["LOAD_SCENARIOS", "SCENARIOS", "FleetShape", "Scenario", "main", "merge",
-           "metric_sum"]
+__all__ = ["LOAD_SCENARIOS", "SCENARIOS", "STANDARD_SCENARIOS", "FleetShape", "Scenario",
+           "main", "merge", "metric_sum"]
 
 CACHE_HIT_METRIC = "continuum_response_cache_requests_total"
 
@@ -87,24 +91,36 @@ class Scenario:
     kv_events: bool = False
 
 
-#: All four tiers: prefix keys with PrefixAwareHash (CHWBL) as the strategy the KV scorer
-#: falls back to, the response cache, and the KV index fed by the listener.
+#: All four tiers with the KV index's defaults (``match: chain``, approximate entries,
+#: adaptive load guard): prefix keys with PrefixAwareHash (CHWBL) as the strategy the KV
+#: scorer falls back to, the response cache, and the KV index fed by the listener.
 KV_INDEX: dict[str, Any] = {
     "selection_strategy": "PrefixAwareHash",
     "prefix_routing": {"enabled": True},
     "response_cache": {"enabled": True, "backend": "memory"},
     "kv_cache_index": {"enabled": True},
 }
-KV_INDEX_GUARDED = merge(KV_INDEX, {"kv_cache_index": {"scoring": {"load_guard": {
-    "enabled": True}}}})
+#: The seed literally: its system-prompt key, its composite score, no guard.
+KV_INDEX_SEED = merge(KV_INDEX, {"kv_cache_index": {
+    "match": "seed", "approximate": {"enabled": False},
+    "scoring": {"load_guard": {"enabled": False}}}})
+#: The seed's key with the CHWBL-bound guard (``load_guard.mode: bound``).
+KV_INDEX_SEED_GUARDED = merge(KV_INDEX_SEED, {"kv_cache_index": {"scoring": {"load_guard": {
+    "enabled": True, "mode": "bound"}}}})
+
+SINGLE = Scenario("single engine", direct=True)
+ROUND_ROBIN = Scenario("RoundRobin", {"selection_strategy": "RoundRobin"})
+PREFIX_AWARE = Scenario(
+    "PrefixAwareHash",
+    {"selection_strategy": "PrefixAwareHash", "prefix_routing": {"enabled": True}},
+)
+KV_SEED = Scenario("KV index (seed key)", KV_INDEX_SEED, kv_events=True)
+KV_DEFAULT = Scenario("KV index", KV_INDEX, kv_events=True)
 
 SCENARIOS: list[Scenario] = [
-    Scenario("single engine", direct=True),
-    Scenario("RoundRobin", {"selection_strategy": "RoundRobin"}),
-    Scenario(
-        "PrefixAwareHash",
-        {"selection_strategy": "PrefixAwareHash", "prefix_routing": {"enabled": True}},
-    ),
+    SINGLE,
+    ROUND_ROBIN,
+    PREFIX_AWARE,
     Scenario(
         "PrefixAwareHash + response cache",
         {
@@ -113,12 +129,22 @@ SCENARIOS: list[Scenario] = [
             "response_cache": {"enabled": True, "backend": "memory"},
         },
     ),
-    Scenario("KV index", KV_INDEX, kv_events=True),
-    Scenario("KV index + load guard", KV_INDEX_GUARDED, kv_events=True),
+    KV_SEED,
+    KV_DEFAULT,
 ]
 
-#: ``--scenario load``: the strategy alone, then the KV scorer without and with the guard.
-LOAD_SCENARIOS: list[Scenario] = [SCENARIOS[3], SCENARIOS[4], SCENARIOS[5]]
+#: ``--scenario rag`` / ``agent``: the five rows every scenario is judged on.
+STANDARD_SCENARIOS: list[Scenario] = [SINGLE, ROUND_ROBIN, PREFIX_AWARE, KV_SEED, KV_DEFAULT]
+
+#: ``--scenario load``: the five rows, and the seed's key with the CHWBL-bound guard.
+LOAD_SCENARIOS: list[Scenario] = [
+    SINGLE, ROUND_ROBIN, PREFIX_AWARE, KV_SEED,
+    Scenario("KV index (seed key) + load guard", KV_INDEX_SEED_GUARDED, kv_events=True),
+    KV_DEFAULT,
+]
+
+#: Every row any scenario has, by name (``--strategies`` picks among them).
+ALL_SCENARIOS: list[Scenario] = [*SCENARIOS, LOAD_SCENARIOS[4]]
 
 
 def demo_workload(seed: int, quick: bool, rate: float | None = None) -> Workload:
@@ -153,6 +179,31 @@ def load_workload(seed: int, quick: bool, rate: float | None = None) -> Workload
     if rate:
         options["rate"] = rate
     return multi_turn(seed, **options)
+
+
+def rag_workload(seed: int, quick: bool, rate: float | None = None) -> Workload:
+    """``--scenario rag``: one shared system prompt, 24 documents of 600-1200 tokens with
+    Zipf(1.0) popularity inside the user turn, every question distinct."""
+    from continuum.sim.workload import rag_user_documents
+
+    return rag_user_documents(seed, questions=90 if quick else 240, rate=rate or 12.0)
+
+
+def agent_workload(seed: int, quick: bool, rate: float | None = None) -> Workload:
+    """``--scenario agent``: sessions of 6-12 requests, each adding a 120-360 token tool
+    output to the session's history, over two agent system prompts."""
+    from continuum.sim.workload import agent
+
+    return agent(seed, sessions=16 if quick else 40, rate=rate or 2.0)
+
+
+#: ``--scenario`` → (workload maker, rows, engine slots, replay concurrency).
+WORKLOADS: dict[str, Any] = {
+    "default": (lambda seed, quick, rate: demo_workload(seed, quick, rate), SCENARIOS),
+    "rag": (rag_workload, STANDARD_SCENARIOS),
+    "agent": (agent_workload, STANDARD_SCENARIOS),
+    "load": (load_workload, LOAD_SCENARIOS),
+}
 
 
 def warmup_workload(workload: Workload) -> Workload:
@@ -325,10 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start simulated engines, the KV listener and the router; compare "
         "strategies on one seeded workload.",
     )
-    p.add_argument("--scenario", choices=("default", "load"), default="default",
-                   help="default: the mixed workload, every row; load: heavy multi-turn "
-                   "chat with skewed prompt popularity, PrefixAwareHash and the KV index "
-                   "without and with scoring.load_guard")
+    p.add_argument("--scenario", choices=tuple(WORKLOADS), default="default",
+                   help="default: the mixed workload; rag: one system prompt, documents "
+                   "with Zipf popularity in the user turn; agent: long sessions growing "
+                   "with tool outputs; load: heavy multi-turn chat with skewed prompt "
+                   "popularity")
     p.add_argument("--engines", type=int, default=4, help="simulated engines behind the router")
     p.add_argument("--num-blocks", type=int, default=FleetShape.num_blocks,
                    help="KV capacity of each engine, in 16-token blocks")
@@ -363,7 +415,7 @@ def select_scenarios(names: Sequence[str] | None, default: Sequence[Scenario] = 
     row); any other name becomes a row with that ``selection_strategy``."""
     if not names:
         return list(default)
-    known = {slug(s.name): s for s in SCENARIOS}
+    known = {slug(s.name): s for s in ALL_SCENARIOS}
     known.setdefault("single", SCENARIOS[0])
     wanted = [n.strip() for name in names for n in name.split(",") if n.strip()]
     return [known.get(slug(n)) or Scenario(n, {"selection_strategy": n}) for n in wanted]
@@ -410,11 +462,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"demo [{time.monotonic() - began:5.1f}s] {message}", file=sys.stderr, flush=True)
 
     shape = FleetShape(args.engines, args.num_blocks, args.max_num_seqs, args.latency_scale)
-    workload = (load_workload if load else demo_workload)(args.seed, args.quick, args.rate)
+    make_workload, rows_of_scenario = WORKLOADS[args.scenario]
+    workload = make_workload(args.seed, args.quick, args.rate)
     if args.requests:
         workload = workload.limit(args.requests)
     warmup = warmup_workload(workload) if load else None
-    scenarios = select_scenarios(args.strategies, LOAD_SCENARIOS if load else SCENARIOS)
+    scenarios = select_scenarios(args.strategies, rows_of_scenario)
     problems = check_scenarios(scenarios)
     if problems:
         print("\n".join(f"continuum-router demo: {p}" for p in problems), file=sys.stderr)

@@ -181,6 +181,38 @@ def iso_utc(ts: float | None) -> str | None:
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+#: ``(event type, [(chain key hex, token_count), …])`` groups of an event's ``chain`` field.
+ChainGroups = list[tuple[str, list[tuple[str, int]]]]
+
+
+def parse_chain(payload: Any) -> ChainGroups:
+    """The optional ``chain`` field of an event: ``{"<event type>": [[key, tokens], …]}``
+    (the listener's chain keys whose state changed with this event; see
+    ``continuum-kv-listener(1)``). Absent or null: no groups.
+
+    Raises:
+        MalformedRecord: not an object of event types to lists of ``[hex key, int >= 0]``.
+    """
+    chain = payload.get("chain") if isinstance(payload, dict) else None
+    if chain is None:
+        return []
+    if not isinstance(chain, dict):
+        raise MalformedRecord("chain must be an object of event types")
+    groups: ChainGroups = []
+    for kind, items in chain.items():
+        if kind not in KV_EVENT_TYPES or kind == CACHE_CLEARED or not isinstance(items, list):
+            raise MalformedRecord(f"chain: {kind!r} is not a list of a KV event type")
+        entries = []
+        for item in items:
+            if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
+                    or not _HEX.fullmatch(item[0]) or isinstance(item[1], bool)
+                    or not isinstance(item[1], int) or item[1] < 0):
+                raise MalformedRecord(f"chain: {kind} entries are [hex key, token count >= 0]")
+            entries.append((item[0].lower(), item[1]))
+        groups.append((kind, entries))
+    return groups
+
+
 def parse_event(kind: Any, payload: Any) -> tuple[str, str, int]:
     """Validate one KV event; return ``(event, prefix_hash, token_count)``.
 
@@ -345,7 +377,8 @@ class SourceConsumer:
             return str(kind)
         try:
             event, prefix_hash, tokens = parse_event(kind, payload)
-            self._apply(event, prefix_hash, tokens)
+            chain = parse_chain(payload) if event != CACHE_CLEARED else []
+            self._apply(event, prefix_hash, tokens, chain)
         except MalformedRecord as exc:
             self.malformed += 1
             self.metrics.malformed.labels(self.backend).inc()
@@ -354,9 +387,12 @@ class SourceConsumer:
             self.last_event_id = record_id or None
         return None
 
-    def _apply(self, event: str, prefix_hash: str, tokens: int) -> None:
+    def _apply(self, event: str, prefix_hash: str, tokens: int,
+               chain: ChainGroups | None = None) -> None:
         try:
             self.index.apply(self.backend, event, prefix_hash, tokens)
+            for kind, entries in chain or ():
+                self.index.apply_chain(self.backend, kind, entries)
         except StoreError as exc:
             self._count_dropped()
             log.debug("KV event stream %s: index dropped an event: %s", self.backend, exc)

@@ -20,7 +20,9 @@ prefix for 100 ms so every candidate in one scoring pass (and every request for 
 prefix in that window) is compared against the same moment. ``score_with_tier()`` reads
 score and tier from that one cached snapshot.
 
-Load guard (``scoring.load_guard``, off by default, beyond the seed): with the seed's
+Load guard (``scoring.load_guard`` with ``mode: bound``, beyond the seed; the default
+``mode: adaptive`` belongs to :mod:`continuum.kv.chain_scorer`, so with ``match: seed`` and
+the default config this scorer runs the seed's formula unguarded): with the seed's
 formula the best holder scores at least ``overlap_weight`` = 0.6 whatever its load, so
 the pool's 0.3 threshold never sends a busy holder's traffic elsewhere. With the guard, a
 holder only qualifies while its in-flight count is under the CHWBL bound
@@ -35,7 +37,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from continuum.errors import StoreError
 from continuum.interfaces import (
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SNAPSHOT_TTL = 0.1
+_T = TypeVar("_T")
 _MAX_SNAPSHOTS = 4096
 _EMPTY: dict[str, KvHolding] = {}
 
@@ -102,7 +105,9 @@ class _Snapshot:
 class KvOverlapScorer(BackendScorer):
     """Scores holders of the request's prefix from the KV index (see module docstring).
 
-    The built-in scorer, registered as ``KvOverlap`` in ``continuum.scorers``.
+    The seed's scorer: the built-in ``KvOverlap`` of ``continuum.scorers``
+    (:class:`~continuum.kv.chain_scorer.ChainOverlapScorer`, which extends it) builds it with
+    ``kv_cache_index.match: seed``.
     """
 
     name: ClassVar[str] = "KvOverlap"
@@ -125,7 +130,7 @@ class KvOverlapScorer(BackendScorer):
         self.tier_weights = {TIER_GPU_HOT: scoring.gpu_tier_weight,
                              TIER_STORAGE_WARM: scoring.storage_tier_weight}
         guard = scoring.load_guard
-        self.guard = guard.enabled
+        self.guard = guard.enabled and guard.mode == "bound"
         self.guard_epsilon = guard.load_factor_epsilon
         self.guard_floor = guard.floor
         self._snapshots: dict[str, _Snapshot] = {}
@@ -138,7 +143,7 @@ class KvOverlapScorer(BackendScorer):
             self.overlap_weight, self.load_weight, self.health_weight, self.min_overlap,
             scoring.gpu_tier_weight, scoring.storage_tier_weight,
             f"on (epsilon={guard.load_factor_epsilon}, floor={guard.floor})"
-            if guard.enabled else "off",
+            if self.guard else "off",
         )
 
     @classmethod
@@ -166,20 +171,7 @@ class KvOverlapScorer(BackendScorer):
         if snapshot is not None and now - snapshot.taken_at < SNAPSHOT_TTL:
             ctx.kv_snapshot = snapshot
             return
-        started = time.perf_counter()
-        try:
-            holdings = self.index.query_backends(prefix)
-        except StoreError as exc:
-            log.debug("KV index query failed (%s); scoring as empty", exc.kind)
-            self.query_errors += 1
-            holdings = ()
-        except Exception as exc:  # an index bug: route without the index, never a 500
-            log.warning("KV index query failed (%s); scoring as empty", type(exc).__name__)
-            self.query_errors += 1
-            holdings = ()
-        self.query_count += 1
-        if self.metrics is not None:
-            self.metrics.kv_query_latency.observe(time.perf_counter() - started)
+        holdings = self._query(lambda: self.index.query_backends(prefix))
         snapshot = _Snapshot(holdings, candidates, now, self.guard_epsilon, self.guard_floor)
         if len(self._snapshots) >= _MAX_SNAPSHOTS:
             self._snapshots.clear()
@@ -187,6 +179,26 @@ class KvOverlapScorer(BackendScorer):
         # Kept per request: a concurrent prepare() for the same prefix may replace the
         # shared slot before this request reads its scores or records its tier.
         ctx.kv_snapshot = snapshot
+
+    def _query(self, fetch: Callable[[], Sequence[_T]]) -> Sequence[_T]:
+        """One index query, timed and counted; a failing index answers empty (the request
+        is routed without the index, never a 500)."""
+        started = time.perf_counter()
+        found: Sequence[_T]
+        try:
+            found = fetch()
+        except StoreError as exc:
+            log.debug("KV index query failed (%s); scoring as empty", exc.kind)
+            self.query_errors += 1
+            found = ()
+        except Exception as exc:  # an index bug: route without the index, never a 500
+            log.warning("KV index query failed (%s); scoring as empty", type(exc).__name__)
+            self.query_errors += 1
+            found = ()
+        self.query_count += 1
+        if self.metrics is not None:
+            self.metrics.kv_query_latency.observe(time.perf_counter() - started)
+        return found
 
     def score(self, backend: Backend, ctx: RequestContext) -> float:
         """The composite score of ``backend`` (0 for non-holders)."""

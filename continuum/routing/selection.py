@@ -14,14 +14,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from continuum.errors import NoHealthyBackendError
-from continuum.interfaces import TIER_NONE
+from continuum.interfaces import SCORER_THRESHOLD, TIER_NONE
 
 if TYPE_CHECKING:
     from continuum.interfaces import BackendScorer, SelectionStrategy
     from continuum.request import RequestContext
     from continuum.routing.backends import Backend
 
-SCORER_THRESHOLD = 0.3
+__all__ = ["SCORER_THRESHOLD", "SelectionPipeline"]
 
 
 class SelectionPipeline:

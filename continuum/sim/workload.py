@@ -11,6 +11,10 @@ other. Every generator takes a ``seed`` and draws everything from one
 * :func:`multi_turn`: conversations whose later turns carry the whole history.
 * :func:`rag`: a few long shared documents, many short questions about them.
 * :func:`mixed`: all three over one system-prompt pool, interleaved on one arrival process.
+* :func:`rag_user_documents`: one shared system prompt, documents with Zipf popularity
+  inside the user turn (the shared part that matters is not the system prompt).
+* :func:`agent`: long sessions whose context grows turn by turn with tool outputs, in the
+  shape of public agent/conversation traces (Mooncake-style).
 
 Text is built from the simulated tokenizer's word list, so one word is one token and
 lengths given in tokens are close to what the engine counts.
@@ -308,11 +312,8 @@ def rag(
         model: model name of every request.
     """
     rng = random.Random(seed)
-    docs = []
-    for d in range(documents):
-        title = f"Document {d + 1}: notes on the {rng.choice(_LOWER)} {rng.choice(_LOWER)}."
-        body = text_of(rng, rng.randint(*document_tokens), title)
-        docs.append("Answer the question using only the document below.\n\n" + body)
+    docs = ["Answer the question using only the document below.\n\n" + body
+            for body in _documents(rng, documents, document_tokens)]
     sessions = _one_question_each(
         rng, docs, questions, ("rag", "rag", "doc"), faq_size=faq_size,
         repeat_fraction=repeat_fraction, popularity_skew=popularity_skew, rate=rate,
@@ -356,6 +357,108 @@ def mixed(
     return Workload(
         "mixed", seed, tuple(replace(s, arrival=t) for s, t in zip(sessions, arrivals, strict=True))
     )
+
+
+#: The one system prompt of :func:`rag_user_documents` (short: RAG apps keep instructions
+#: brief and put the retrieved text in the user turn).
+RAG_SYSTEM = ("You are a retrieval-augmented assistant. Answer the question using only the "
+              "document in the user message; say so when the document does not contain the "
+              "answer. Quote section numbers when you can.")
+
+
+def rag_user_documents(
+    seed: int = 0,
+    *,
+    questions: int = 120,
+    documents: int = 24,
+    document_tokens: tuple[int, int] = (600, 1200),
+    popularity_skew: float = 1.0,
+    rate: float | None = 12.0,
+    temperature: float = 0.0,
+    model: str = DEFAULT_MODEL,
+) -> Workload:
+    """RAG as applications send it: every request carries the same short system prompt,
+    and the user turn holds a retrieved document (Zipf popularity) and then a question.
+
+    Args:
+        seed: same seed, same workload.
+        questions: sessions (one request each, every question distinct).
+        documents: how many documents can be retrieved.
+        document_tokens: length range of the documents.
+        popularity_skew: Zipf exponent of document popularity.
+        rate: arrivals per second (None: all at once).
+        temperature: of every request.
+        model: model name of every request.
+    """
+    rng = random.Random(seed)
+    docs = _documents(rng, documents, document_tokens)
+    arrivals = poisson_arrivals(rng, questions, rate)
+    sessions = []
+    for n in range(questions):
+        k = _pick(rng, documents, popularity_skew)
+        turn = f"Document:\n{docs[k]}\n\nQuestion: {question(rng)}"
+        sessions.append(Session(f"ragu-{n}", "rag-user", f"doc-{k}", arrivals[n], RAG_SYSTEM,
+                                (turn,), temperature=temperature, model=model))
+    return Workload("rag", seed, tuple(sessions))
+
+
+def agent(
+    seed: int = 0,
+    *,
+    sessions: int = 24,
+    turns: tuple[int, int] = (6, 12),
+    tool_output_tokens: tuple[int, int] = (120, 360),
+    prompts: int = 2,
+    prompt_tokens: tuple[int, int] = (500, 800),
+    think_seconds: float = 0.3,
+    rate: float | None = 2.0,
+    temperature: float = 0.0,
+    model: str = DEFAULT_MODEL,
+) -> Workload:
+    """Agent sessions: a task, then turn after turn of tool output, each request carrying
+    the whole session so far (system prompt, task, every tool output and every reply), so
+    the shared part that matters is the session's own history, which grows to thousands
+    of tokens.
+
+    Args:
+        seed: same seed, same workload.
+        sessions: agent sessions.
+        turns: range of requests per session (the task, then tool outputs).
+        tool_output_tokens: length range of one tool output.
+        prompts: agent system prompts shared by the sessions.
+        prompt_tokens: length range of the system prompts.
+        think_seconds: mean (exponential) time the tool takes between a reply and the next
+            turn.
+        rate: session starts per second (None: all at once).
+        temperature: of every request.
+        model: model name of every request.
+    """
+    rng = random.Random(seed)
+    pool = system_prompts(rng, prompts, prompt_tokens)
+    arrivals = poisson_arrivals(rng, sessions, rate)
+    made = []
+    tools = ("search", "read_file", "run_tests", "http_get", "sql")
+    for n in range(sessions):
+        k = rng.randrange(len(pool))
+        steps = [f"Task: {sentence(rng, 10, 24)} {question(rng)}"]
+        for step in range(rng.randint(*turns) - 1):
+            tool = rng.choice(tools)
+            output = text_of(rng, rng.randint(*tool_output_tokens),
+                             f"Tool {tool} returned (step {step + 1}):")
+            steps.append(f"Tool output ({tool}):\n{output}")
+        made.append(Session(f"agent-{n}", "agent", f"agent-sys-{k}", arrivals[n], pool[k],
+                            tuple(steps), think_seconds=_think(rng, think_seconds),
+                            temperature=temperature, model=model))
+    return Workload("agent", seed, tuple(made))
+
+
+def _documents(rng: random.Random, count: int, tokens: tuple[int, int]) -> list[str]:
+    """``count`` titled documents of ``tokens[0]``..``tokens[1]`` tokens each."""
+    docs = []
+    for d in range(count):
+        title = f"Document {d + 1}: notes on the {rng.choice(_LOWER)} {rng.choice(_LOWER)}."
+        docs.append(text_of(rng, rng.randint(*tokens), title))
+    return docs
 
 
 def _prompt_pool(

@@ -47,6 +47,7 @@ from continuum.interfaces import (
     CACHE_OFFLOADED,
     TIER_GPU_HOT,
     TIER_STORAGE_WARM,
+    ChainMatch,
     KvCacheIndex,
     KvHolding,
 )
@@ -57,6 +58,15 @@ P1, P2, P3 = ("a" * 64, "0123456789abcdef" * 4, "f" * 63 + "0")
 
 #: Backend names the config allows (``[A-Za-z0-9_-]``), awkward ones included.
 ODD_BACKENDS: tuple[str, ...] = ("vllm-1", "vllm_1", "VLLM-1", "-", "_", "a" * 64, "0")
+
+
+#: A chain of prefix keys as the router makes them (16 lowercase hex digits each).
+CHAIN = tuple(f"{i:016x}" for i in range(0xc0ffee00, 0xc0ffee06))
+
+
+def matches(found: Sequence[ChainMatch]) -> list[tuple[str, int, int, bool]]:
+    """``[(backend, depth, token_count, approximate)]`` in the order given."""
+    return [(m.backend, m.depth, m.token_count, m.approximate) for m in found]
 
 
 def summary(holdings: Sequence[KvHolding]) -> list[tuple[str, int, str]]:
@@ -299,6 +309,90 @@ class KvIndexCases(Contract):
         assert holders["vllm_1"] == TIER_STORAGE_WARM
         assert holders["VLLM-1"] == TIER_GPU_HOT
         assert len(holders) == len(ODD_BACKENDS) - 1
+
+    # -- chains of prefix keys -------------------------------------------------------
+
+    def hold_chain(self, index: KvCacheIndex, backend: str, depth: int,
+                   tokens_per_key: int = 64, **options: Any) -> None:
+        """``backend`` holds the first ``depth`` keys of :data:`CHAIN`."""
+        index.apply_chain(backend, CACHE_CREATED,
+                          [(key, tokens_per_key * (i + 1)) for i, key in
+                           enumerate(CHAIN[:depth])], **options)
+
+    def test_chain_longest_match_per_backend(self) -> None:
+        index = self.new_index()
+        assert list(index.query_chain(CHAIN)) == []
+        self.hold_chain(index, "a", 3)
+        self.hold_chain(index, "b", 5)
+        self.hold_chain(index, "c", 1)
+        assert matches(index.query_chain(CHAIN)) == [
+            ("b", 5, 320, False), ("a", 3, 192, False), ("c", 1, 64, False)]
+        # a request that shares only the first two keys matches two at most
+        other = (*CHAIN[:2], "f" * 16, *CHAIN[3:])
+        assert matches(index.query_chain(other)) == [
+            ("a", 2, 128, False), ("b", 2, 128, False), ("c", 1, 64, False)]
+        # a chain that starts elsewhere matches nothing, whatever keys follow
+        assert list(index.query_chain(("e" * 16, *CHAIN[1:]))) == []
+
+    def test_chain_eviction_of_a_middle_key_cuts_the_match_there(self) -> None:
+        index = self.new_index()
+        self.hold_chain(index, "a", 5)
+        self.hold_chain(index, "b", 5)
+        index.apply_chain("a", CACHE_EVICTED, [(CHAIN[2], 0)])
+        assert matches(index.query_chain(CHAIN)) == [
+            ("b", 5, 320, False), ("a", 2, 128, False)]
+        index.apply_chain("a", CACHE_CREATED, [(CHAIN[2], 192)])  # stored again
+        assert matches(index.query_chain(CHAIN)) == [
+            ("a", 5, 320, False), ("b", 5, 320, False)]
+
+    def test_chain_approximate_entries_expire_after_their_own_ttl(self) -> None:
+        index = self.new_index()
+        self.hold_chain(index, "a", 4, ttl=self.expiry_ttl)
+        self.hold_chain(index, "b", 2)
+        assert matches(index.query_chain(CHAIN)) == [
+            ("a", 4, 256, True), ("b", 2, 128, False)]
+        self.advance(self.expiry_wait)
+        assert matches(index.query_chain(CHAIN)) == [("b", 2, 128, False)]
+
+    def test_chain_events_confirm_and_evict_approximate_entries(self) -> None:
+        index = self.new_index()
+        self.hold_chain(index, "a", 3, tokens_per_key=10, ttl=600)
+        index.apply_chain("a", CACHE_CREATED, [(CHAIN[0], 70), (CHAIN[1], 140)])
+        index.apply_chain("a", CACHE_EVICTED, [(CHAIN[2], 0)])
+        assert matches(index.query_chain(CHAIN)) == [("a", 2, 140, False)]
+        # a later routed request never turns a confirmed entry back into a guess
+        self.hold_chain(index, "a", 3, tokens_per_key=10, ttl=600)
+        assert matches(index.query_chain(CHAIN)) == [("a", 3, 30, True)]
+        assert matches(index.query_chain(CHAIN[:2])) == [("a", 2, 140, False)]
+
+    def test_chain_cache_cleared_and_clear_remove_chain_entries(self) -> None:
+        index = self.new_index()
+        self.hold_chain(index, "a", 3)
+        self.hold_chain(index, "b", 2, ttl=600)
+        index.apply("a", CACHE_CLEARED, "")
+        assert matches(index.query_chain(CHAIN)) == [("b", 2, 128, True)]
+        assert index.clear() == 2
+        assert list(index.query_chain(CHAIN)) == []
+
+    def test_chain_seed_only_holders_match_at_depth_zero(self) -> None:
+        index = self.new_index()
+        index.apply("a", CACHE_CREATED, P1, 500)
+        index.apply("b", CACHE_CREATED, P1, 900)
+        self.hold_chain(index, "b", 2)
+        assert matches(index.query_chain(CHAIN, P1)) == [
+            ("a", 0, 500, False), ("b", 2, 128, False)]
+        assert matches(index.query_chain(CHAIN)) == [("b", 2, 128, False)]
+
+    def test_chain_bad_input_is_a_value_error_and_changes_nothing(self) -> None:
+        index = self.new_index()
+        self.hold_chain(index, "a", 2)
+        with pytest.raises(ValueError, match="event"):
+            index.apply_chain("a", "cache_exploded", [(CHAIN[0], 1)])
+        with pytest.raises(ValueError, match="token_count"):
+            index.apply_chain("a", CACHE_CREATED, [(CHAIN[2], 5), (CHAIN[3], -1)])
+        with pytest.raises(ValueError, match="approximate"):
+            index.apply_chain("a", CACHE_EVICTED, [(CHAIN[0], 1)], ttl=10)
+        assert matches(index.query_chain(CHAIN)) == [("a", 2, 128, False)]
 
     def test_start_and_close_are_idempotent(self) -> None:
         index = self.make_index()

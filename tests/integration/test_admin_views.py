@@ -103,7 +103,8 @@ def test_admin_documents_keep_their_shape(
                      {"name": "b", "url": DEAD, "models": ["m"], "enabled": False}],
         "selection_strategy": "PrefixAwareHash",
         "prefix_routing": {"enabled": True},
-        "kv_cache_index": {"enabled": True, "event_sources": [
+        # the seed's key: the entry applied below is one, and no routed chain is recorded
+        "kv_cache_index": {"enabled": True, "match": "seed", "event_sources": [
             {"backend_name": "a", "endpoint": "http://127.0.0.1:9/events/a"}]},
     })
     service = client.app.service
@@ -122,12 +123,14 @@ def test_admin_documents_keep_their_shape(
     assert json.dumps(kv) == json.dumps({
         "enabled": True, "scorer_active": True,
         "config": {"backend": "memory", "max_entries": 100000, "entry_ttl_seconds": 600,
-                   "event_sources_count": 1,
+                   "event_sources_count": 1, "match": "seed",
                    "scoring": {"overlap_weight": 0.6, "load_weight": 0.3,
                                "health_weight": 0.1, "min_overlap_threshold": 0.3,
                                "gpu_tier_weight": 1.0, "storage_tier_weight": 0.6,
-                               "load_guard": False}},
-        "index": {"prefix_count": 1, "entry_count": 1, "total_hits": 1, "total_evictions": 0},
+                               "load_guard": True, "load_guard_mode": "adaptive"}},
+        "index": {"prefix_count": 1, "entry_count": 1, "total_hits": 1, "total_evictions": 0,
+                  "chain_key_count": 0, "chain_entry_count": 0,
+                  "chain_approximate_entries": 0},
         "event_sources": [{"backend_name": "a", "connected": False, "events_received": 0,
                            "events_dropped": 0, "last_event_at": None, "reconnect_count": 0}],
         "routing_decisions": {"kv_aware": 1, "fallback": 1, "total": 2},

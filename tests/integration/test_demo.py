@@ -84,17 +84,18 @@ def test_demo_quick_prints_ordered_hit_rates_and_cleans_up() -> None:
     rows = {row["name"]: row for row in doc["scenarios"]}
     assert all(row["skipped"] == 0 for row in rows.values()), rows
     assert {"single engine", "RoundRobin", "PrefixAwareHash", "KV index",
-            "KV index + load guard"} <= set(rows)
+            "KV index (seed key)"} <= set(rows)
     single = rows["single engine"]["prefix_hit_rate"]
     round_robin = rows["RoundRobin"]["prefix_hit_rate"]
     prefix_aware = rows["PrefixAwareHash"]["prefix_hit_rate"]
     kv_index = rows["KV index"]["prefix_hit_rate"]
     assert single > round_robin, rows
     assert prefix_aware > round_robin, rows
-    # The acceptance criterion: learning the actual holders does at least as well as the
-    # hash ring (measured: 85-87% against 68-76% on seeds 0-2).
+    # learning the actual holders does at least as well as the hash ring, and the chain
+    # index (the default) within a point of the seed's key
     assert kv_index >= prefix_aware, rows
-    for name in ("KV index", "KV index + load guard"):
+    assert kv_index >= rows["KV index (seed key)"]["prefix_hit_rate"] - 0.01, rows
+    for name in ("KV index", "KV index (seed key)"):
         _assert_kv_row(rows[name])
         # the first requests of each prefix precede its events: the strategy places them
         assert rows[name]["kv_index"]["routing_decisions"]["fallback"] > 0
@@ -113,18 +114,35 @@ def test_demo_quick_prints_ordered_hit_rates_and_cleans_up() -> None:
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_demo_load_scenario_guard_keeps_tail_latency_down() -> None:
-    """``--scenario load --quick`` (about a minute on 2 cores): without the guard the KV
-    scorer keeps sending the popular prompt to its one busy holder (measured p99 TTFT
-    1.9-3.2 s), with it the tail stays near the plain strategy's (0.33-0.39 s)."""
-    doc = _run_demo("--scenario", "load", "--quick", timeout=240)
+    """``--scenario load --quick`` (about two minutes on 2 cores): without a guard the seed
+    scorer keeps sending the popular prompt to its one busy holder (p99 TTFT about 2 s);
+    the default chain index's adaptive guard keeps the tail near the hash ring's (about
+    0.32-0.39 s) with a hit rate at least as good."""
+    doc = _run_demo("--scenario", "load", "--quick", timeout=300)
     rows = {row["name"]: row for row in doc["scenarios"]}
-    assert list(rows) == ["PrefixAwareHash + response cache", "KV index",
-                          "KV index + load guard"]
-    unguarded, guarded = rows["KV index"], rows["KV index + load guard"]
-    for row in (unguarded, guarded):
+    assert list(rows) == ["single engine", "RoundRobin", "PrefixAwareHash",
+                          "KV index (seed key)", "KV index (seed key) + load guard",
+                          "KV index"]
+    unguarded, adaptive = rows["KV index (seed key)"], rows["KV index"]
+    for row in (unguarded, adaptive):
         _assert_kv_row(row)
-    assert guarded["ttft_ms_p99"] < unguarded["ttft_ms_p99"], rows
-    assert max(guarded["engine_requests"]) < max(unguarded["engine_requests"]), rows
+    assert adaptive["ttft_ms_p99"] < unguarded["ttft_ms_p99"], rows
+    assert max(adaptive["engine_requests"]) < max(unguarded["engine_requests"]), rows
+    assert adaptive["prefix_hit_rate"] >= rows["PrefixAwareHash"]["prefix_hit_rate"], rows
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_demo_rag_chain_index_wins_where_the_seed_key_cannot_see() -> None:
+    """``--scenario rag --quick``: the document in the user turn is invisible to the seed's
+    key; the chain index finds its holder (quick runs measured 65-79% against 54-59% for
+    the seed key and 51% for RoundRobin, 80% for the single engine; the 90 requests of a
+    quick run are mostly documents' first requests, so the share of the single engine's
+    rate is checked on the full run in the README, not here)."""
+    doc = _run_demo("--scenario", "rag", "--quick", timeout=240)
+    rows = {row["name"]: row["prefix_hit_rate"] for row in doc["scenarios"]}
+    assert rows["KV index"] > rows["KV index (seed key)"] + 0.05, rows
+    assert rows["KV index"] >= rows["RoundRobin"], rows
 
 
 @pytest.mark.e2e

@@ -315,3 +315,27 @@ def test_stats_never_talk_to_redis(links: Any) -> None:
     assert (stats["prefix_count"], stats["entry_count"]) == (-1, -1)
     assert stats["errors"] == {"connection": 0, "timeout": 0, "protocol": 0, "other": 0}
     assert stats["fallback_active"] is False
+
+
+def test_a_chain_query_is_one_round_trip_whatever_the_chain_length(
+        redis_server: RedisServer, links: Any) -> None:
+    link, raw = links.link(redis_server.url), links.raw(redis_server.url)
+    index = links.index(link)
+    chain = [f"{i:016x}" for i in range(128)]
+    index.apply_chain("a", CACHE_CREATED, [(k, 16 * (i + 1)) for i, k in enumerate(chain)])
+    index.apply_chain("b", CACHE_CREATED, [(k, 16 * (i + 1)) for i, k in enumerate(chain[:40])])
+    index.apply("c", CACHE_CREATED, P1, 300)  # the seed key only
+    index.query_chain(chain[:1])  # loads the script: EVALSHA from here on
+    trips = count_round_trips(link)
+    for length in (1, 16, 128):
+        before = command_calls(raw)
+        found = index.query_chain(chain[:length], P1)
+        after = command_calls(raw)
+        assert delta(before, after).get("evalsha") == 1
+        expected = {"a": (length, 16 * length), "b": (min(length, 40), 16 * min(length, 40)),
+                    "c": (0, 300)}
+        assert {m.backend: (m.depth, m.token_count) for m in found} == expected
+        assert [m.token_count for m in found] == sorted(
+            (tokens for _, tokens in expected.values()), reverse=True)
+    assert trips == ["kv_query"] * 3
+    index.clear()

@@ -13,6 +13,7 @@ import requests
 
 from continuum.devtools.procs import wait_until
 from continuum.prefix import request_prefix_key
+from continuum.prefix_chain import request_chain
 
 pytestmark = pytest.mark.e2e
 
@@ -87,6 +88,9 @@ def _prefix(system: str = SYSTEM) -> str:
 
 
 def _config(ups: list[Any], streams: EventStreams, **kv: Any) -> dict[str, Any]:
+    """The seed-literal index (``match: seed``, no approximate entries) unless ``kv`` says
+    otherwise: these tests pin the seed's scoring."""
+    kv = {"match": "seed", "approximate": {"enabled": False}, **kv}
     return {
         "backends": [{"name": u.name, "url": u.url, "models": ["m"]} for u in ups],
         "selection_strategy": "RoundRobin",
@@ -204,3 +208,73 @@ def test_two_routers_sharing_a_redis_index_agree(upstreams, router_factory, stre
                "the second router to route by the shared index", 10, interval=0.1)
     assert [_backend(one, _body(s)) for s in systems] == ["a", "b", "c"]
     assert [_backend(two, _body(s)) for s in systems] == ["a", "b", "c"]
+
+
+DOC = "The shared document about harbours and ships. " * 60
+
+
+def _rag(doc: str, question: str) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "system", "content": "Answer briefly."},
+                                       {"role": "user", "content": doc + question}]}
+
+
+def _push_chain(streams: EventStreams, backend: str, body: dict[str, Any], depth: int,
+                tokens_per_key: int = 100) -> None:
+    """A listener event for ``body``'s seed key carrying its first ``depth`` chain keys."""
+    chain = request_chain(body, "m")
+    prefix = request_prefix_key(body, "m")
+    assert chain is not None and prefix is not None
+    entries = [[key, tokens_per_key * (i + 1)] for i, key in enumerate(chain.keys[:depth])]
+    with streams.lock:
+        queue = streams.queues.setdefault(backend, [])
+        data = json.dumps({"prefix_hash": prefix.hex(), "token_count": 10,
+                           "chain": {"cache_created": entries}})
+        queue.append(f"id: {len(queue) + 1}\nevent: cache_created\ndata: {data}\n\n".encode())
+
+
+def test_chain_routes_by_longest_match_of_the_document(upstreams, router_factory,
+                                                       streams) -> None:
+    ups = [upstreams(n) for n in ("a", "b", "c")]
+    router = router_factory(_config(ups, streams, match="chain",
+                                    approximate={"enabled": False}))
+    asked = _rag(DOC, "What is a harbour?")
+    chain = request_chain(asked, "m")
+    assert chain is not None
+    depth = len(chain.keys)
+    # Every backend holds the system prompt's key (the seed key is the same for all);
+    # only b holds the document, c holds its first part.
+    _push_chain(streams, "a", _rag("Another document entirely. " * 90, "?"), 3)
+    _push_chain(streams, "b", _rag(DOC, "An earlier question?"), depth - 1)
+    _push_chain(streams, "c", _rag(DOC, "An earlier question?"), 2)
+    _wait_holders(router, 3)
+    assert [_backend(router, _rag(DOC, f"Question {i}?")) for i in range(5)] == ["b"] * 5
+
+    explain = requests.post(router.url + "/admin/routing/explain", json=asked,
+                            timeout=5).json()
+    rows = {row["backend"]: row for row in explain["kv_scores"]}
+    assert explain["kv_match"] == "chain" and explain["chain"]["depth"] == depth
+    assert (rows["b"]["matched_depth"], rows["c"]["matched_depth"]) == (depth - 1, 2)
+    assert rows["a"]["matched_depth"] == 1  # the system prompt's chunk only
+    assert rows["b"]["matched_tokens"] == 100 * (depth - 1)
+    assert rows["a"]["score"] == 0.0 and "min_overlap_threshold" in rows["a"]["why"]
+    assert explain["decision"]["backend"] == "b"
+    assert f"matches {depth - 1} of {depth} chain keys" in explain["decision"]["reason"]
+
+
+def test_approximate_entries_give_locality_without_events(upstreams, router_factory,
+                                                          streams) -> None:
+    ups = [upstreams(n) for n in ("a", "b", "c", "d")]
+    cfg = _config(ups, streams, match="chain", approximate={"enabled": True})
+    cfg["selection_strategy"] = "PrefixAwareHash"
+    router = router_factory(cfg)
+    docs = [f"Document number {n} about a different topic. " * 60 for n in range(6)]
+    first = {n: _backend(router, _rag(doc, "First?")) for n, doc in enumerate(docs)}
+    assert len(set(first.values())) > 1  # new documents spread over the fleet
+    for n, doc in enumerate(docs):  # later questions follow the recorded chain
+        assert {_backend(router, _rag(doc, f"Follow-up {i}?")) for i in range(3)} == {first[n]}
+    explain = requests.post(router.url + "/admin/routing/explain",
+                            json=_rag(docs[0], "Why?"), timeout=5).json()
+    row = {r["backend"]: r for r in explain["kv_scores"]}[first[0]]
+    assert row["approximate"] is True and row["matched_depth"] >= 1
+    stats = requests.get(router.url + "/admin/kv-index/stats", timeout=5).json()
+    assert stats["index"]["chain_approximate_entries"] > 0

@@ -262,12 +262,15 @@ class Pipeline:
         """The listener's HTTP port (the same across restarts)."""
         return int(self.listener.url.rsplit(":", 1)[1])
 
-    def router_config(self) -> dict[str, Any]:
+    def router_config(self, match: str = "seed") -> dict[str, Any]:
         """RoundRobin (so KV-aware routing is visible), prefix keys, the index fed by the
-        listener's streams (:attr:`endpoints`), salts for TensorRT-LLM."""
+        listener's streams (:attr:`endpoints`), salts for TensorRT-LLM. ``match``: the
+        index's key (``seed`` by default: these tests pin the seed key's events); no
+        approximate entries, so every routing decision comes from the listener's events."""
         sources = [{"backend_name": name, "endpoint": self.endpoints[name],
                     "reconnect_interval_ms": 50} for name in self.names]
-        kv: dict[str, Any] = {"enabled": True, "event_sources": sources}
+        kv: dict[str, Any] = {"enabled": True, "event_sources": sources, "match": match,
+                              "approximate": {"enabled": False}}
         if self.mode.salted:
             kv["cache_salt"] = {"enabled": True, "secret": SECRET}
         return {
@@ -278,9 +281,10 @@ class Pipeline:
             "kv_cache_index": kv,
         }
 
-    def start_router(self, router_factory: Callable[[dict[str, Any]], Any]) -> None:
+    def start_router(self, router_factory: Callable[[dict[str, Any]], Any],
+                     match: str = "seed") -> None:
         """Start the router and wait until it reads every stream."""
-        self.router = router_factory(self.router_config())
+        self.router = router_factory(self.router_config(match))
         wait_until(lambda: all(b["connection"]["connected"]
                                for b in self.kv_backends().values()),
                    lambda: f"the router's consumers to connect: {self.kv_backends()}")
@@ -603,15 +607,15 @@ class Pipelines:
         self.built: list[Pipeline] = []
         self.relays: dict[str, TcpRelay] = {}
 
-    def __call__(self, mode: str, *, relayed: tuple[str, ...] = (), **options: Any
-                 ) -> Pipeline:
+    def __call__(self, mode: str, *, relayed: tuple[str, ...] = (), match: str = "seed",
+                 **options: Any) -> Pipeline:
         pipeline = Pipeline(self.tmp / f"{mode}-{len(self.built)}", MODES[mode],
                             self.snapshot_of, **options)
         self.built.append(pipeline)
         for name in relayed:
             relay = self.relays[name] = TcpRelay(pipeline.listener_port)
             pipeline.endpoints[name] = relay.url(f"/events/{name}")
-        pipeline.start_router(self.router_factory)
+        pipeline.start_router(self.router_factory, match)
         return pipeline
 
     def close(self) -> None:
@@ -802,3 +806,49 @@ def test_listener_kill_and_restart_under_traffic(
                 assert cached_tokens(p.direct(name, system, question("truth"))) >= BLOCK, name
     for name, b in p.kv_backends().items():
         assert b["events"]["malformed"] == 0, (name, b)
+
+
+def document(tag: str) -> str:
+    """A retrieved document of a few hundred tokens (several 1 KiB chain chunks)."""
+    return " ".join(f"Paragraph {n} of the {tag} document: the harbour keeps its ships "
+                    "in numbered berths and the pilots log every arrival." for n in range(40))
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_chain_keys_arrive_and_requests_go_to_the_longest_match(
+        pipeline: Pipelines, mode: str) -> None:
+    """The same system prompt everywhere, a document in the user turn held by one engine:
+    with ``match: chain`` the listener's chain keys name that engine and the router sends
+    the document's next questions there. TensorRT-LLM (salts, no /detokenize) reports the
+    seed key only: the router credits its holder with the system prompt."""
+    p = pipeline(mode, engines=3, num_blocks=512, match="chain")
+    p.hear_engines("start")
+    system = system_prompt(f"{mode} shared")
+    for name in p.names:  # every engine holds the system prompt
+        p.direct(name, system, question(f"warm {name}"))
+    doc = document(mode)
+    p.direct("e1", system, doc + " Question: which berth?")
+    body = chat_body(system, doc + " Question: who logs arrivals?")
+
+    def rows() -> dict[str, dict[str, Any]]:
+        resp = p.session.post(p.router.url + "/admin/routing/explain", json=body, timeout=5)
+        return {row["backend"]: row for row in resp.json()["kv_scores"]}
+
+    if p.mode.salted:
+        got = wait_until(lambda: (r := rows()) and all(r[n]["seed_key_only"] for n in p.names)
+                         and r, lambda: f"seed-key holders in the index: {rows()}")
+        assert all(got[n]["matched_depth"] == 0 for n in p.names)
+        return
+    got = wait_until(lambda: (r := rows()) and r["e1"]["matched_depth"] >= 3 and r,
+                     lambda: f"e1's chain keys in the index: {rows()}")
+    depth = got["e1"]["chain_depth"]
+    assert got["e1"]["matched_depth"] >= depth - 1 and not got["e1"]["approximate"]
+    assert all(got[n]["matched_depth"] <= 1 for n in ("e0", "e2"))  # the system prompt only
+    assert got["e1"]["matched_tokens"] > 4 * got["e0"]["matched_tokens"] > 0
+    for n in range(3):
+        resp = p.session.post(p.router.url + "/v1/chat/completions", timeout=10,
+                              json=chat_body(system, doc + f" Question {n}: how many?"))
+        assert resp.status_code == 200 and resp.headers["X-Continuum-Backend"] == "e1"
+        assert cached_tokens(resp.json()) >= got["e1"]["matched_tokens"] // BLOCK * BLOCK - BLOCK
+    for name, b in p.kv_backends().items():
+        assert b["events"]["malformed"] == 0 and b["events"]["dropped"] == 0, (name, b)

@@ -184,10 +184,11 @@ def test_load_guard_sends_overloaded_holder_traffic_to_the_strategy() -> None:
     backends[0].in_flight = 6  # bound = max(4, ceil(1.25 * 7 / 4)) = 4
     unguarded = make_scorer(index)
     assert scores(unguarded, backends)["b0"][0] > 0.3
-    guarded = make_scorer(index, load_guard={"enabled": True})
+    guarded = make_scorer(index, load_guard={"enabled": True, "mode": "bound"})
     assert scores(guarded, backends)["b0"] == (0.0, TIER_GPU_HOT)
     backends[0].in_flight = 3
-    assert scores(make_scorer(index, load_guard={"enabled": True}), backends)["b0"][0] > 0.3
+    bound = {"enabled": True, "mode": "bound"}
+    assert scores(make_scorer(index, load_guard=bound), backends)["b0"][0] > 0.3
 
 
 def test_failed_index_query_scores_empty_and_metrics_record() -> None:
@@ -209,7 +210,7 @@ def test_load_guard_reads_live_in_flight_not_the_snapshot() -> None:
     index = FakeIndex()
     index.hold(PREFIX, b0=(1000, TIER_GPU_HOT))
     backends = make_backends(4)
-    scorer = make_scorer(index, load_guard={"enabled": True})
+    scorer = make_scorer(index, load_guard={"enabled": True, "mode": "bound"})
     first = make_context(prefix=PREFIX)
     scorer.prepare(first, backends)  # snapshot: everyone idle, bound 4
     assert scorer.score_with_tier(backends[0], first)[0] > 0.3

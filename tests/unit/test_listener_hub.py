@@ -278,3 +278,23 @@ def test_reconnecting_consumer_sees_every_event_once() -> None:
     seen += [r[0] for r in read(stream) if r[0] is not None]
     stream.close()
     assert seen == published
+
+
+def test_chain_changes_are_published_and_kept_in_the_snapshot() -> None:
+    hub = EventHub(["a"], epoch="e1")
+    k1, k2, k3 = "01" * 8, "02" * 8, "03" * 8
+    hub.publish("a", PrefixEvent(CACHE_CREATED, prefix(1), 48, (
+        (CACHE_CREATED, k1, 16), (CACHE_CREATED, k2, 32), (CACHE_CREATED, k3, 48))))
+    live = read(hub.stream("a", "e1-0"))
+    assert live[0][2]["chain"] == {CACHE_CREATED: [[k1, 16], [k2, 32], [k3, 48]]}
+    # a change of chain keys alone rides on an event repeating the prefix's state
+    hub.publish("a", PrefixEvent(CACHE_CREATED, prefix(1), 48, (
+        (CACHE_EVICTED, k2, 0), (CACHE_OFFLOADED, k3, 48))))
+    hub.publish("a", PrefixEvent(CACHE_CREATED, prefix(2), 16, ((CACHE_CREATED, k1, 16),)))
+    hub.publish("a", PrefixEvent(CACHE_EVICTED, prefix(2), 16))  # takes its chain keys along
+    snapshot = {r[2]["prefix_hash"]: r[2] for r in read(hub.stream("a"))[1:]}
+    assert list(snapshot) == [prefix(1)]
+    assert snapshot[prefix(1)]["chain"] == {CACHE_CREATED: [[k1, 16]],
+                                            CACHE_OFFLOADED: [[k3, 48]]}
+    hub.publish("a", PrefixEvent(CACHE_CLEARED))
+    assert [r[1] for r in read(hub.stream("a"))] == [CACHE_CLEARED]

@@ -28,6 +28,7 @@ from continuum.cache_salt import make_salt
 from continuum.devtools.procs import Child, free_port, wait_http, wait_until
 from continuum.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch
 from continuum.prefix import request_prefix_key
+from continuum.prefix_chain import request_chain
 from continuum.sim.engine import EngineConfig, GenerationRequest, SimEngine
 from continuum.sim.hashing import hasher_for
 from continuum.sim.kv_publish import TrtllmEventQueue
@@ -126,7 +127,8 @@ class Setup:
     """A simulated engine wired to a processor through one wire profile."""
 
     def __init__(self, profile: str, template: str = "chatml", salts: bool = False,
-                 block_size: int = 4, **source_options: Any) -> None:
+                 block_size: int = 4, limits: LimitsConfig | None = None,
+                 **source_options: Any) -> None:
         engine_kind = profile.split("-")[0]
         self.sink = WireSink(profile)
         self.engine = SimEngine(
@@ -138,7 +140,7 @@ class Setup:
         self.client = AppClient(self.engine)
         self.out: list[PrefixEvent] = []
         self.processor = DefaultSourceProcessor(
-            source(engine_kind, template=template, **source_options), LimitsConfig(),
+            source(engine_kind, template=template, **source_options), limits or LimitsConfig(),
             DetokenizeConfig(), emit=self.out.append, salt_secret=SECRET, client=self.client)
 
     def request(self, body: dict[str, Any], max_tokens: int = 3) -> list[PrefixEvent]:
@@ -171,7 +173,9 @@ def test_recovered_keys_equal_the_routers(profile: str, template: str) -> None:
 
 
 def test_chains_extending_an_attributed_parent_cost_no_call() -> None:
-    setup = Setup("vllm-0.33", block_size=4)
+    """Without chain keys (``max_chain_text_bytes: 0``) the seed key costs no call for an
+    extension; chain keys cost one call per stored event (tested below)."""
+    setup = Setup("vllm-0.33", block_size=4, limits=LimitsConfig(max_chain_text_bytes=0))
     body = BODIES["system"]
     setup.request(body)
     calls = setup.detokenize_calls()
@@ -187,6 +191,79 @@ def test_chains_extending_an_attributed_parent_cost_no_call() -> None:
     assert setup.processor.stats()["unattributed_chains"] == 0
     assert setup.detokenize_calls() == calls
     assert setup.processor.stats()["detokenize_calls"] == calls
+
+
+CHUNK = 64  # small chunks: many chain keys in short test prompts
+
+
+def chain_of(body: dict[str, Any]) -> list[str]:
+    chain = request_chain({"model": MODEL, **body}, MODEL, chunk_bytes=CHUNK)
+    assert chain is not None
+    return list(chain.keys)
+
+
+def emitted_chain(events: Sequence[PrefixEvent], kind: str = CACHE_CREATED) -> list[str]:
+    return [key for event in events for k, key, _ in event.chain if k == kind]
+
+
+@pytest.mark.parametrize("profile", ["vllm-0.22", "vllm-0.33", "sglang-0.5.9", "sglang-0.5.22"])
+@pytest.mark.parametrize("template", ["chatml", "llama3"])
+def test_chain_keys_equal_the_routers(profile: str, template: str) -> None:
+    setup = Setup(profile, template, chain_chunk_bytes=CHUNK)
+    seen: dict[str, int] = {}
+    for name, body in BODIES.items():
+        events = setup.request(body)
+        keys = emitted_chain(events)
+        router = chain_of(body)
+        assert keys and keys == router[:len(keys)], name  # the router's keys, in order
+        assert len(keys) >= len(router) - 1, name  # all but a last chunk in a cut block
+        assert {e.prefix_hash for e in events if e.chain} == {router_key(body)}, name
+        for event in events:
+            seen.update({key: tokens for _, key, tokens in event.chain})
+    tokens = [seen[key] for key in chain_of(BODIES["long system"]) if key in seen]
+    assert tokens == sorted(tokens) and tokens[0] > 0  # each key covers more tokens
+
+
+def test_a_follow_up_extends_the_chain_with_one_call_per_stored_event() -> None:
+    setup = Setup("vllm-0.33", chain_chunk_bytes=CHUNK)
+    body = BODIES["system"]
+    first = emitted_chain(setup.request(body, max_tokens=12))
+    calls = setup.detokenize_calls()
+    # branches off inside the first chain (its reply differs from what the engine wrote)
+    follow_up = {"messages": [*body["messages"], {"role": "assistant", "content": "A cache."},
+                              {"role": "user", "content": "And a KV cache? " * 6}]}
+    more = emitted_chain(setup.request(follow_up))
+    router = chain_of(follow_up)
+    assert first == router[:len(first)]
+    assert more == router[len(first):len(first) + len(more)] and len(more) >= 2
+    # one call per stored event: the prompt's blocks, then the reply's; no prefix search
+    assert setup.detokenize_calls() - calls == 2
+
+
+def test_evicting_a_middle_block_evicts_exactly_its_chain_keys() -> None:
+    setup = Setup("vllm-0.33", chain_chunk_bytes=CHUNK)
+    body = BODIES["long system"]
+    created = emitted_chain(setup.request(body))
+    tracker = setup.processor.tracker
+    middle = next(key for key, block in tracker.blocks.items()
+                  if block.chain and created.index(block.chain[0]) >= 2)
+    lost = list(tracker.blocks[middle].chain)
+    setup.processor.handle_batch(KvEventBatch(ts=0.0, events=(
+        BlockRemoved(block_hashes=(middle[1],), group_idx=middle[0]),)))
+    events = setup.out[-1:]
+    assert emitted_chain(events, "cache_evicted") == lost
+    assert events[0].prefix_hash == router_key(body)
+    assert events[0].type == CACHE_CREATED  # the prefix itself is still held
+    held = {key for block in tracker.blocks.values() for key in block.chain}
+    assert held == set(created) - set(lost)
+
+
+def test_chain_keys_need_text_salted_trtllm_reports_the_seed_key_only() -> None:
+    setup = Setup("trtllm", salts=True, require_salt=True, chain_chunk_bytes=CHUNK)
+    for body in BODIES.values():
+        events = setup.request(body)
+        assert events and not any(e.chain for e in events)
+    assert setup.processor.stats()["chain_keys"] == 0
 
 
 @pytest.mark.parametrize("profile", ["vllm-0.22", "vllm-0.33", "sglang-0.5.18",

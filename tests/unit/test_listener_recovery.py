@@ -7,6 +7,7 @@ Rendered prompts come from the simulated engine's own templates and tokenizer, a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any
@@ -225,8 +226,11 @@ class Run:
                  **source_options: Any) -> None:
         self.out: list[PrefixEvent] = []
         extra = {} if clock is None else {"clock": clock}
+        # These tests pin the seed key's recovery and its calls: no chain keys (those are
+        # tested in test_listener_processor).
+        limits = dataclasses.replace(limits or LimitsConfig(), max_chain_text_bytes=0)
         self.processor = DefaultSourceProcessor(
-            source(**source_options), limits or LimitsConfig(), detok or DetokenizeConfig(),
+            source(**source_options), limits, detok or DetokenizeConfig(),
             emit=self.out.append, salt_secret=b"s3cret", client=client, **extra)
 
     def feed(self, *events: Any) -> list[PrefixEvent]:

@@ -11,10 +11,11 @@ from prometheus_client import CollectorRegistry
 
 from continuum.config import check_config, defaults_text, parse_config
 from continuum.interfaces import BackendScorer
+from continuum.kv.chain_scorer import ChainOverlapScorer
 from continuum.kv.scorer import KvOverlapScorer
 from continuum.metrics import RouterMetrics
 from continuum.registry import PluginRegistry
-from continuum.request import RequestContext
+from continuum.request import CHAT, RequestContext
 from continuum.routing.backends import Backend
 from continuum.service import RouterService
 from continuum.testing import make_context
@@ -67,9 +68,24 @@ def picks(svc: RouterService, n: int = 6) -> list[str]:
 
 def test_kv_overlap_is_registered_as_the_built_in_scorer() -> None:
     info = PluginRegistry().info("continuum.scorers", "KvOverlap")
-    assert info.obj is KvOverlapScorer
+    assert info.obj is ChainOverlapScorer
     assert info.distribution == "continuum-router"
-    assert info.value == "continuum.kv.scorer:KvOverlapScorer"
+    assert info.value == "continuum.kv.chain_scorer:ChainOverlapScorer"
+
+
+@pytest.mark.parametrize(("match", "kind"), [("chain", ChainOverlapScorer),
+                                             ("seed", KvOverlapScorer)])
+def test_kv_overlap_matches_chains_or_the_seed_key_as_kv_cache_index_match_says(
+    match: str, kind: type[KvOverlapScorer]
+) -> None:
+    svc = service(prefix_routing={"enabled": True},
+                  kv_cache_index={"enabled": True, "match": match})
+    assert [type(s) for s in svc.pipeline.scorers] == [kind]
+    ctx = svc.admit(b'{"model": "m", "messages": [{"role": "system", "content": "s"}, '
+                    b'{"role": "user", "content": "q"}]}', CHAT, "r1")
+    assert ctx.prefix_key is not None
+    assert (ctx.chain is not None) is (match == "chain")
+    assert svc.explain(ctx)["kv_match"] == match
 
 
 @pytest.mark.parametrize(("prefix", "kv", "active"), [
@@ -79,7 +95,7 @@ def test_by_default_the_kv_scorer_runs_iff_prefix_routing_and_the_index_are_on(
 ) -> None:
     svc = service(prefix_routing={"enabled": prefix}, kv_cache_index={"enabled": kv})
     assert svc.config.scorers == ("KvOverlap",)
-    assert [type(s) for s in svc.pipeline.scorers] == ([KvOverlapScorer] if active else [])
+    assert [type(s) for s in svc.pipeline.scorers] == ([ChainOverlapScorer] if active else [])
     assert (svc.kv_scorer is not None) is active
     if active:
         assert svc.kv_scorer is svc.pipeline.scorers[0]
@@ -113,7 +129,7 @@ def test_a_registered_scorer_is_built_by_name_and_changes_routing() -> None:
 def test_scorers_run_in_the_listed_order_next_to_the_kv_scorer() -> None:
     svc = service(registry(), scorers=["PreferC", "KvOverlap"],
                   prefix_routing={"enabled": True}, kv_cache_index={"enabled": True})
-    assert [type(s) for s in svc.pipeline.scorers] == [PreferC, KvOverlapScorer]
+    assert [type(s) for s in svc.pipeline.scorers] == [PreferC, ChainOverlapScorer]
     assert svc.kv_scorer is svc.pipeline.scorers[1]
 
 

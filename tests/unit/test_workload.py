@@ -20,7 +20,32 @@ GENERATORS = {
     "multi_turn": lambda seed: wl.multi_turn(seed, conversations=12),
     "rag": lambda seed: wl.rag(seed, questions=20),
     "mixed": lambda seed: wl.mixed(seed, users=20, conversations=8, rag_questions=8),
+    "rag_user_documents": lambda seed: wl.rag_user_documents(seed, questions=20),
+    "agent": lambda seed: wl.agent(seed, sessions=6),
 }
+
+
+def test_rag_user_documents_share_the_system_prompt_and_vary_the_user_turn() -> None:
+    workload = wl.rag_user_documents(3, questions=60, documents=12)
+    assert {s.system for s in workload.sessions} == {wl.RAG_SYSTEM}
+    groups = Counter(s.group for s in workload.sessions)
+    assert groups.most_common(1)[0][1] >= 3 * groups.most_common()[-1][1]  # Zipf-skewed
+    by_group: dict[str, set[str]] = {}
+    for s in workload.sessions:
+        by_group.setdefault(s.group, set()).add(s.turns[0].split("\n\nQuestion:")[0])
+    assert all(len(docs) == 1 for docs in by_group.values())  # one document per group
+    assert len({s.turns[0] for s in workload.sessions}) == len(workload.sessions)
+
+
+def test_agent_sessions_grow_with_tool_outputs() -> None:
+    workload = wl.agent(5, sessions=8, turns=(6, 9))
+    tokenizer = SimTokenizer()
+    for session in workload.sessions:
+        assert 6 <= len(session.turns) <= 9
+        assert session.turns[0].startswith("Task: ")
+        assert all(t.startswith("Tool output (") for t in session.turns[1:])
+        total = sum(len(tokenizer.encode(t)) for t in session.turns)
+        assert total > 600  # the session's own history dwarfs any one turn
 
 
 @pytest.mark.parametrize("name", sorted(GENERATORS))

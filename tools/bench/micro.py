@@ -16,6 +16,13 @@ Groups and the seed's goals (figures from a native implementation):
   ``KvOverlapScorer.score_with_tier`` (goal < 1 µs) and 1,000 prepare + score passes over 8
   backends (goal < 100 ms; reported in ms).
 
+* ``chain``: the chain of prefix keys of a 16 KiB prompt (2 KiB system prompt, 14 KiB
+  document in the user turn) at the default 1024-byte chunks and at 512 and 256 (goal
+  < 20 µs), ``InMemoryKvIndex.query_chain`` of that chain with 8 backends holding parts of
+  it among 100,000 chain keys, ``ChainOverlapScorer`` prepare + score of 8 backends, and
+  the Redis chain query on loopback: one ``EVALSHA`` round trip (counted) for chains of 16
+  and 128 keys.
+
 Each figure is the median of ``--repeat`` runs of ``--number`` calls.
 """
 
@@ -112,25 +119,36 @@ def _redis_roundtrip(number: int, repeat: int) -> dict[str, float]:
         return out
 
 
-def _redis_kv_query(number: int, repeat: int) -> dict[str, float]:
+@contextlib.contextmanager
+def _redis_kv_index() -> Iterator[Any]:
+    """A ``RedisKvIndex`` on a throwaway redis-server (None when none is installed)."""
     from continuum.config import parse_config
     from continuum.resources import WorkerResources
     from stores.kv_redis import RedisKvIndex
 
     with _redis_server() as port:
         if port is None:
-            return {}
+            yield None
+            return
         config = parse_config({"response_cache": {"redis": {
             "url": f"redis://127.0.0.1:{port}/0"}}, "kv_cache_index": {"backend": "redis"}})
         index = RedisKvIndex.from_config(config, resources=WorkerResources())
+        try:
+            yield index
+        finally:
+            index.close()  # the last user of its link: closes it
+
+
+def _redis_kv_query(number: int, repeat: int) -> dict[str, float]:
+    with _redis_kv_index() as index:
+        if index is None:
+            return {}
         prefix = "ab" * 32
         for i in range(3):
             index.apply(f"vllm-{i}", "cache_created", prefix, 512 * (i + 1))
         n = max(number // 50, 200)
-        out = {"redis_query_hit_3_holders": measure(lambda: index.query_backends(prefix), n,
-                                                    repeat)}
-        index.close()  # the last user of its link: closes it
-        return out
+        return {"redis_query_hit_3_holders": measure(lambda: index.query_backends(prefix), n,
+                                                     repeat)}
 
 
 def tier2(number: int, repeat: int) -> dict[str, float]:
@@ -200,8 +218,94 @@ def tier4(number: int, repeat: int) -> dict[str, float]:
     return results
 
 
+def _rag_body() -> dict[str, Any]:
+    """A 16 KiB prompt: a 2 KiB system prompt, a 14 KiB document and a question."""
+    return _chat("You are a careful analyst of harbour logs. " * 47,
+                 "Document: " + "The pilot logged the arrival at berth nine. " * 325
+                 + "Question: when?")
+
+
+def chain(number: int, repeat: int) -> dict[str, float]:
+    from continuum.config import parse_config
+    from continuum.interfaces import CACHE_CREATED
+    from continuum.kv.chain_scorer import ChainOverlapScorer
+    from continuum.prefix_chain import request_chain
+    from continuum.testing import make_backends, make_context
+    from stores.kv_memory import InMemoryKvIndex
+
+    body = _rag_body()
+    size = len(json.dumps(body)) // 1024
+    n = max(number // 10, 500)
+    results = {f"chain_{size}KiB_{chunk}B": measure(
+        lambda chunk=chunk: request_chain(body, "m", chunk_bytes=chunk), n, repeat)
+        for chunk in (1024, 512, 256)}
+    prompt = request_chain(body, "m")
+    assert prompt is not None
+    config = parse_config({"kv_cache_index": {"enabled": True, "max_entries": 200_000}})
+    index = InMemoryKvIndex.from_config(config)
+    for i in range(100_000 // 8):  # other chains' keys: 100,000 keys in all
+        index.apply_chain(f"vllm-{i % 8}", CACHE_CREATED,
+                          [(f"{i:012x}{j:04x}", 64 * (j + 1)) for j in range(8)])
+    for b in range(8):  # each backend holds a longer part of this prompt's chain
+        depth = 1 + b * (len(prompt.keys) - 1) // 7
+        index.apply_chain(f"vllm-{b}", CACHE_CREATED,
+                          [(k, e // 4) for k, e in zip(prompt.keys[:depth], prompt.ends,
+                                                       strict=False)])
+    results[f"memory_query_chain_{len(prompt.keys)}_keys"] = measure(
+        lambda: index.query_chain(prompt.keys), n, repeat)
+    results["memory_query_chain_miss"] = measure(
+        lambda: index.query_chain(("f" * 16,) * len(prompt.keys)), n, repeat)
+    scorer = ChainOverlapScorer(index, config.kv_cache_index)
+    backends = make_backends(8)
+    for i, backend in enumerate(backends):
+        backend.name = f"vllm-{i}"
+    ctx = make_context()
+    ctx.chain = prompt
+    counter = iter(range(10**12))
+    scorer.clock = lambda: float(next(counter))  # every prepare queries the index
+
+    def prepare_and_score() -> None:
+        scorer.prepare(ctx, backends)
+        for backend in backends:
+            scorer.score_with_tier(backend, ctx)
+
+    results["prepare_and_score_8"] = measure(prepare_and_score, n, repeat)
+    results.update(_redis_chain_query(number, repeat))
+    return results
+
+
+def _redis_chain_query(number: int, repeat: int) -> dict[str, float]:
+    from continuum.interfaces import CACHE_CREATED
+
+    with _redis_kv_index() as index:
+        if index is None:
+            return {}
+        keys = [f"{i:016x}" for i in range(128)]
+        for b in range(4):
+            index.apply_chain(f"vllm-{b}", CACHE_CREATED,
+                              [(k, 64 * (i + 1)) for i, k in enumerate(keys[:32 * (b + 1)])])
+        link = index.link
+        trips = []
+        execute = link.execute
+
+        def counting(operation: str, command: Callable[[Any], Any]) -> Any:
+            trips.append(operation)
+            return execute(operation, command)
+
+        link.execute = counting
+        out: dict[str, float] = {}
+        n = max(number // 50, 200)
+        for length in (16, 128):
+            index.query_chain(keys[:length], "ab" * 32)  # loads the script
+            trips.clear()
+            out[f"redis_query_chain_{length}_keys"] = measure(
+                lambda length=length: index.query_chain(keys[:length], "ab" * 32), n, repeat)
+            out[f"redis_query_chain_{length}_round_trips"] = len(trips) / (n * repeat)
+        return out
+
+
 GROUPS: dict[str, Callable[[int, int], dict[str, float]]] = {
-    "tier1": tier1, "tier2": tier2, "tier4": tier4}
+    "tier1": tier1, "tier2": tier2, "tier4": tier4, "chain": chain}
 
 
 def main(argv: list[str] | None = None) -> int:

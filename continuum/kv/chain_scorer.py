@@ -1,0 +1,274 @@
+"""Tier 4 with ``kv_cache_index.match: chain``: score backends by how far their cache goes
+into the request's chain of prefix keys (:mod:`continuum.prefix_chain`).
+
+This is the built-in scorer registered as ``KvOverlap`` in ``continuum.scorers``: with
+``match: chain`` (the default) :meth:`ChainOverlapScorer.from_config` builds it, with
+``match: seed`` the seed's :class:`~continuum.kv.scorer.KvOverlapScorer` it extends. The
+service asks it for each request's chain (:meth:`~ChainOverlapScorer.request_chain`, kept
+in :attr:`RequestContext.chain <continuum.request.RequestContext.chain>`) and tells it where
+each request went (:meth:`~ChainOverlapScorer.record_route`: approximate mode). A request
+without a chain (a scorer built outside the service, say) is scored as with ``match: seed``.
+
+For each candidate the index gives its longest match (:meth:`KvCacheIndex.query_chain`):
+``depth`` keys, ``token_count`` tokens; a backend known only through the seed key (engines
+whose prompts cannot be recovered) is credited the first message. Then:
+
+* ``overlap`` = matched tokens ÷ prompt tokens, the prompt's tokens estimated from its
+  canonical bytes at the match's own tokens per byte (so a holder of 2% of a long prompt
+  scores 0.02, never like a full match), times the tier weight, times
+  ``approximate.weight`` for a match the router recorded but no engine event confirmed;
+* a holder whose ``overlap`` is below ``min_overlap_threshold`` scores 0, like a
+  non-holder.
+
+Load guard (``scoring.load_guard``):
+
+* ``adaptive`` (default): a holder qualifies while the prefill its match saves is worth
+  more than the queue it has beyond the least busy candidate::
+
+      saved = matched tokens * tier weight * approximate weight * prefill_ms_per_1k_tokens / 1000
+      extra = (in_flight - least in_flight among the candidates) * queue_ms_per_request
+
+  A qualified holder scores ``threshold + (1 - threshold) * health * net`` where ``net`` =
+  (saved - extra) ÷ the prefill of the whole prompt: holders are ranked by what they save
+  net of their queue, and the pipeline's threshold is passed exactly when ``saved > extra``.
+  An idle fleet has no extra queue anywhere, so the longest match always wins; under load
+  a hot prefix's holder stops qualifying once its queue costs more than the prefill it
+  saves, and the configured strategy (bounded-load hashing) takes the request.
+* ``bound``: the seed's composite score (overlap, load, health weights) on the overlap
+  above, and a holder qualifies only under the CHWBL bound, as with ``match: seed``.
+* ``enabled: false``: the composite score alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from continuum.errors import StoreError
+from continuum.interfaces import (
+    CACHE_CREATED,
+    SCORER_THRESHOLD,
+    TIER_NONE,
+    ChainMatch,
+    KvCacheIndex,
+)
+from continuum.kv.scorer import SNAPSHOT_TTL, KvOverlapScorer, _Snapshot, log
+from continuum.prefix_chain import BYTES_PER_TOKEN, PrefixChain, request_chain
+
+if TYPE_CHECKING:
+    from continuum.config import KvCacheIndexConfig, RouterConfig
+    from continuum.metrics import RouterMetrics
+    from continuum.request import RequestContext
+    from continuum.routing.backends import Backend
+
+_MAX_SNAPSHOTS = 4096
+
+
+class _Credit:
+    """What one backend's match is worth for one request (computed once per request)."""
+
+    __slots__ = ("depth", "match", "overlap", "prompt_tokens", "saved_tokens", "tokens")
+
+    def __init__(self, match: ChainMatch, chain: PrefixChain, weight: float) -> None:
+        covered = chain.ends[-1] if chain.ends else 1
+        if match.depth > 0:
+            matched_bytes = chain.ends[min(match.depth, len(chain.ends)) - 1]
+        else:  # the seed key: the first message, what every chain of that prefix shares
+            matched_bytes = min(chain.anchor_end, covered)
+        estimate = max(1, matched_bytes // BYTES_PER_TOKEN)
+        tokens = match.token_count or estimate
+        if match.depth == 0:
+            tokens = min(tokens, estimate)
+        self.match = match
+        self.depth = match.depth
+        self.tokens = tokens
+        self.prompt_tokens = max(tokens, round(tokens * covered / max(matched_bytes, 1)))
+        self.overlap = min(1.0, matched_bytes / covered) * weight
+        self.saved_tokens = tokens * weight
+
+
+class _ChainSnapshot:
+    """What one request's scoring reads (kept in ``ctx.kv_snapshot``): each holder's
+    credit, the candidates' mean in-flight count, and for the composite score the seed
+    scorer's in-flight snapshot (None in adaptive mode, which reads the queue live)."""
+
+    __slots__ = ("chain", "credits", "load", "mean_in_flight")
+
+    def __init__(self, chain: PrefixChain, credits: dict[str, _Credit],
+                 mean_in_flight: float, load: _Snapshot | None) -> None:
+        self.chain = chain
+        self.credits = credits
+        self.mean_in_flight = mean_in_flight
+        self.load = load
+
+
+class ChainOverlapScorer(KvOverlapScorer):
+    """Scores backends by their longest match of the request's chain (module docstring)."""
+
+    name: ClassVar[str] = "KvOverlap"
+
+    def __init__(
+        self,
+        index: KvCacheIndex,
+        kv: KvCacheIndexConfig,
+        metrics: RouterMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        threshold: float = SCORER_THRESHOLD,
+    ) -> None:
+        super().__init__(index, kv.scoring, metrics, clock)
+        guard = kv.scoring.load_guard
+        self.adaptive = guard.enabled and guard.mode == "adaptive"
+        self.guard = guard.enabled and guard.mode == "bound"
+        self.prefill_ms_per_token = guard.prefill_ms_per_1k_tokens / 1000.0
+        self.queue_ms = guard.queue_ms_per_request
+        self.approximate_weight = kv.approximate.weight
+        self.approximate_ttl = kv.approximate.ttl_seconds if kv.approximate.enabled else None
+        self.chunk_bytes = kv.chain.chunk_bytes
+        self.max_keys = kv.chain.max_keys
+        self.threshold = threshold
+        self._matches: dict[str, tuple[float, Sequence[ChainMatch]]] = {}
+
+    @classmethod
+    def from_config(
+        cls,
+        config: RouterConfig,
+        *,
+        index: KvCacheIndex | None = None,
+        metrics: RouterMetrics | None = None,
+        **_: Any,
+    ) -> KvOverlapScorer | None:
+        """The chain scorer over the worker's ``index`` with ``kv_cache_index.match:
+        chain``, the seed's scorer with ``match: seed``; None without an index
+        (``kv_cache_index.enabled`` off): nothing to score."""
+        if index is None:
+            return None
+        kv = config.kv_cache_index
+        if kv.match == "seed":
+            return KvOverlapScorer(index, kv.scoring, metrics)
+        return cls(index, kv, metrics)
+
+    def request_chain(self, ctx: RequestContext) -> PrefixChain | None:
+        """``ctx``'s chain of prefix keys at this scorer's chunk size and depth (None when
+        the request has no messages to key)."""
+        return request_chain(ctx.body, ctx.model, chunk_bytes=self.chunk_bytes,
+                             max_keys=self.max_keys)
+
+    def record_route(self, ctx: RequestContext, backend: Backend) -> None:
+        """Approximate mode (``kv_cache_index.approximate``): record ``ctx``'s chain for
+        the ``backend`` it was sent to, with its own TTL, token counts estimated from the
+        bytes. A failing index costs the record, never the request."""
+        chain, ttl = ctx.chain, self.approximate_ttl
+        if chain is None or ttl is None or not chain.keys:
+            return
+        entries = [(key, end // BYTES_PER_TOKEN)
+                   for key, end in zip(chain.keys, chain.ends, strict=True)]
+        try:
+            self.index.apply_chain(backend.name, CACHE_CREATED, entries, ttl=ttl)
+        except StoreError as exc:
+            log.debug("KV index: recording a routed chain failed (%s)", exc.kind)
+
+    def prepare(self, ctx: RequestContext, candidates: Sequence[Backend]) -> None:
+        """Query the index for the request's chain (cached 100 ms per chain) and work out
+        each holder's credit; the queue is read live when scoring. Without a chain: the
+        seed's scoring."""
+        chain = ctx.chain
+        if chain is None or not chain.keys:
+            super().prepare(ctx, candidates)
+            return
+        now = self.clock()
+        tip = chain.keys[-1]
+        cached = self._matches.get(tip)
+        if cached is not None and now - cached[0] < SNAPSHOT_TTL:
+            matches = cached[1]
+        else:
+            keys, prefix_hash = chain.keys, ctx.prefix_hash
+            matches = self._query(lambda: self.index.query_chain(keys, prefix_hash))
+            if len(self._matches) >= _MAX_SNAPSHOTS:
+                self._matches.clear()
+            self._matches[tip] = (now, matches)
+        credits = {}
+        for match in matches:
+            weight = self.tier_weights.get(match.tier, 0.0)
+            if match.approximate:
+                weight *= self.approximate_weight
+            credits[match.backend] = _Credit(match, chain, weight)
+        mean_in_flight = sum(b.in_flight for b in candidates) / max(len(candidates), 1)
+        # the composite score and the CHWBL bound read the load as of now
+        load = None if self.adaptive else _Snapshot((), candidates, now, self.guard_epsilon,
+                                                    self.guard_floor)
+        ctx.kv_snapshot = _ChainSnapshot(chain, credits, mean_in_flight, load)
+
+    def score_with_tier(self, backend: Backend, ctx: RequestContext) -> tuple[float, str]:
+        """Score and held tier of ``backend`` (0 for non-holders and unqualified holders)."""
+        snapshot = ctx.kv_snapshot
+        if not isinstance(snapshot, _ChainSnapshot):
+            return super().score_with_tier(backend, ctx)
+        score, tier, _why = self._verdict(backend, snapshot)
+        return score, tier
+
+    def _verdict(self, backend: Backend, snapshot: _ChainSnapshot) -> tuple[float, str, str]:
+        """``(score, tier, why)`` of ``backend`` for the request ``snapshot`` was taken for."""
+        credit = snapshot.credits.get(backend.name)
+        if credit is None:
+            return 0.0, TIER_NONE, "holds no key of this request's chain"
+        tier = credit.match.tier
+        if credit.overlap < self.min_overlap:
+            return 0.0, tier, (f"overlap {credit.overlap:.3f} is below "
+                               f"min_overlap_threshold {self.min_overlap}")
+        if self.adaptive:
+            in_flight = backend.in_flight
+            extra = max(0.0, in_flight - snapshot.mean_in_flight)
+            per_request = self.queue_ms
+            if backend.latency_ewma is not None:
+                per_request = max(per_request, backend.latency_ewma * 1000.0 / max(in_flight, 1))
+            extra_ms = extra * per_request
+            saved_ms = credit.saved_tokens * self.prefill_ms_per_token
+            if saved_ms <= extra_ms:
+                return 0.0, tier, (f"its queue ({extra:.1f} in flight over the mean) costs "
+                                   f"~{extra_ms:.0f} ms, more than the ~{saved_ms:.0f} ms of "
+                                   "prefill it saves")
+            full_ms = max(credit.prompt_tokens * self.prefill_ms_per_token, 1e-9)
+            net = min(1.0, (saved_ms - extra_ms) / full_ms)
+            score = self.threshold + (1.0 - self.threshold) * backend.success_rate * net
+            return score, tier, (f"saves ~{saved_ms:.0f} ms of prefill for ~{extra_ms:.0f} "
+                                 f"ms of extra queue")
+        load = snapshot.load
+        if self.guard and load is not None and backend.in_flight >= load.bound:
+            return 0.0, tier, f"at the load bound {load.bound}"
+        max_in_flight = load.max_in_flight if load is not None else 0
+        load_ratio = backend.in_flight / max_in_flight if max_in_flight else 0.0
+        score = (self.overlap_weight * credit.overlap
+                 + self.load_weight * (1.0 - min(load_ratio, 1.0))
+                 + self.health_weight * backend.success_rate)
+        return score, tier, "composite of overlap, load and health"
+
+    def explain(self, ctx: RequestContext, candidates: Sequence[Backend]) -> list[dict[str, Any]]:
+        """Every candidate's match, queue, verdict and score for ``ctx`` (after ``prepare``);
+        the seed scorer's rows for a request without a chain."""
+        snapshot = ctx.kv_snapshot
+        if not isinstance(snapshot, _ChainSnapshot):
+            return super().explain(ctx, candidates)
+        chain = snapshot.chain
+        rows = []
+        for backend in candidates:
+            credit = snapshot.credits.get(backend.name)
+            score, tier, why = self._verdict(backend, snapshot)
+            rows.append({
+                "backend": backend.name,
+                "matched_depth": credit.depth if credit else 0,
+                "chain_depth": len(chain.keys),
+                "matched_tokens": credit.tokens if credit else 0,
+                "prompt_tokens_estimate": credit.prompt_tokens if credit else None,
+                "overlap": round(credit.overlap, 4) if credit else 0.0,
+                "approximate": credit.match.approximate if credit else False,
+                "seed_key_only": credit is not None and credit.depth == 0,
+                "token_count": credit.tokens if credit else 0,
+                "tier": tier,
+                "in_flight": backend.in_flight,
+                "health": round(backend.success_rate, 4),
+                "score": round(score, 4),
+                "why": why,
+            })
+        return rows
+

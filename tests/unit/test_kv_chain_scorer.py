@@ -1,0 +1,133 @@
+"""ChainOverlapScorer: tokens-based overlap, the adaptive guard, approximate weight."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from continuum.config import parse_config
+from continuum.interfaces import CACHE_CREATED, TIER_GPU_HOT
+from continuum.kv.chain_scorer import ChainOverlapScorer
+from continuum.metrics import RouterMetrics
+from continuum.prefix import request_prefix_key
+from continuum.prefix_chain import request_chain
+from continuum.routing.selection import SelectionPipeline
+from continuum.testing import make_backends, make_context
+from stores.kv_memory import InMemoryKvIndex
+from strategies.round_robin import RoundRobin
+
+SYSTEM = "You are the assistant of the harbour office. " * 24  # ~1.1 KB
+HISTORY = "A long conversation so far about ships and their cargo. " * 40  # ~2.2 KB
+
+
+def scorer_for(index: InMemoryKvIndex, **kv: Any) -> ChainOverlapScorer:
+    config = parse_config({"kv_cache_index": kv}).kv_cache_index
+    return ChainOverlapScorer(index, config, RouterMetrics())
+
+
+def request(*turns: str) -> Any:
+    body = {"model": "m", "messages": [{"role": "system", "content": SYSTEM},
+                                       *({"role": "user", "content": t} for t in turns)]}
+    ctx = make_context()
+    ctx.body = body
+    ctx.prefix_key = request_prefix_key(body, "m")
+    ctx.chain = request_chain(body, "m")
+    return ctx
+
+
+def hold(index: InMemoryKvIndex, backend: str, ctx: Any, depth: int, **options: Any) -> None:
+    chain = ctx.chain
+    pairs = zip(chain.keys[:depth], chain.ends[:depth], strict=True)
+    index.apply_chain(backend, CACHE_CREATED, [(k, end // 5) for k, end in pairs], **options)
+
+
+def pick(scorer: ChainOverlapScorer, backends: list[Any], ctx: Any) -> tuple[str, str]:
+    """The backend the pipeline picks and who picked it: ``scorer``, or the strategy
+    (``scorer_fallback``), as the scorer's decision counters tell."""
+    before = scorer.decisions["kv_aware"]
+    chosen = SelectionPipeline(RoundRobin(), [scorer]).select(backends, ctx)
+    return chosen.name, "scorer" if scorer.decisions["kv_aware"] > before else "scorer_fallback"
+
+
+def test_overlap_is_matched_tokens_over_the_prompt_not_over_the_best_holder() -> None:
+    index = InMemoryKvIndex()
+    ctx = request(HISTORY * 2 + "Next?")
+    hold(index, "b0", ctx, 1)  # only the first chunk of a ~5.6 KB prompt
+    scorer = scorer_for(index)
+    backends = make_backends(2)
+    scorer.prepare(ctx, backends)
+    row = {r["backend"]: r for r in scorer.explain(ctx, backends)}["b0"]
+    chain = ctx.chain
+    assert row["overlap"] == round(chain.ends[0] / chain.ends[-1], 4) < 0.2
+    assert row["matched_depth"] == 1 and row["chain_depth"] == len(chain.keys)
+    # the seed scorer would call it a full match (it is the only holder); here it is not
+    assert scorer.score_with_tier(backends[0], ctx)[0] == 0.0
+    assert pick(scorer, backends, ctx)[1] == "scorer_fallback"
+
+
+def test_idle_fleet_the_longest_match_wins() -> None:
+    index = InMemoryKvIndex()
+    ctx = request(HISTORY + "Next?")
+    hold(index, "b0", ctx, 2)  # the system prompt
+    hold(index, "b1", ctx, len(ctx.chain.keys) - 1)  # the whole conversation
+    assert pick(scorer_for(index), make_backends(3), ctx) == ("b1", "scorer")
+
+
+def test_adaptive_guard_weighs_saved_prefill_against_extra_queue() -> None:
+    index = InMemoryKvIndex()
+    ctx = request(HISTORY + "Next?")
+    depth = len(ctx.chain.keys)
+    hold(index, "b1", ctx, depth)
+    scorer = scorer_for(index, scoring={"load_guard": {
+        "prefill_ms_per_1k_tokens": 100, "queue_ms_per_request": 20}})
+    backends = make_backends(3)
+    saved_ms = ctx.chain.ends[-1] // 5 * 0.1  # tokens held * 0.1 ms
+    # in flight beyond the mean (n - n/3) at 20 ms each: below, then above the saving
+    below = int(saved_ms / 20 * 1.5) - 1
+    backends[1].in_flight = below
+    assert (below - below / 3) * 20 < saved_ms
+    assert pick(scorer, backends, ctx) == ("b1", "scorer")
+    backends[1].in_flight = below + 3
+    ctx2 = request(HISTORY + "Next?")
+    assert pick(scorer, backends, ctx2)[1] == "scorer_fallback"
+    scorer.prepare(ctx2, backends)
+    row = {r["backend"]: r for r in scorer.explain(ctx2, backends)}["b1"]
+    assert row["score"] == 0.0 and "more than the" in row["why"]
+    # a saturated backend's own latency sets the price of its queue: 2 s over 4 in flight
+    backends[1].in_flight = 4
+    assert pick(scorer, backends, request(HISTORY + "Next?")) == ("b1", "scorer")
+    backends[1].latency_ewma = 2.0
+    assert pick(scorer, backends, request(HISTORY + "Next?"))[1] == "scorer_fallback"
+    # the old guard stays available: with 2 in flight b1 is under the CHWBL floor of 4
+    bound = scorer_for(index, scoring={"load_guard": {"mode": "bound"}})
+    backends[1].in_flight = 2
+    assert pick(bound, backends, request(HISTORY + "Next?")) == ("b1", "scorer")
+
+
+def test_a_busier_holder_of_more_beats_an_idle_holder_of_less_until_it_costs_more() -> None:
+    index = InMemoryKvIndex()
+    ctx = request(HISTORY + "Next?")
+    hold(index, "b0", ctx, 2)  # system prompt: ~230 tokens
+    hold(index, "b1", ctx, len(ctx.chain.keys))  # everything: ~690 tokens
+    scorer = scorer_for(index, scoring={"min_overlap_threshold": 0.0, "load_guard": {
+        "prefill_ms_per_1k_tokens": 100, "queue_ms_per_request": 10}})
+    backends = make_backends(2)
+    backends[1].in_flight = 4  # 2 over the mean: 20 ms of queue for ~46 ms more saved
+    assert pick(scorer, backends, ctx) == ("b1", "scorer")
+    backends[1].in_flight = 12  # 6 over the mean: 60 ms, the idle holder of the prompt wins
+    assert pick(scorer, backends, request(HISTORY + "Next?")) == ("b0", "scorer")
+
+
+def test_approximate_matches_count_less_and_events_confirm_them() -> None:
+    index = InMemoryKvIndex()
+    ctx = request(HISTORY + "Next?")
+    depth = len(ctx.chain.keys)
+    hold(index, "b0", ctx, depth, ttl=60)
+    hold(index, "b1", ctx, depth)
+    scorer = scorer_for(index, approximate={"weight": 0.5})
+    backends = make_backends(2)
+    scorer.prepare(ctx, backends)
+    rows = {r["backend"]: r for r in scorer.explain(ctx, backends)}
+    assert rows["b0"]["approximate"] and not rows["b1"]["approximate"]
+    assert rows["b0"]["overlap"] == rows["b1"]["overlap"] / 2
+    assert rows["b0"]["score"] < rows["b1"]["score"]
+    assert rows["b1"]["tier"] == TIER_GPU_HOT
