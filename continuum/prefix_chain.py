@@ -169,24 +169,29 @@ def request_chain(
     root = chain_root(model, body.get("tools"))
     digests: list[bytes] = []
     ends: list[int] = []
-    add_digest, add_ends = digests.append, ends.extend
+    add_digest, add_end = digests.append, ends.append
     total = anchor_end = 0
     route_depth = -1
     sha256 = hashlib.sha256
     prev = root
+    room = max_keys
     for index, (role, text) in enumerate(messages):
-        data = message_bytes(role, text)
+        data = memoryview(f"{role}\n{text.strip()}".encode("utf-8", "surrogatepass"))
         size = len(data)
         if index == 1 and size > chunk_bytes:
             route_depth = len(digests)
-        starts = range(0, size, chunk_bytes)[:max(0, max_keys - len(digests))]
-        for start in starts:
-            prev = sha256(prev + data[start:start + chunk_bytes]).digest()[:KEY_BYTES]
+        start = 0
+        # the slices of a memoryview copy nothing; hashing ``prev`` then the chunk is
+        # SHA256(prev ++ chunk)
+        while start < size and room:
+            end = start + chunk_bytes
+            hasher = sha256(prev)
+            hasher.update(data[start:end])
+            prev = hasher.digest()[:KEY_BYTES]
             add_digest(prev)
-        if starts:
-            add_ends(range(total + chunk_bytes, total + size, chunk_bytes)[:len(starts)])
-            if len(ends) < len(digests):
-                ends.append(total + size)  # the message's last, shorter (or exact) chunk
+            add_end(total + (end if end < size else size))
+            start = end
+            room -= 1
         total += size
         if index == 0:
             anchor_end = total

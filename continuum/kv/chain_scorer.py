@@ -41,6 +41,7 @@ Load guard (``scoring.load_guard``):
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -93,12 +94,13 @@ class _ChainSnapshot:
     credit, the candidates' mean in-flight count, and for the composite score the seed
     scorer's in-flight snapshot (None in adaptive mode, which reads the queue live)."""
 
-    __slots__ = ("chain", "credits", "load", "mean_in_flight")
+    __slots__ = ("bound", "chain", "credits", "load", "mean_in_flight")
 
-    def __init__(self, chain: PrefixChain, credits: dict[str, _Credit],
+    def __init__(self, chain: PrefixChain, credits: dict[str, _Credit], bound: int,
                  mean_in_flight: float, load: _Snapshot | None) -> None:
         self.chain = chain
         self.credits = credits
+        self.bound = bound
         self.mean_in_flight = mean_in_flight
         self.load = load
 
@@ -193,11 +195,14 @@ class ChainOverlapScorer(KvOverlapScorer):
             if match.approximate:
                 weight *= self.approximate_weight
             credits[match.backend] = _Credit(match, chain, weight)
-        mean_in_flight = sum(b.in_flight for b in candidates) / max(len(candidates), 1)
+        total = sum(b.in_flight for b in candidates)
+        bound = max(self.guard_floor, math.ceil(
+            (1.0 + self.guard_epsilon) * (total + 1) / max(len(candidates), 1)))
         # the composite score and the CHWBL bound read the load as of now
         load = None if self.adaptive else _Snapshot((), candidates, now, self.guard_epsilon,
                                                     self.guard_floor)
-        ctx.kv_snapshot = _ChainSnapshot(chain, credits, mean_in_flight, load)
+        ctx.kv_snapshot = _ChainSnapshot(chain, credits, bound,
+                                         total / max(len(candidates), 1), load)
 
     def score_with_tier(self, backend: Backend, ctx: RequestContext) -> tuple[float, str]:
         """Score and held tier of ``backend`` (0 for non-holders and unqualified holders)."""
@@ -218,18 +223,22 @@ class ChainOverlapScorer(KvOverlapScorer):
                                f"min_overlap_threshold {self.min_overlap}")
         if self.adaptive:
             in_flight = backend.in_flight
-            extra = max(0.0, in_flight - snapshot.mean_in_flight)
+            # Each request beyond the candidates' mean costs queue_ms_per_request (fewer
+            # than the mean: a bonus), so equal matches go to the least busy holder; at the
+            # CHWBL bound, where engines queue, it costs what the backend's latency says one
+            # request holds the queue for (latency EWMA / in-flight) when that is more.
+            extra = in_flight - snapshot.mean_in_flight
             per_request = self.queue_ms
-            if backend.latency_ewma is not None:
+            if in_flight + 1 > snapshot.bound and backend.latency_ewma is not None:
                 per_request = max(per_request, backend.latency_ewma * 1000.0 / max(in_flight, 1))
             extra_ms = extra * per_request
             saved_ms = credit.saved_tokens * self.prefill_ms_per_token
             if saved_ms <= extra_ms:
-                return 0.0, tier, (f"its queue ({extra:.1f} in flight over the mean) costs "
-                                   f"~{extra_ms:.0f} ms, more than the ~{saved_ms:.0f} ms of "
-                                   "prefill it saves")
+                return 0.0, tier, (f"its queue ({extra:+.1f} in flight against the mean, "
+                                   f"load bound {snapshot.bound}) costs ~{extra_ms:.0f} ms, "
+                                   f"more than the ~{saved_ms:.0f} ms of prefill it saves")
             full_ms = max(credit.prompt_tokens * self.prefill_ms_per_token, 1e-9)
-            net = min(1.0, (saved_ms - extra_ms) / full_ms)
+            net = (saved_ms - extra_ms) / full_ms  # above 1 for a holder less busy than most
             score = self.threshold + (1.0 - self.threshold) * backend.success_rate * net
             return score, tier, (f"saves ~{saved_ms:.0f} ms of prefill for ~{extra_ms:.0f} "
                                  f"ms of extra queue")

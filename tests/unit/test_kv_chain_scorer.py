@@ -117,6 +117,35 @@ def test_a_busier_holder_of_more_beats_an_idle_holder_of_less_until_it_costs_mor
     assert pick(scorer, backends, request(HISTORY + "Next?")) == ("b0", "scorer")
 
 
+def test_under_the_load_bound_latency_does_not_price_the_queue_and_ties_go_to_the_idler(
+) -> None:
+    """A lightly loaded fleet (every backend under the CHWBL floor of 4) keeps the longest
+    match even when its backend is slow: its latency prices the queue only at the bound.
+    Equal matches go to the holder with fewer requests in flight."""
+    index = InMemoryKvIndex()
+    ctx = request(HISTORY + "Next?")
+    depth = len(ctx.chain.keys)
+    hold(index, "b1", ctx, depth)
+    hold(index, "b2", ctx, depth)
+    scorer = scorer_for(index)
+    backends = make_backends(3)
+    for backend in backends:
+        backend.latency_ewma = 2.0  # long answers: 2 s each
+    backends[1].in_flight, backends[2].in_flight = 2, 1
+    assert pick(scorer, backends, ctx) == ("b2", "scorer")
+    backends[1].in_flight, backends[2].in_flight = 1, 2
+    assert pick(scorer, backends, request(HISTORY + "Next?")) == ("b1", "scorer")
+    # b2 alone holds it, two over the mean but under the bound of 4: still b2
+    index = InMemoryKvIndex()
+    hold(index, "b2", ctx, depth)
+    scorer = scorer_for(index)
+    backends[1].in_flight = 0
+    assert pick(scorer, backends, request(HISTORY + "Next?")) == ("b2", "scorer")
+    # at the bound its 2 s latency over 4 in flight prices the queue far above the saving
+    backends[2].in_flight = 4
+    assert pick(scorer, backends, request(HISTORY + "Next?"))[1] == "scorer_fallback"
+
+
 def test_approximate_matches_count_less_and_events_confirm_them() -> None:
     index = InMemoryKvIndex()
     ctx = request(HISTORY + "Next?")
