@@ -163,6 +163,7 @@ class ChainOverlapScorer(KvOverlapScorer):
         chain, ttl = ctx.chain, self.approximate_ttl
         if chain is None or ttl is None or not chain.keys:
             return
+        self._matches.pop(chain.keys[-1], None)  # the next query of this chain sees it
         entries = [(key, end // BYTES_PER_TOKEN)
                    for key, end in zip(chain.keys, chain.ends, strict=True)]
         try:

@@ -262,15 +262,16 @@ class Pipeline:
         """The listener's HTTP port (the same across restarts)."""
         return int(self.listener.url.rsplit(":", 1)[1])
 
-    def router_config(self, match: str = "seed") -> dict[str, Any]:
+    def router_config(self, match: str = "seed", approximate: bool = False) -> dict[str, Any]:
         """RoundRobin (so KV-aware routing is visible), prefix keys, the index fed by the
         listener's streams (:attr:`endpoints`), salts for TensorRT-LLM. ``match``: the
-        index's key (``seed`` by default: these tests pin the seed key's events); no
-        approximate entries, so every routing decision comes from the listener's events."""
+        index's key (``seed`` by default: these tests pin the seed key's events);
+        ``approximate`` off by default, so every routing decision comes from the listener's
+        events."""
         sources = [{"backend_name": name, "endpoint": self.endpoints[name],
                     "reconnect_interval_ms": 50} for name in self.names]
         kv: dict[str, Any] = {"enabled": True, "event_sources": sources, "match": match,
-                              "approximate": {"enabled": False}}
+                              "approximate": {"enabled": approximate}}
         if self.mode.salted:
             kv["cache_salt"] = {"enabled": True, "secret": SECRET}
         return {
@@ -282,9 +283,9 @@ class Pipeline:
         }
 
     def start_router(self, router_factory: Callable[[dict[str, Any]], Any],
-                     match: str = "seed") -> None:
+                     match: str = "seed", approximate: bool = False) -> None:
         """Start the router and wait until it reads every stream."""
-        self.router = router_factory(self.router_config(match))
+        self.router = router_factory(self.router_config(match, approximate))
         wait_until(lambda: all(b["connection"]["connected"]
                                for b in self.kv_backends().values()),
                    lambda: f"the router's consumers to connect: {self.kv_backends()}")
@@ -608,14 +609,14 @@ class Pipelines:
         self.relays: dict[str, TcpRelay] = {}
 
     def __call__(self, mode: str, *, relayed: tuple[str, ...] = (), match: str = "seed",
-                 **options: Any) -> Pipeline:
+                 approximate: bool = False, **options: Any) -> Pipeline:
         pipeline = Pipeline(self.tmp / f"{mode}-{len(self.built)}", MODES[mode],
                             self.snapshot_of, **options)
         self.built.append(pipeline)
         for name in relayed:
             relay = self.relays[name] = TcpRelay(pipeline.listener_port)
             pipeline.endpoints[name] = relay.url(f"/events/{name}")
-        pipeline.start_router(self.router_factory, match)
+        pipeline.start_router(self.router_factory, match, approximate)
         return pipeline
 
     def close(self) -> None:
@@ -820,8 +821,10 @@ def test_chain_keys_arrive_and_requests_go_to_the_longest_match(
     """The same system prompt everywhere, a document in the user turn held by one engine:
     with ``match: chain`` the listener's chain keys name that engine and the router sends
     the document's next questions there. TensorRT-LLM (salts, no /detokenize) reports the
-    seed key only: the router credits its holder with the system prompt."""
-    p = pipeline(mode, engines=3, num_blocks=512, match="chain")
+    seed key only: the router credits its holders with the system prompt, and the chain it
+    recorded itself (an approximate entry) sends the document's next questions to the
+    engine it sent the first one to."""
+    p = pipeline(mode, engines=3, num_blocks=512, match="chain", approximate=MODES[mode].salted)
     p.hear_engines("start")
     system = system_prompt(f"{mode} shared")
     for name in p.names:  # every engine holds the system prompt
@@ -838,6 +841,20 @@ def test_chain_keys_arrive_and_requests_go_to_the_longest_match(
         got = wait_until(lambda: (r := rows()) and all(r[n]["seed_key_only"] for n in p.names)
                          and r, lambda: f"seed-key holders in the index: {rows()}")
         assert all(got[n]["matched_depth"] == 0 for n in p.names)
+        # No chain keys come from TensorRT-LLM: the router's own record of where it sent the
+        # document (an approximate entry) is the longest match, and its answer shows the
+        # engine's cache holds the document.
+        first = p.session.post(p.router.url + "/v1/chat/completions", json=body, timeout=10)
+        assert first.status_code == 200
+        holder = first.headers["X-Continuum-Backend"]
+        got = rows()
+        assert got[holder]["approximate"] and got[holder]["matched_depth"] >= 3, got
+        assert all(got[n]["matched_depth"] == 0 for n in p.names if n != holder), got
+        for n in range(3):
+            resp = p.session.post(p.router.url + "/v1/chat/completions", timeout=10,
+                                  json=chat_body(system, doc + f" Question {n}: how many?"))
+            assert resp.status_code == 200 and resp.headers["X-Continuum-Backend"] == holder
+            assert cached_tokens(resp.json()) > cached_tokens(first.json()) + 4 * BLOCK
         return
     got = wait_until(lambda: (r := rows()) and r["e1"]["matched_depth"] >= 3 and r,
                      lambda: f"e1's chain keys in the index: {rows()}")
