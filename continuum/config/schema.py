@@ -305,7 +305,8 @@ class ResponseCacheConfig:
 class LoadGuardConfig:
     """``kv_cache_index.scoring.load_guard``: keep KV-aware routing from piling onto a
     busy holder. ``adaptive`` (with ``match: chain``): a holder qualifies while the prefill
-    its match saves is worth more than its queue beyond the candidates' mean;
+    its match saves is worth more than its queue beyond the candidates' mean (priced by its
+    latency only once it reaches the CHWBL bound);
     ``bound``: while it is under the CHWBL bound (the only mode of ``match: seed``)."""
 
     enabled: bool = setting(True, doc="guard KV-aware routing against load",
@@ -317,8 +318,8 @@ class LoadGuardConfig:
         min=0.001, max=100000.0, restart=True,
     )
     queue_ms_per_request: float = setting(
-        10.0, doc="adaptive: least cost of each in-flight request beyond the candidates' "
-        "mean (ms); a backend's latency EWMA / its in-flight count when higher",
+        10.0, doc="adaptive: cost of each in-flight request beyond the candidates' mean "
+        "(ms); at the CHWBL bound, a backend's latency EWMA / its in-flight count when higher",
         min=0.0, max=100000.0, restart=True,
     )
     load_factor_epsilon: float = setting(

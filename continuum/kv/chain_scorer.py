@@ -23,17 +23,22 @@ whose prompts cannot be recovered) is credited the first message. Then:
 Load guard (``scoring.load_guard``):
 
 * ``adaptive`` (default): a holder qualifies while the prefill its match saves is worth
-  more than the queue it has beyond the least busy candidate::
+  more than the queue it has beyond the candidates' mean::
 
       saved = matched tokens * tier weight * approximate weight * prefill_ms_per_1k_tokens / 1000
-      extra = (in_flight - least in_flight among the candidates) * queue_ms_per_request
+      extra = (in_flight - mean in_flight of the candidates) * per_request
+      per_request = queue_ms_per_request                    under the CHWBL load bound
+                  = max(queue_ms_per_request, latency EWMA / in_flight)   at the bound
 
-  A qualified holder scores ``threshold + (1 - threshold) * health * net`` where ``net`` =
-  (saved - extra) ÷ the prefill of the whole prompt: holders are ranked by what they save
-  net of their queue, and the pipeline's threshold is passed exactly when ``saved > extra``.
-  An idle fleet has no extra queue anywhere, so the longest match always wins; under load
-  a hot prefix's holder stops qualifying once its queue costs more than the prefill it
-  saves, and the configured strategy (bounded-load hashing) takes the request.
+  Under the bound engines batch rather than queue, so a request more costs little and a
+  lightly loaded fleet keeps its longest match; at the bound a backend's own latency
+  prices its queue, so a saturated holder is recognised. A qualified holder scores
+  ``threshold + (1 - threshold) * health * net`` where ``net`` = (saved - extra) ÷ the
+  prefill of the whole prompt: holders are ranked by what they save net of their queue
+  (equal matches go to the less busy holder, whose ``extra`` is lower), and the
+  pipeline's threshold is passed exactly when ``saved > extra``. A hot prefix's holder
+  stops qualifying once its queue costs more than the prefill it saves, and the
+  configured strategy (bounded-load hashing) takes the request.
 * ``bound``: the seed's composite score (overlap, load, health weights) on the overlap
   above, and a holder qualifies only under the CHWBL bound, as with ``match: seed``.
 * ``enabled: false``: the composite score alone.
