@@ -118,10 +118,18 @@ class VectorIndex:
         part.keys.append(key)
         part.texts.append(text)
         self._order[(partition, key)] = None
+        self._evict()
+
+    def _evict(self) -> None:
         while len(self._order) > self.max_entries:
             (old_part, old_key), _ = self._order.popitem(last=False)
             self._remove_row(old_part, old_key)
             self.evictions += 1
+
+    def resize(self, max_entries: int) -> None:
+        """A new bound; the oldest entries past it are evicted now."""
+        self.max_entries = max_entries
+        self._evict()
 
     def remove(self, partition: str, key: str) -> bool:
         """Drop one entry; False when it was not indexed."""
