@@ -13,7 +13,7 @@ scan over 100,000 x 1,024-dim entries; and the hit rate with 2 gunicorn workers 
 **The labelled set** (:mod:`tools.bench.semantic_pairs`, its docstring tells how it was
 built): 309 templated pairs (light rewordings; negatives that differ in a negation, a
 number, a capitalised name, or are unrelated: the kinds the gate checks, so the gate looks
-good on them by construction) and 156 hand-written hard pairs (heavy rewordings,
+good on them by construction) and 136 hand-written hard pairs (heavy rewordings,
 paraphrases that trip the gate, and negatives the gate cannot see: lower-case entity
 swaps, antonyms, spelled-out numbers, units, swapped roles, scope). Label 1: ``b`` may be
 served ``a``'s answer.
