@@ -83,6 +83,10 @@ def test_paraphrase_hits_and_partitions_isolate(upstreams, router_factory) -> No
             ("HIT", "semantic")
     with _client(router, "key-globex") as other:
         assert _ask(other, PARA)[0] == "MISS"
+        # The internal embedding backend is never routed client traffic.
+        with pytest.raises(openai.NotFoundError):
+            other.chat.completions.create(model="embed-sim", temperature=0,
+                                          messages=[{"role": "user", "content": Q}])
     assert up.stats()["requests"] == 6
     text = router.metrics()
     assert metric_sum(text, "continuum_semantic_cache_requests_total", result="hit") == 2
