@@ -509,7 +509,9 @@ class RouterService:
         if replacement is not None:
             replacement.start()
         self.response_cache.reconfigure(new.response_cache, replacement)
-        if self.semantic is None or self.semantic.config != new.response_cache:
+        # The semantic index survives a reload unless its embedding backend or model
+        # changed or the path was turned off (SemanticCache.reconfigure decides).
+        if self.semantic is None or not self.semantic.reconfigure(new):
             if self.semantic is not None:
                 self.semantic.close()
             self.semantic = self._build_semantic(new)

@@ -7,25 +7,28 @@ is a skip, counted by reason). Its last user text is embedded with one ``POST
 timeout is a plain miss. The vector is searched inside the request's *partition* only:
 
     SHA256(compact sorted JSON of [tenant, model, embedding model, every body field but
-    ``messages`` and those that cannot change the answer, forwarded headers, the messages
-    before the last one])
+    ``messages``, ``stream``, ``stream_options`` and those that cannot change the answer,
+    forwarded headers, the messages before the last one])
 
 so a different API key (tenant), system prompt, tool list, ``response_format``, sampling
-parameter, seed, earlier turn or ``stream`` flag never shares an entry. A cosine at or
-above ``threshold`` that the false-hit gate (:mod:`continuum.caching.false_hit_gate`)
-lets through is served with ``X-Cache: HIT`` and ``X-Cache-Mode: semantic``; otherwise the
-answer is indexed under the vector once it is complete (streams included, replayed as
-the stored SSE events).
+parameter, seed or earlier turn never shares an entry. ``stream`` and ``stream_options``
+change the answer's shape, not its content: a streamed and a non-streamed request share
+entries, and :mod:`continuum.caching.semantic_replay` answers in the shape asked for
+(a stream always ending with a usage chunk). A cosine at or above ``threshold`` that the
+false-hit gate (:mod:`continuum.caching.false_hit_gate`) lets through is served with
+``X-Cache: HIT`` and ``X-Cache-Mode: semantic``; otherwise the answer is indexed under the
+vector once it is complete (streams included).
 
 Storage: bodies live in the response-cache store (sharing ``response_cache.capacity``)
 under ``sem:e:<partition>:<id>``, each value carrying its text, vector and expiry besides
 the response, so any router on the same store (Redis) can rebuild the entry. The vector
 index is in memory per worker (:mod:`continuum.caching.vector_index`). Sharing is
 *eventually consistent*: each partition has a directory value ``sem:d:<partition>`` (the
-latest :data:`DIRECTORY_SIZE` ids, updated read-modify-write, so two routers writing the
-same partition at once can drop one id from it); on a miss of its local index a router
-reads the directory and pulls entries it does not know yet. A cleared or expired body
-makes its index row a miss that is dropped.
+latest :data:`DIRECTORY_SIZE` ``<key> <expires_at>`` lines, updated read-modify-write, so
+two routers writing the same partition at once can drop one line from it); on a miss of its
+local index a router reads the directory and pulls the entries (or newer versions of
+entries) it has not seen yet. A cleared or expired body makes its index row a miss that is
+dropped; a rewritten one (a new ``expires_at``) is pulled again.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import numpy as np
 from continuum.caching.cache_key import IGNORED_FIELDS
 from continuum.caching.false_hit_gate import refusal
 from continuum.caching.response_cache import CachedResponse, decode_entry, encode_entry
+from continuum.caching.semantic_replay import adapt
 from continuum.caching.vector_index import Matrix, VectorIndex, unit
 from continuum.request import CHAT
 from continuum.wire import http_client
@@ -53,7 +57,12 @@ from continuum.wire import http_client
 if TYPE_CHECKING:
     import ssl
 
-    from continuum.config import BackendConfig, ResponseCacheConfig, SemanticCacheConfig
+    from continuum.config import (
+        BackendConfig,
+        ResponseCacheConfig,
+        RouterConfig,
+        SemanticCacheConfig,
+    )
     from continuum.interfaces import CacheStore
     from continuum.metrics import RouterMetrics
     from continuum.request import RequestContext
@@ -69,6 +78,8 @@ _MAGIC = b"SEv1"
 _HEADER = struct.Struct(">I")
 _MAX_EMBEDDING_BODY = 16 * 1024 * 1024
 _ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, sort_keys=True).encode
+#: Body fields left out of the partition: they shape the answer, not its content.
+SHAPE_FIELDS = frozenset({"messages", "stream", "stream_options"})
 
 
 class EmbeddingError(Exception):
@@ -142,13 +153,16 @@ class EmbeddingClient:
 @dataclass(slots=True)
 class Probe:
     """A request on the semantic path: where it was looked up, kept so that its answer is
-    indexed under the same vector."""
+    indexed under the same vector; on a hit, the answer in the request's shape."""
 
     partition: str
     text: str
     vector: Matrix | None
+    stream: bool = False
+    messages: list[Any] | None = None
     entry: CachedResponse | None = None
     score: float = 0.0
+    answer: tuple[str, bytes | None, Iterator[bytes] | None] | None = None
 
 
 def last_user_text(ctx: RequestContext) -> str | None:
@@ -171,10 +185,16 @@ def last_user_text(ctx: RequestContext) -> str | None:
 
 def partition_digest(ctx: RequestContext, embedding_model: str) -> str:
     """The partition of ``ctx`` (see the module docstring)."""
-    rest = {k: v for k, v in ctx.body.items() if k != "messages" and k not in IGNORED_FIELDS}
+    rest = {k: v for k, v in ctx.body.items()
+            if k not in SHAPE_FIELDS and k not in IGNORED_FIELDS}
     doc = [ctx.tenant, ctx.model, embedding_model, rest, ctx.forward_headers or {},
            (ctx.messages or [])[:-1], ctx.endpoint]
     return hashlib.sha256(_ENCODE(doc).encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _token(key: str, expires_at: float) -> str:
+    """A directory line: an entry's key and the version (expiry) it was written with."""
+    return f"{key} {expires_at:.6f}"
 
 
 def encode_value(text: str, vector: Matrix, expires_at: float, entry: bytes) -> bytes:
@@ -225,11 +245,13 @@ class SemanticCache:
         self.settings: SemanticCacheConfig = sem
         self.metrics = metrics
         self._store = store
+        self.backend = backend
         self.client = EmbeddingClient(backend, sem.embedding_model or "",
                                       sem.embedding_timeout_ms / 1000)
         self.index = VectorIndex(sem.max_entries)
-        #: Keys this worker has indexed (newest last, bounded): never pulled again, so an
-        #: entry evicted here stays evicted here.
+        #: Directory lines (key and version) this worker has indexed or pulled (newest
+        #: last, bounded): never pulled again, so an entry evicted here stays evicted here
+        #: until some router writes it anew.
         self._seen: OrderedDict[str, None] = OrderedDict()
         self.counts: dict[str, int] = {"hit": 0, "miss": 0, "skip": 0}
         self.skips: dict[str, int] = {}
@@ -279,7 +301,8 @@ class SemanticCache:
         text = self.text_of(ctx)
         if text is None:
             return None
-        probe = Probe(partition_digest(ctx, self.client.model), text, self._embed(text))
+        probe = Probe(partition_digest(ctx, self.client.model), text, self._embed(text),
+                      bool(ctx.stream), ctx.messages)
         if probe.vector is None:
             self._count("miss")
             return probe
@@ -291,7 +314,7 @@ class SemanticCache:
         if found is None:
             self._count("miss")
             return probe
-        probe.entry, probe.score = found
+        (probe.entry, probe.answer), probe.score = found
         self._count("hit")
         return probe
 
@@ -310,7 +333,9 @@ class SemanticCache:
             self.metrics.semantic_embedding_latency.observe(time.perf_counter() - started)
         return vector
 
-    def _search(self, probe: Probe) -> tuple[CachedResponse, float] | None:
+    def _search(self, probe: Probe) -> tuple[
+            tuple[CachedResponse, tuple[str, bytes | None, Iterator[bytes] | None]],
+            float] | None:
         assert probe.vector is not None
         match = self.index.search(probe.partition, probe.vector)
         if match is None or match.score < self.settings.threshold:
@@ -325,7 +350,10 @@ class SemanticCache:
         if stored is None:
             self.index.remove(probe.partition, match.key)
             return None
-        return stored.response, match.score
+        answer = adapt(stored.response, probe.stream, probe.messages)
+        if answer is None:  # not a chat completion we can answer in the asked shape
+            return None
+        return (stored.response, answer), match.score
 
     def _get(self, key: str) -> StoredEntry | None:
         try:
@@ -336,17 +364,19 @@ class SemanticCache:
         return None if value is None else decode_value(value)
 
     def _pull(self, partition: str) -> bool:
-        """Index the entries of ``partition``'s directory this worker does not know yet
-        (written by other workers or routers); whether any was added."""
-        ids = self._directory(partition)
+        """Index the entries of ``partition``'s directory this worker has not seen in that
+        version (written by other workers or routers); whether any was added."""
+        lines = self._directory(partition)
         seen = self._seen
         added = False
         now = time.time()
-        for key in [k for k in ids if k not in seen][-MAX_PULL:]:
-            self._saw(key)
+        for line in [t for t in lines if t not in seen][-MAX_PULL:]:
+            self._saw(line)
+            key = line.split(" ", 1)[0]
             stored = self._get(key)
             if stored is None or stored.expires_at <= now:
                 continue
+            self._saw(_token(key, stored.expires_at))
             vector = unit(stored.vector)
             if vector is not None:
                 self.index.add(partition, key, vector, stored.text, stored.expires_at - now)
@@ -376,19 +406,22 @@ class SemanticCache:
         ttl = self.ttl
         entry_id = hashlib.sha256(probe.text.encode("utf-8", "surrogatepass")).hexdigest()[:24]
         key = f"sem:e:{probe.partition}:{entry_id}"
-        value = encode_value(probe.text, probe.vector, time.time() + ttl,
+        expires_at = time.time() + ttl
+        value = encode_value(probe.text, probe.vector, expires_at,
                              encode_entry(kind, content_type, payload))
+        token = _token(key, expires_at)
         store = self._store()
         try:
             store.set(key, value, ttl)
-            ids = [k for k in self._directory(probe.partition) if k != key]
-            ids = [*ids, key][-DIRECTORY_SIZE:]
-            store.set(f"sem:d:{probe.partition}", "\n".join(ids).encode(), ttl)
+            lines = [t for t in self._directory(probe.partition)
+                     if t.split(" ", 1)[0] != key]
+            lines = [*lines, token][-DIRECTORY_SIZE:]
+            store.set(f"sem:d:{probe.partition}", "\n".join(lines).encode(), ttl)
         except Exception as exc:
             log.debug("semantic set failed (%s); not indexed", type(exc).__name__)
             return
         before = len(self.index)
-        self._saw(key)
+        self._saw(token)
         self.index.add(probe.partition, key, probe.vector, probe.text, ttl)
         self._entries_changed(before)
 
@@ -402,15 +435,14 @@ class SemanticCache:
         return lambda payload: self.store(probe, "sse", content_type, payload)
 
     def replay(self, probe: Probe) -> tuple[dict[str, str], bytes | None, Iterator[bytes] | None]:
-        """Headers and body or stream of a hit."""
-        entry = probe.entry
-        assert entry is not None
-        headers = {"Content-Type": entry.content_type, "X-Cache": "HIT",
+        """Headers and body or stream of a hit, in the shape the request asked for."""
+        assert probe.answer is not None
+        content_type, body, stream = probe.answer
+        headers = {"Content-Type": content_type, "X-Cache": "HIT",
                    "X-Cache-Mode": SEMANTIC, "X-Cache-Similarity": f"{probe.score:.4f}"}
-        if entry.kind == "sse":
+        if stream is not None:
             headers["Cache-Control"] = "no-cache"
-            return headers, None, entry.events()
-        return headers, entry.payload, None
+        return headers, body, stream
 
     # --- admin ------------------------------------------------------------------------------
 
@@ -444,5 +476,36 @@ class SemanticCache:
                        "false_hit_gate": sem.false_hit_gate},
         }
 
+    def reconfigure(self, new: RouterConfig) -> bool:
+        """Apply a reloaded config, keeping the index; False when this cache cannot carry
+        over (the path is now off, or the embedding backend or model changed: vectors of
+        another model are not comparable) and the caller builds a new one.
+
+        Threshold, gate, ``ttl`` (new entries), ``max_input_bytes`` apply at once;
+        ``max_entries`` evicts the oldest entries down to the new bound; a changed
+        ``embedding_timeout_ms`` or backend connection setting gets a new embedding client.
+        """
+        cache, sem = new.response_cache, new.response_cache.semantic
+        old = self.settings
+        if not (cache.enabled and sem.enabled) or sem.backend != old.backend \
+                or sem.embedding_model != old.embedding_model:
+            return False
+        backend = next((b for b in new.backends if b.name == sem.backend), None)
+        if backend is None:
+            return False
+        if backend != self.backend or sem.embedding_timeout_ms != old.embedding_timeout_ms:
+            self.client.close()
+            self.client = EmbeddingClient(backend, sem.embedding_model or "",
+                                          sem.embedding_timeout_ms / 1000)
+            self.backend = backend
+        self.config, self.settings = cache, sem
+        before = len(self.index)
+        self.index.resize(sem.max_entries)
+        self._entries_changed(before)
+        return True
+
     def close(self) -> None:
+        """Close the embedding client; this worker's index size leaves the gauge."""
+        self.metrics.semantic_entries.dec(len(self.index))
+        self.index.clear()
         self.client.close()

@@ -1,6 +1,8 @@
 """The semantic cache through real gunicorn with the official ``openai`` SDK: paraphrase
 hits, partition isolation, the false-hit gate, embedding failures, TTL and ``max_entries``
-eviction, streamed replay, admin stats/invalidate, and sharing across workers via Redis.
+eviction, streamed replay (ending with a usage chunk), one entry for streamed and buffered
+requests, a reload that keeps the index, metrics, admin stats/invalidate, and sharing across
+workers via Redis.
 
 The embedding backend is a fake upstream (``internal: true``) answering with the
 simulator's deterministic embedder (64 dims): "How do I reset my password?" and "How can I
@@ -9,12 +11,14 @@ reset my password?" have a cosine of about 0.89, unrelated questions about 0.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 import openai
 import pytest
 import requests
+import yaml
 
 from continuum.devtools.fleet import metric_sum
 from continuum.devtools.procs import free_port
@@ -79,6 +83,10 @@ def test_paraphrase_hits_and_partitions_isolate(upstreams, router_factory) -> No
             ("HIT", "semantic")
     with _client(router, "key-globex") as other:
         assert _ask(other, PARA)[0] == "MISS"
+        # The internal embedding backend is never routed client traffic.
+        with pytest.raises(openai.NotFoundError):
+            other.chat.completions.create(model="embed-sim", temperature=0,
+                                          messages=[{"role": "user", "content": Q}])
     assert up.stats()["requests"] == 6
     text = router.metrics()
     assert metric_sum(text, "continuum_semantic_cache_requests_total", result="hit") == 2
@@ -106,7 +114,16 @@ def test_gate_refuses_negations_and_skips_are_counted(upstreams, router_factory)
     stats = _stats(router)["semantic"]
     assert stats["gate_refusals"] == {"negation": 1}
     assert stats["skips"] == {"too_long": 1}
+    assert stats["requests"] == {"hit": 0, "miss": 2, "skip": 1, "total": 3}
     assert emb.stats()["embeddings"] == 2
+    text = router.metrics()
+    assert metric_sum(text, "continuum_semantic_cache_skips_total", reason="too_long") == 1
+    assert metric_sum(text, "continuum_semantic_cache_gate_refusals_total",
+                      reason="negation") == 1
+    assert metric_sum(text, "continuum_semantic_cache_requests_total", result="miss") == 2
+    assert metric_sum(text, "continuum_semantic_cache_embedding_seconds_count") == 2
+    assert metric_sum(text, "continuum_semantic_cache_embedding_errors_total") == 0
+    assert metric_sum(text, "continuum_semantic_cache_index_entries") == 2
 
 
 @pytest.mark.parametrize("failure", ["down", "slow"])
@@ -151,21 +168,71 @@ def test_ttl_and_max_entries_evict(upstreams, router_factory) -> None:
     assert _stats(router)["semantic"]["evictions"] >= 1
 
 
+def _stream(client: openai.OpenAI, text: str) -> tuple[tuple[str, str | None], str, Any]:
+    """(X-Cache, X-Cache-Mode), the streamed text and the last chunk's usage."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="m", messages=[{"role": "user", "content": text}], temperature=0,
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(raw.parse())
+    return ((raw.headers["x-cache"], raw.headers.get("x-cache-mode")),
+            "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+            chunks[-1].usage)
+
+
 def test_streamed_answer_is_replayed_through_the_sdk(upstreams, router_factory) -> None:
+    """The fake upstream's stream has no usage chunk: the replay ends with one anyway,
+    estimated from the stored text (a quarter token per character)."""
     up, emb = upstreams("a"), upstreams("e")
     router = router_factory(_config(up, emb.url))
-    texts, caches = [], []
     with _client(router) as client:
-        for text in (Q, PARA):
-            raw = client.chat.completions.with_raw_response.create(
-                model="m", messages=[{"role": "user", "content": text}], temperature=0,
-                stream=True)
-            caches.append((raw.headers["x-cache"], raw.headers.get("x-cache-mode")))
-            texts.append("".join(c.choices[0].delta.content or "" for c in raw.parse()
-                                 if c.choices))
-    assert caches == [("MISS", None), ("HIT", "semantic")]
-    assert texts == ["t0 t1 t2 "] * 2
+        miss = _stream(client, Q)
+        hit = _stream(client, PARA)
+    assert miss[:2] == (("MISS", None), "t0 t1 t2 ") and miss[2] is None
+    assert hit[:2] == (("HIT", "semantic"), "t0 t1 t2 ")
+    assert hit[2] is not None
+    assert (hit[2].prompt_tokens, hit[2].completion_tokens) == \
+        (math.ceil(len(PARA) / 4), math.ceil(len("t0 t1 t2 ") / 4))
     assert up.stats()["requests"] == 1
+
+
+def test_one_entry_serves_streamed_and_buffered_requests(upstreams, router_factory) -> None:
+    """A buffered answer replays as a stream with the stored usage; a streamed one is
+    served to a buffered request as one body."""
+    up, emb = upstreams("a"), upstreams("e")
+    router = router_factory(_config(up, emb.url))
+    with _client(router) as client:
+        assert _ask(client, Q)[0] == "MISS"
+        cache, text, usage = _stream(client, PARA)
+        assert (cache, text) == (("HIT", "semantic"), "hello from a")
+        assert usage is not None
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (3, 2, 5)
+        assert _stream(client, OTHER)[0] == ("MISS", None)
+        assert _ask(client, OTHER_PARA) == ("HIT", "semantic", "t0 t1 t2 ")
+    assert up.stats()["requests"] == 2
+
+
+def test_reload_keeps_the_index_unless_the_embedding_model_changes(
+        upstreams, router_factory) -> None:
+    up, emb = upstreams("a"), upstreams("e")
+    router = router_factory(_config(up, emb.url))
+
+    def reload(**semantic: Any) -> None:
+        doc = yaml.safe_load(router.config_path.read_text())
+        doc["response_cache"]["semantic"].update(semantic)
+        router.config_path.write_text(yaml.safe_dump(doc))
+        reply = requests.post(router.url + "/admin/config/reload", timeout=10).json()
+        assert reply["success"] is True, reply
+
+    with _client(router) as client:
+        assert _ask(client, Q)[0] == "MISS"
+        reload(threshold=0.86)
+        stats = _stats(router)["semantic"]
+        assert stats["config"]["threshold"] == 0.86 and stats["index_entries"] == 1
+        assert _ask(client, PARA)[:2] == ("HIT", "semantic")
+        reload(embedding_model="embed-sim-2")  # other vectors: the index starts empty
+        assert _stats(router)["semantic"]["index_entries"] == 0
+        assert _ask(client, "how can i reset my password")[0] == "MISS"
+    assert metric_sum(router.metrics(), "continuum_semantic_cache_index_entries") == 1
 
 
 @pytest.mark.redis

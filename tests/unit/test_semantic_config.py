@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from continuum.config import parse_config
 from continuum.errors import ConfigError
@@ -59,3 +61,16 @@ def test_default_path_never_imports_numpy() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_example_config_semantic_block_is_valid_when_switched_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONTINUUM_ADMIN_TOKEN", "t")
+    path = Path(__file__).resolve().parents[2] / "conf" / "config.yaml.example"
+    doc = yaml.safe_load(path.read_text())
+    assert doc["response_cache"]["semantic"]["enabled"] is False  # off by default
+    doc["response_cache"]["enabled"] = doc["response_cache"]["semantic"]["enabled"] = True
+    sem = parse_config(doc).response_cache.semantic
+    assert (sem.backend, sem.embedding_model, sem.threshold, sem.max_entries, sem.ttl,
+            sem.embedding_timeout_ms, sem.max_input_bytes, sem.false_hit_gate) == \
+        ("embedder", "bge-m3", 0.92, 1000, 300.0, 2000, 8192, True)
