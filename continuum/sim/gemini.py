@@ -295,8 +295,10 @@ class FakeGemini:
         if cached_tokens:
             usage["cachedContentTokenCount"] = cached_tokens
         if call is not None:
-            parts = [{"functionCall": {"name": call, "args": {"query": last[:40]}}}]
-            pieces, finish = [], "STOP"
+            parts: list[dict[str, Any]] = [
+                {"functionCall": {"name": call, "args": {"query": last[:40]}}}]
+            pieces: list[str] = []
+            finish = "STOP"
             out_tokens = 8
         else:
             pieces, finish = self._generate(rng, int(config.get("maxOutputTokens") or 8192))
@@ -326,7 +328,7 @@ class FakeGemini:
         if conflicting:
             raise GeminiApiError(400, CACHE_CONFLICT)
         entry = self.caches.use(ref, model)
-        return entry.tokens, entry.system_text + "\n" + entry.contents_text
+        return entry.tokens, "\n".join(t for t in (entry.system_text, entry.contents_text) if t)
 
     def _generate(self, rng: random.Random, max_tokens: int) -> tuple[list[str], str]:
         length = rng.randint(8, 24)
@@ -349,7 +351,8 @@ class FakeGemini:
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             raise GeminiApiError(400, "Invalid JSON payload received: messages is required")
         model = self._check_model(_model_name(str(body.get("model", ""))), "generateContent")
-        system, texts = [], []
+        system: list[str] = []
+        texts: list[str] = []
         for message in body["messages"]:
             content = message.get("content") if isinstance(message, dict) else None
             text = content if isinstance(content, str) else "\n".join(

@@ -71,7 +71,7 @@ def min_cache_tokens(model: str) -> int:
 def rfc3339(epoch: float) -> str:
     """``epoch`` as Google writes timestamps: UTC, ``Z``, nanosecond digits."""
     whole = int(epoch)
-    nanos = int(round((epoch - whole) * 1e9))
+    nanos = round((epoch - whole) * 1e9)
     if nanos >= 1_000_000_000:
         whole, nanos = whole + 1, nanos - 1_000_000_000
     stamp = datetime.fromtimestamp(whole, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
@@ -79,7 +79,7 @@ def rfc3339(epoch: float) -> str:
 
 
 def parse_rfc3339(text: str) -> float:
-    """Epoch seconds of an RFC 3339 timestamp (``Z`` or an offset, 0–9 fraction digits).
+    """Epoch seconds of an RFC 3339 timestamp (``Z`` or an offset, 0-9 fraction digits).
 
     Raises:
         ValueError: not a timestamp.
