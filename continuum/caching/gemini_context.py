@@ -392,10 +392,11 @@ class GeminiContextCache:
             self._store_call(partial(_delete_key, MAP_PREFIX + key))
             if entry.name is not None:
                 calls.append(self._background(self._delete_remote, entry.backend, entry.name))
-        if calls:
+        waiting = [c for c in calls if hasattr(c, "join")]
+        if waiting:
             import gevent
 
-            gevent.joinall(calls, timeout=wait)
+            gevent.joinall(waiting, timeout=wait)
         return len(entries)
 
     def stats(self) -> dict[str, Any]:
