@@ -5,7 +5,6 @@ drives it, caches create/get/list/update/delete and ``generate_content`` with
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from google import genai
