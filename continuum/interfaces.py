@@ -209,6 +209,16 @@ class CacheStore(abc.ABC):
     def set(self, key: str, value: bytes, ttl: float) -> None:
         """Store ``value`` under ``key`` for ``ttl`` seconds."""
 
+    def add(self, key: str, value: bytes, ttl: float) -> bool:
+        """Store ``value`` under ``key`` for ``ttl`` seconds only if ``key`` is absent;
+        whether it was stored. A shared store makes this atomic across processes (Redis:
+        ``SET NX EX``): it is the Gemini context cache's single-flight lock. The default
+        (get, then set) is atomic only within one gevent worker."""
+        if self.get(key) is not None:
+            return False
+        self.set(key, value, ttl)
+        return True
+
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove ``key`` if present."""

@@ -12,6 +12,7 @@ from continuum import views
 from continuum.auth import ClientAuth
 from continuum.cache_salt import make_salt
 from continuum.caching.cache_key import cache_key
+from continuum.caching.gemini_context import GeminiContextCache
 from continuum.caching.response_cache import BYPASS, HIT, MISS, ResponseCache
 from continuum.config import restart_required
 from continuum.config.fields import keep_restart_fields, walk
@@ -32,6 +33,7 @@ from continuum.routing.forwarder import (
     anthropic_error_event,
     openai_error_event,
 )
+from continuum.routing.gemini_dispatch import GeminiGateway, GeminiMetrics
 from continuum.routing.health import HealthMonitor
 from continuum.routing.selection import SelectionPipeline
 
@@ -118,6 +120,26 @@ class RouterService:
         self.semantic = self._build_semantic(config)
         self._build_kv_tier(config)
         self._build_scorers(config)
+        self._build_gemini(config)
+
+    def _build_gemini(self, config: RouterConfig) -> None:
+        """``type: gemini`` backends: the gateway, and the context-cache manager when
+        ``gemini_context_cache.enabled`` (nothing is built for a fleet without them). The
+        manager shares its map through the response-cache store when that is shared."""
+        self.gemini: GeminiGateway | None = None
+        self.gemini_context: GeminiContextCache | None = None
+        gemini_backends = [b for b in self.pool if b.config.type == "gemini"]
+        if not gemini_backends:
+            return
+        settings = config.gemini_context_cache
+        gmetrics = GeminiMetrics(self.metrics)
+        if settings.enabled:
+            shared = config.response_cache.backend != "memory"
+            self.gemini_context = GeminiContextCache(
+                settings, gmetrics,
+                shared=(lambda: self.response_cache.store) if shared else None)
+            self.gemini_context.register_backends(gemini_backends)
+        self.gemini = GeminiGateway(self.forwarder, settings, gmetrics, self.gemini_context)
 
     def _collaborators(self) -> dict[str, Any]:
         """What every scorer, store and index plugin is built with (``from_config``)."""
@@ -207,6 +229,8 @@ class RouterService:
         self.response_cache.store.close()
         if self.semantic is not None:
             self.semantic.close()
+        if self.gemini_context is not None:
+            self.gemini_context.close()
         self.forwarder.close()
         self.resources.close()  # whatever a plugin did not hand back
 
@@ -299,15 +323,19 @@ class RouterService:
         headers = upstream.headers()
         headers["X-Continuum-Backend"] = upstream.backend.name
         content_type = headers.get("content-type", "application/json")
+        adapter = upstream.adapter
         if ctx.stream and upstream.status == 200:
             stream = self.forwarder.relay(upstream, error_event)
+            if adapter is not None:
+                stream = adapter.stream(stream, upstream)
             if cache is not None:
                 done = None if probe is None or self.semantic is None else \
                     self.semantic.stream_done(probe, content_type)
                 stream = cache.tee_stream(ctx, stream, content_type,
                                           lambda: upstream.completed, done)
             return ProxyResult(200, headers, stream=stream)
-        data = self.forwarder.read_all(upstream)
+        data = self.forwarder.read_all(upstream) if adapter is None else \
+            adapter.read(self.forwarder, upstream)
         if cache is not None and not ctx.stream:
             cache.store_body(ctx, upstream.status, content_type, data)
             if probe is not None and self.semantic is not None:
@@ -329,14 +357,20 @@ class RouterService:
         backend = select(candidates, ctx)
         self._routed(ctx, backend)
         try:
-            return forwarder.send(backend, ctx, path, self._body_for(ctx, backend), headers)
+            return self._send_to(backend, ctx, path, headers)
         except UpstreamConnectError:
             if not forwarder.may_retry(candidates):
                 raise
             forwarder.retrying(backend, ctx)
         backend = select([b for b in candidates if b is not backend], ctx)
         self._routed(ctx, backend)
-        return forwarder.send(backend, ctx, path, self._body_for(ctx, backend), headers)
+        return self._send_to(backend, ctx, path, headers)
+
+    def _send_to(self, backend: Backend, ctx: RequestContext, path: str,
+                 headers: dict[str, str] | None) -> Upstream:
+        if self.gemini is not None and backend.config.type == "gemini":
+            return self.gemini.send(backend, ctx, path, headers)
+        return self.forwarder.send(backend, ctx, path, self._body_for(ctx, backend), headers)
 
     def _routed(self, ctx: RequestContext, backend: Backend) -> None:
         """With chain matching, the chain scorer records the route in the index
@@ -533,3 +567,13 @@ class RouterService:
         """
         cleared = self.response_cache.clear()
         return cleared, self.semantic.clear() if self.semantic is not None else 0
+
+    def gemini_context_stats(self) -> dict[str, Any]:
+        """``/admin/gemini-context-cache/stats`` (``{"enabled": false}`` when off)."""
+        if self.gemini_context is None:
+            return {"enabled": False}
+        return self.gemini_context.stats()
+
+    def clear_gemini_context(self) -> int | None:
+        """Drop the Gemini cache map and DELETE its resources; None when it is off."""
+        return None if self.gemini_context is None else self.gemini_context.clear()

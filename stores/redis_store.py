@@ -201,6 +201,24 @@ class RedisCacheStore(CacheStore):
         if self._fallback is not None:
             self._fallback.set(key, value, ttl)
 
+    def add(self, key: str, value: bytes, ttl: float) -> bool:
+        """``SET key value NX EX ceil(ttl)``: stored only when absent (atomic for every
+        worker and router on this Redis); during an outage, in the fallback store only.
+
+        Raises:
+            StoreError: Redis answered with an error.
+        """
+        if not self._link.fallback_active:
+            full, seconds = self.full_key(key), max(1, math.ceil(ttl))
+            try:
+                return bool(self._run("add", lambda c: c.set(full, value, ex=seconds, nx=True)))
+            except StoreError as exc:
+                if exc.kind not in UNREACHABLE:
+                    raise
+        if self._fallback is None:
+            return True
+        return self._fallback.add(key, value, ttl)
+
     def delete(self, key: str) -> None:
         """``UNLINK`` the key (and drop it from the fallback during an outage).
 

@@ -20,7 +20,7 @@ from continuum.config.fields import (
 )
 
 NAME_PATTERN = r"[A-Za-z0-9_-]{1,64}"
-BACKEND_TYPES = ("openai", "anthropic")
+BACKEND_TYPES = ("openai", "anthropic", "gemini")
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,8 @@ class BackendConfig:
         doc="models served; empty = discovered from the backend's /v1/models",
     )
     weight: int = setting(1, doc="relative weight for weighted strategies", min=1, max=10000)
-    api_key: str | None = setting(None, doc="API key sent upstream", secret=True)
+    api_key: str | None = setting(None, doc="API key sent upstream (x-goog-api-key for "
+                                  "type: gemini)", secret=True)
     api_key_env: str | None = setting(None, doc="environment variable holding the API key",
                                       env_var=True)
     connect_timeout_ms: int = setting(
@@ -609,6 +610,34 @@ class AdminConfig:
                         "admin.token or admin.token_env to use them")
 
 
+@dataclass(frozen=True)
+class GeminiContextCacheConfig:
+    """``gemini_context_cache``: server-side ``cachedContents`` for large, repeated system
+    prompts sent to ``type: gemini`` backends (read once at start)."""
+
+    enabled: bool = setting(False, doc="create and reuse cachedContents for type: gemini "
+                            "backends", restart=True)
+    min_prefix_bytes: int = setting(
+        16384, doc="smallest system prompt (UTF-8 bytes) worth caching; approximates "
+        "Google's per-model minimum token count", min=1024, max=1024**3, restart=True)
+    ttl: float = setting(600.0, doc="TTL of a created cachedContents resource", min=60,
+                         max=30 * 86400, duration=True, restart=True)
+    extend_on_hit: bool = setting(
+        False, doc="PATCH the TTL in the background when a hit finds <= 20% of it left",
+        restart=True)
+    max_entries: int = setting(1000, doc="entries (negative ones included) before LRU "
+                               "eviction, which DELETEs the resource", min=10,
+                               max=1_000_000, restart=True)
+    create_timeout_ms: int = setting(5000, doc="timeout of the cachedContents create call",
+                                     min=500, max=60000, restart=True)
+    negative_ttl_seconds: int = setting(
+        600, doc="how long a prefix Google refused (400) is not tried again", min=1,
+        max=30 * 86400, restart=True)
+    prefer_native_api: bool = setting(
+        False, doc="send chat completions to native generateContent / "
+        "streamGenerateContent instead of /v1beta/openai/chat/completions", restart=True)
+
+
 #: ``scorers`` by default: the built-in KV overlap scorer, which acts only when
 #: ``kv_cache_index.enabled`` gives it an index.
 DEFAULT_SCORERS: tuple[str, ...] = ("KvOverlap",)
@@ -646,6 +675,8 @@ class RouterConfig:
         default_factory=KvCacheIndexConfig, doc="Tier 4: backend KV cache index"
     )
     admin: AdminConfig = setting(default_factory=AdminConfig, doc="admin API")
+    gemini_context_cache: GeminiContextCacheConfig = setting(
+        default_factory=GeminiContextCacheConfig, doc="Gemini cachedContents manager")
 
     def check(self, path: str, issues: Issues) -> None:
         seen: dict[str, int] = {}
@@ -680,6 +711,10 @@ class RouterConfig:
                         "the KV scorer only runs with prefix_routing.enabled: true")
         self._check_scorers(issues)
         self._check_semantic(issues)
+        if self.gemini_context_cache.enabled and not any(
+                b is not None and b.type == "gemini" for b in self.backends):
+            issues.warn("gemini_context_cache.enabled", "no type: gemini backend; nothing "
+                        "will be cached")
         if kv.cache_salt.enabled and kv.cache_salt.per_tenant:
             if not self.prefix_routing.enabled:
                 issues.warn("kv_cache_index.cache_salt.per_tenant", "salts are only issued "

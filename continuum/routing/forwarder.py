@@ -37,7 +37,7 @@ import ssl
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from continuum.errors import (
@@ -112,6 +112,9 @@ class Upstream:
     request_id: str = ""
     #: Set by :meth:`Forwarder.relay` when the upstream body ended normally.
     completed: bool = False
+    #: Translates the answer for the client (``type: gemini``, see
+    #: :mod:`continuum.routing.gemini_dispatch`); None: relayed as it is.
+    adapter: Any = None
 
     @property
     def status(self) -> int:
@@ -225,6 +228,9 @@ class Forwarder:
             headers["anthropic-version"] = cfg.anthropic_version
             if key:
                 headers["x-api-key"] = key
+        elif cfg.type == "gemini":
+            if key:
+                headers["x-goog-api-key"] = key
         elif key:
             headers["Authorization"] = f"Bearer {key}"
         if extra_headers:

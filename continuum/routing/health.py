@@ -131,6 +131,11 @@ class HealthMonitor:
             headers["anthropic-version"] = backend.config.anthropic_version
             if key:
                 headers["x-api-key"] = key
+        elif backend.config.type == "gemini":
+            # Google has no health path either; models.list is free (x-goog-api-key).
+            path = "/v1beta/models"
+            if key:
+                headers["x-goog-api-key"] = key
         elif key:
             headers["Authorization"] = f"Bearer {key}"
         try:
@@ -138,6 +143,10 @@ class HealthMonitor:
             ok = resp.status_code < 400
             if ok and path == "/v1/models":
                 backend.discovered_models = _model_ids(resp)
+            elif ok and path == "/v1beta/models":
+                backend.discovered_models = frozenset(
+                    str(m.get("name", "")).removeprefix("models/")
+                    for m in resp.json().get("models", []) if isinstance(m, dict)) - {""}
             elif ok and not backend.config.models:
                 models = self._session.get(
                     backend.url + "/v1/models", timeout=timeout, headers=headers

@@ -154,6 +154,14 @@ class CacheStoreCases(Contract):
         store.set("k", b"second", LONG_TTL)
         assert store.get("k") == b"second"
 
+    def test_add_stores_only_an_absent_key(self) -> None:
+        store = self.new_store()
+        assert store.add("lock", b"first", LONG_TTL) is True
+        assert store.add("lock", b"second", LONG_TTL) is False
+        assert store.get("lock") == b"first"
+        store.delete("lock")
+        assert store.add("lock", b"third", LONG_TTL) is True
+
     def test_delete_removes_only_that_key(self) -> None:
         store = self.new_store()
         store.set("gone", b"1", LONG_TTL)

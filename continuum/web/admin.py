@@ -202,6 +202,25 @@ class KvIndexClearResource(AdminResource):
         self._send(resp, {"success": True, **asdict(cleared)})
 
 
+class GeminiContextStatsResource(AdminResource):
+    """``GET /admin/gemini-context-cache/stats``: the seed's response shape (per worker)."""
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self._send(resp, self.service.gemini_context_stats())
+
+
+class GeminiContextClearResource(AdminResource):
+    """``POST /admin/gemini-context-cache/clear``: empty the map, DELETE its resources."""
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        cleared = self.service.clear_gemini_context()
+        if cleared is None:
+            self._send(resp, {"success": False,
+                              "error": "Gemini context cache is not enabled"})
+            return
+        self._send(resp, {"success": True, "cleared_entries": cleared})
+
+
 class _NoConfigFile(ContinuumError):
     status = 409
     error_type = "invalid_request_error"
@@ -222,6 +241,8 @@ def add_routes(
     app.add_route("/admin/kv-index/stats", KvIndexStatsResource(service))
     app.add_route("/admin/kv-index/backends", KvIndexBackendsResource(service))
     app.add_route("/admin/kv-index/clear", KvIndexClearResource(service))
+    app.add_route("/admin/gemini-context-cache/stats", GeminiContextStatsResource(service))
+    app.add_route("/admin/gemini-context-cache/clear", GeminiContextClearResource(service))
 
 
 __all__ = ["AdminDisabledError", "AdminGate", "AdminResource", "RequestError", "add_routes"]

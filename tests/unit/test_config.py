@@ -67,7 +67,7 @@ def test_types_ranges_choices_required() -> None:
     messages = {e.path: e.message for e in result.errors}
     assert messages["backends[0].name"].startswith("must match")
     assert messages["backends[0].weight"] == "expected an integer"
-    assert messages["backends[0].type"] == "must be one of 'openai', 'anthropic'"
+    assert messages["backends[0].type"] == "must be one of 'openai', 'anthropic', 'gemini'"
     assert messages["backends[1].name"] == "is required"
     assert "duration" in messages["health_check.interval_seconds"]
 

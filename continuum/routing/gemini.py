@@ -1,0 +1,380 @@
+"""Gemini's native API in OpenAI terms: request, answer and stream translation.
+
+With ``gemini_context_cache.prefer_native_api`` a chat completion for a ``type: gemini``
+backend goes to ``models/{m}:generateContent`` (``:streamGenerateContent?alt=sse`` when
+streamed); these functions translate both ways:
+
+* messages → ``contents`` (``user``/``model`` turns; assistant ``tool_calls`` →
+  ``functionCall`` parts, ``tool`` messages → ``functionResponse`` parts) and the system and
+  developer messages → ``systemInstruction``;
+* sampling parameters → ``generationConfig``; ``tools`` → ``functionDeclarations``;
+  ``tool_choice`` → ``toolConfig.functionCallingConfig``;
+* ``candidates`` → ``choices`` with their finish reasons; ``usageMetadata`` → ``usage``, where
+  ``prompt_tokens`` stays the whole prompt (Google's ``promptTokenCount`` includes cached
+  tokens) and ``prompt_tokens_details.cached_tokens`` is ``cachedContentTokenCount``, from a
+  ``cachedContents`` hit or Gemini 2.5+'s implicit caching alike;
+* ``alt=sse`` records → ``chat.completion.chunk`` events, then one usage chunk and
+  ``[DONE]``; Google's error bodies → OpenAI's.
+
+Everything else a client sends that has no native equivalent is dropped (``user``,
+``store``, ``metadata``…); ``logit_bias`` and ``stream_options`` have no meaning here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from continuum.prefix import content_text
+from continuum.wire.sse import SseParser
+
+_SYSTEM_ROLES = ("system", "developer")
+FINISH_REASONS = {
+    "STOP": "stop", "MAX_TOKENS": "length", "SAFETY": "content_filter",
+    "RECITATION": "content_filter", "BLOCKLIST": "content_filter",
+    "PROHIBITED_CONTENT": "content_filter", "SPII": "content_filter",
+    "IMAGE_SAFETY": "content_filter", "LANGUAGE": "content_filter",
+}
+_GENERATION_KEYS = (
+    ("temperature", "temperature"), ("top_p", "topP"), ("n", "candidateCount"),
+    ("presence_penalty", "presencePenalty"), ("frequency_penalty", "frequencyPenalty"),
+    ("seed", "seed"), ("logprobs", "responseLogprobs"), ("top_logprobs", "logprobs"),
+)
+_TOOL_MODES = {"none": "NONE", "auto": "AUTO", "required": "ANY"}
+
+
+def system_prompt(body: dict[str, Any]) -> str | None:
+    """The whole system prompt of an OpenAI chat body: its leading system/developer
+    messages' text joined with ``\\n``; None when it has none, when one of them is not
+    plain text, or when a system message comes later in the conversation (it could not be
+    moved into a cache without changing the conversation)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    texts: list[str] = []
+    leading = True
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        if message.get("role") in _SYSTEM_ROLES:
+            if not leading:
+                return None
+            content = message.get("content")
+            text = content_text(content)
+            if text is None or (isinstance(content, list) and any(
+                    not isinstance(p, dict) or p.get("type", "text") != "text"
+                    for p in content)):
+                return None
+            texts.append(text)
+        else:
+            leading = False
+    return "\n".join(texts) if texts else None
+
+
+def without_system(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` without its (leading) system and developer messages."""
+    messages = [m for m in body.get("messages", [])
+                if not (isinstance(m, dict) and m.get("role") in _SYSTEM_ROLES)]
+    return {**body, "messages": messages}
+
+
+def _parts(content: Any) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"text": content}] if content else []
+    parts: list[dict[str, Any]] = []
+    for part in content if isinstance(content, list) else []:
+        if not isinstance(part, dict):
+            continue
+        kind = part.get("type", "text")
+        if kind in ("text", "input_text") and isinstance(part.get("text"), str):
+            parts.append({"text": part["text"]})
+        elif kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if isinstance(url, str) and url.startswith("data:") and ";base64," in url:
+                mime, _, data = url[5:].partition(";base64,")
+                parts.append({"inlineData": {"mimeType": mime, "data": data}})
+            elif isinstance(url, str):
+                parts.append({"fileData": {"fileUri": url}})
+    return parts
+
+
+def _arguments(raw: Any) -> Any:
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw) if raw else {}
+        except ValueError:
+            return {"arguments": raw}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _contents(messages: list[Any]) -> list[dict[str, Any]]:
+    """The conversation as ``contents``; consecutive turns of one role are merged."""
+    names: dict[str, str] = {}
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        if not isinstance(message, dict) or message.get("role") in _SYSTEM_ROLES:
+            continue
+        role = message.get("role")
+        if role == "assistant":
+            turn, parts = "model", _parts(message.get("content"))
+            for call in message.get("tool_calls") or []:
+                function = call.get("function") or {} if isinstance(call, dict) else {}
+                name = str(function.get("name", ""))
+                names[str(call.get("id", ""))] = name
+                parts.append({"functionCall": {"name": name,
+                                               "args": _arguments(function.get("arguments"))}})
+        elif role == "tool":
+            turn = "user"
+            name = names.get(str(message.get("tool_call_id", "")), message.get("name") or "")
+            text = content_text(message.get("content")) or ""
+            try:
+                result = json.loads(text)
+            except ValueError:
+                result = text
+            response = result if isinstance(result, dict) else {"content": result}
+            parts = [{"functionResponse": {"name": name, "response": response}}]
+        else:
+            turn, parts = "user", _parts(message.get("content"))
+        if not parts:
+            continue
+        if out and out[-1]["role"] == turn:
+            out[-1]["parts"].extend(parts)
+        else:
+            out.append({"role": turn, "parts": parts})
+    return out
+
+
+def _generation_config(body: dict[str, Any]) -> dict[str, Any]:
+    config: dict[str, Any] = {}
+    for ours, theirs in _GENERATION_KEYS:
+        if body.get(ours) is not None:
+            config[theirs] = body[ours]
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is not None:
+        config["maxOutputTokens"] = limit
+    stop = body.get("stop")
+    if stop is not None:
+        config["stopSequences"] = [stop] if isinstance(stop, str) else list(stop)
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
+        config["responseMimeType"] = "application/json"
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if schema is not None:
+            config["responseJsonSchema"] = schema
+    return config
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, dict[str, Any] | None]:
+    declarations = []
+    for tool in body.get("tools") or []:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and function.get("name"):
+            decl = {"name": function["name"]}
+            for key in ("description", "parameters"):
+                if function.get(key) is not None:
+                    decl[key] = function[key]
+            declarations.append(decl)
+    tools = [{"functionDeclarations": declarations}] if declarations else None
+    choice = body.get("tool_choice")
+    config: dict[str, Any] | None = None
+    if isinstance(choice, str) and choice in _TOOL_MODES:
+        config = {"functionCallingConfig": {"mode": _TOOL_MODES[choice]}}
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        config = {"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": [
+            choice["function"].get("name", "")]}}
+    return tools, config
+
+
+def to_native(body: dict[str, Any], cached_content: str | None = None) -> dict[str, Any]:
+    """A ``GenerateContentRequest`` for an OpenAI chat ``body``.
+
+    With ``cached_content`` the request references that cache and carries no
+    ``systemInstruction``, ``tools`` or ``toolConfig`` (Google refuses them together); the
+    caller only passes a cache whose system prompt is the request's.
+    """
+    native: dict[str, Any] = {"contents": _contents(body.get("messages") or [])}
+    config = _generation_config(body)
+    if config:
+        native["generationConfig"] = config
+    if cached_content is not None:
+        native["cachedContent"] = cached_content
+        return native
+    system = [content_text(m.get("content")) for m in body.get("messages") or []
+              if isinstance(m, dict) and m.get("role") in _SYSTEM_ROLES]
+    texts = [t for t in system if t]
+    if texts:
+        native["systemInstruction"] = {"parts": [{"text": t} for t in texts]}
+    tools, tool_config = _tools(body)
+    if tools:
+        native["tools"] = tools
+    if tool_config:
+        native["toolConfig"] = tool_config
+    return native
+
+
+def native_path(model: str, stream: bool) -> str:
+    """The native path for ``model``."""
+    name = model.removeprefix("models/")
+    return f"/v1beta/models/{name}:streamGenerateContent?alt=sse" if stream else \
+        f"/v1beta/models/{name}:generateContent"
+
+
+def usage(metadata: Any) -> dict[str, Any]:
+    """OpenAI ``usage`` from ``usageMetadata`` (thinking tokens count as completion)."""
+    meta = metadata if isinstance(metadata, dict) else {}
+    prompt = int(meta.get("promptTokenCount") or 0)
+    thoughts = int(meta.get("thoughtsTokenCount") or 0)
+    completion = int(meta.get("candidatesTokenCount") or 0) + thoughts
+    doc: dict[str, Any] = {
+        "prompt_tokens": prompt, "completion_tokens": completion,
+        "total_tokens": int(meta.get("totalTokenCount") or prompt + completion),
+        "prompt_tokens_details": {"cached_tokens": int(meta.get("cachedContentTokenCount")
+                                                       or 0)},
+    }
+    if thoughts:
+        doc["completion_tokens_details"] = {"reasoning_tokens": thoughts}
+    return doc
+
+
+def _message(candidate: dict[str, Any], index_base: int = 0) -> tuple[str | None,
+                                                                      list[dict[str, Any]]]:
+    parts = (candidate.get("content") or {}).get("parts") or []
+    texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
+             and not p.get("thought")]
+    calls: list[dict[str, Any]] = []
+    for part in parts:
+        call = part.get("functionCall") if isinstance(part, dict) else None
+        if isinstance(call, dict):
+            calls.append({"id": call.get("id") or f"call_{index_base + len(calls)}",
+                          "type": "function",
+                          "function": {"name": call.get("name", ""),
+                                       "arguments": json.dumps(call.get("args") or {})}})
+    return ("".join(texts) if texts else None), calls
+
+
+def finish_reason(candidate: dict[str, Any], has_calls: bool) -> str | None:
+    """OpenAI's ``finish_reason`` for a candidate (None while it is not finished)."""
+    reason = candidate.get("finishReason")
+    if reason is None:
+        return None
+    if has_calls and reason == "STOP":
+        return "tool_calls"
+    return FINISH_REASONS.get(reason, "stop")
+
+
+def from_native(doc: dict[str, Any], model: str) -> dict[str, Any]:
+    """A ``chat.completion`` for a ``GenerateContentResponse``."""
+    choices = []
+    for i, candidate in enumerate(doc.get("candidates") or []):
+        text, calls = _message(candidate)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = calls
+        choices.append({"index": candidate.get("index", i), "message": message,
+                        "finish_reason": finish_reason(candidate, bool(calls)) or "stop"})
+    return {"id": "chatcmpl-" + str(doc.get("responseId") or int(time.time() * 1e6)),
+            "object": "chat.completion", "created": int(time.time()),
+            "model": doc.get("modelVersion") or model, "choices": choices,
+            "usage": usage(doc.get("usageMetadata"))}
+
+
+def openai_error(status: int, data: bytes) -> bytes:
+    """An OpenAI error body for a Google one (``{"error": {code, message, status}}``, or a
+    list of them as the OpenAI-compatible surface sometimes sends); other bodies as they
+    are."""
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return data
+    if isinstance(doc, list) and doc and isinstance(doc[0], dict):
+        doc = doc[0]
+    error = doc.get("error") if isinstance(doc, dict) else None
+    if not isinstance(error, dict) or "type" in error:
+        return data
+    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    return json.dumps({"error": {"message": str(error.get("message", "")), "type": kind,
+                                 "code": error.get("status") or str(status),
+                                 "param": None}}).encode()
+
+
+class NativeStream:
+    """Translates one ``alt=sse`` stream into ``chat.completion.chunk`` events.
+
+    Each Google record gives one chunk per candidate (the first with the assistant role);
+    after the upstream ends, one chunk with empty ``choices`` and the ``usage`` of the last
+    ``usageMetadata`` seen, then ``data: [DONE]``. An ``{"error": …}`` record becomes an
+    OpenAI error event.
+    """
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.usage: dict[str, Any] | None = None
+        self._parser = SseParser()
+        self._id = "chatcmpl-" + str(int(time.time() * 1e6))
+        self._created = int(time.time())
+        self._started: set[int] = set()
+        self._calls: dict[int, int] = {}
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        doc = {"id": self._id, "object": "chat.completion.chunk", "created": self._created,
+               "model": self.model, "choices": choices, **extra}
+        return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        """The chunks ``piece`` completes."""
+        out = []
+        for record in self._parser.feed(piece):
+            if not record.data:
+                continue
+            try:
+                doc = json.loads(record.data)
+            except ValueError:
+                continue
+            if not isinstance(doc, dict):
+                continue
+            if "error" in doc:
+                error = doc["error"] if isinstance(doc["error"], dict) else {}
+                out.append(b"data: " + json.dumps({"error": {
+                    "message": str(error.get("message", "upstream error")),
+                    "type": "server_error", "code": error.get("status")}}).encode() + b"\n\n")
+                continue
+            if doc.get("responseId"):
+                self._id = "chatcmpl-" + str(doc["responseId"])
+            if doc.get("modelVersion"):
+                self.model = str(doc["modelVersion"])
+            if doc.get("usageMetadata"):
+                self.usage = usage(doc["usageMetadata"])
+            for i, candidate in enumerate(doc.get("candidates") or []):
+                out.append(self._candidate_chunk(candidate.get("index", i), candidate))
+        return out
+
+    def _candidate_chunk(self, index: int, candidate: dict[str, Any]) -> bytes:
+        base = self._calls.get(index, 0)
+        text, calls = _message(candidate, base)
+        delta: dict[str, Any] = {}
+        if index not in self._started:
+            self._started.add(index)
+            delta["role"] = "assistant"
+        if text:
+            delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [{"index": base + k, **call} for k, call in enumerate(calls)]
+            self._calls[index] = base + len(calls)
+        reason = finish_reason(candidate, self._calls.get(index, 0) > 0)
+        return self._chunk([{"index": index, "delta": delta, "finish_reason": reason}])
+
+    def finish(self) -> list[bytes]:
+        """The usage chunk and the end marker."""
+        final = [self._chunk([], usage=self.usage)] if self.usage is not None else []
+        return [*final, b"data: [DONE]\n\n"]
+
+    def translate(self, pieces: Iterator[bytes], completed: Any) -> Iterator[bytes]:
+        """Translate ``pieces``; the end chunks follow only when ``completed()`` says the
+        upstream ended normally (a broken stream already ended with an error event)."""
+        for piece in pieces:
+            yield from self.feed(piece)
+        if completed():
+            yield from self.finish()

@@ -1,0 +1,235 @@
+"""Sending a request to a ``type: gemini`` backend, with or without a context cache.
+
+One dispatch (:meth:`GeminiGateway.send`):
+
+1. The path: ``/v1beta/openai/...`` (the OpenAI-compatible surface), or for a chat
+   completion with ``prefer_native_api`` the native ``models/{m}:generateContent`` /
+   ``:streamGenerateContent?alt=sse``. The key goes as ``x-goog-api-key`` (the forwarder).
+2. For a chat completion without ``tools``, the context cache (when enabled) is asked for a
+   ``cachedContents`` reference for the request's whole system prompt. With one, the system
+   messages are stripped and the reference injected: ``extra_body.google.cached_content`` on
+   the OpenAI surface, top-level ``cachedContent`` (and no ``systemInstruction``, ``tools``,
+   ``toolConfig``) on the native one. Without one, the request goes as the client sent it
+   (the cache creates the resource in the background).
+3. When Google answers a request carrying a reference with "not found" (404, or 400/403 whose
+   message names the cached content), the cache drops that entry and the request is sent
+   once more without the reference: the client never sees that error.
+4. The answer goes back through a :class:`ResponseAdapter` on the upstream: native answers
+   and streams are translated to OpenAI's shapes, Google's errors to OpenAI's error body,
+   and the cached tokens of every answer are counted (metrics and the cache's stats).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+from prometheus_client import Counter
+
+from continuum.request import CHAT
+from continuum.routing import gemini
+
+if TYPE_CHECKING:
+    from continuum.config import GeminiContextCacheConfig
+    from continuum.metrics import RouterMetrics
+    from continuum.request import RequestContext
+    from continuum.routing.backends import Backend
+    from continuum.routing.forwarder import Forwarder, Upstream
+
+log = logging.getLogger(__name__)
+
+#: Statuses with which Google may say a referenced cache does not exist (any more).
+_MISSING_STATUSES = (400, 403, 404)
+
+
+class GeminiMetrics:
+    """The Gemini counters, registered on the router's registry (multiprocess-safe)."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+        r = metrics.registry
+        self.lookups = Counter(
+            "continuum_gemini_context_cache_requests_total",
+            "Gemini chat requests by context-cache result (hit, miss, ineligible, negative)",
+            ["backend", "result"], registry=r)
+        self.operations = Counter(
+            "continuum_gemini_context_cache_operations_total",
+            "cachedContents operations by kind (create, create_failure, eviction, extend, "
+            "delete, stale_retry)", ["backend", "operation"], registry=r)
+        self.cached_tokens = Counter(
+            "continuum_gemini_cached_tokens_total",
+            "Prompt tokens Gemini served from a cache (cachedContentTokenCount: explicit and "
+            "implicit caching)", ["backend"], registry=r)
+
+    def lookup(self, backend: str, result: str) -> None:
+        """Count one context-cache lookup."""
+        self.metrics.child(self.lookups, backend, result).inc()
+
+    def operation(self, backend: str, operation: str) -> None:
+        """Count one cachedContents operation."""
+        self.metrics.child(self.operations, backend, operation).inc()
+
+    def tokens(self, backend: str, count: int) -> None:
+        """Count cached prompt tokens of one answer."""
+        if count > 0:
+            self.metrics.child(self.cached_tokens, backend).inc(count)
+
+
+class ContextCache(Protocol):
+    """What the dispatcher needs of the context-cache manager (in ``continuum.caching``)."""
+
+    def reference(self, backend: Backend, model: str, system: str | None) -> str | None:
+        """The ``cachedContents/…`` name to use for this prompt, or None (then the request
+        goes unchanged; the manager may start creating one)."""
+
+    def invalidate(self, backend: Backend, model: str, system: str, name: str) -> None:
+        """Google said ``name`` does not exist: forget it."""
+
+    def observe_cached_tokens(self, backend: str, count: int) -> None:
+        """Cached tokens reported in one answer."""
+
+
+def is_missing_cache(status: int, data: bytes) -> bool:
+    """Whether an error answer to a request with a cache reference says the cache is gone
+    (expired, deleted, or never visible to this key): 404, or a 400/403 whose message
+    names the cached content."""
+    if status == 404:
+        return True
+    if status not in _MISSING_STATUSES:
+        return False
+    text = data[:4096].decode("utf-8", "replace").lower()
+    return ("cachedcontent" in text or "cached content" in text or "cached_content" in text) \
+        and any(word in text for word in ("not found", "expired", "permission denied",
+                                          "does not exist"))
+
+
+class ResponseAdapter:
+    """Reads or streams a Gemini answer back in OpenAI's shapes (see the module doc)."""
+
+    def __init__(self, backend: str, model: str, native: bool, count: Callable[[str, int],
+                                                                                 None],
+                 prefetched: bytes | None = None) -> None:
+        self.backend = backend
+        self.model = model
+        self.native = native
+        self.count = count
+        self.prefetched = prefetched
+
+    def read(self, forwarder: Forwarder, upstream: Upstream) -> bytes:
+        """The whole answer, translated (an error in OpenAI's error shape)."""
+        data = self.prefetched if self.prefetched is not None else forwarder.read_all(upstream)
+        if upstream.status >= 400:
+            return gemini.openai_error(upstream.status, data)
+        if not self.native:
+            self._count_openai(data)
+            return data
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            return data
+        if not isinstance(doc, dict):
+            return data
+        answer = gemini.from_native(doc, self.model)
+        self.count(self.backend, answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+        return json.dumps(answer).encode()
+
+    def _count_openai(self, data: bytes) -> None:
+        if b'"cached_tokens"' not in data:
+            return
+        try:
+            details = json.loads(data).get("usage", {}).get("prompt_tokens_details") or {}
+            self.count(self.backend, int(details.get("cached_tokens") or 0))
+        except (ValueError, AttributeError, TypeError):
+            pass
+
+    def stream(self, pieces: Iterator[bytes], upstream: Upstream) -> Iterator[bytes]:
+        """The answer's SSE events, translated when native; cached tokens counted."""
+        if not self.native:
+            return self._watch_openai(pieces)
+        translator = gemini.NativeStream(self.model)
+
+        def run() -> Iterator[bytes]:
+            yield from translator.translate(pieces, lambda: upstream.completed)
+            if translator.usage is not None:
+                self.count(self.backend,
+                           translator.usage["prompt_tokens_details"]["cached_tokens"])
+
+        return run()
+
+    def _watch_openai(self, pieces: Iterator[bytes]) -> Iterator[bytes]:
+        for piece in pieces:
+            if b'"cached_tokens"' in piece:
+                for line in piece.split(b"\n"):
+                    if line.startswith(b"data: {") and b'"cached_tokens"' in line:
+                        self._count_openai(line[6:])
+            yield piece
+
+
+class GeminiGateway:
+    """Sends requests to ``type: gemini`` backends (see the module doc)."""
+
+    def __init__(self, forwarder: Forwarder, settings: GeminiContextCacheConfig,
+                 metrics: GeminiMetrics, contexts: ContextCache | None = None) -> None:
+        self.forwarder = forwarder
+        self.settings = settings
+        self.metrics = metrics
+        self.contexts = contexts
+
+    def _count(self, backend: str, tokens: int) -> None:
+        self.metrics.tokens(backend, tokens)
+        if self.contexts is not None and tokens > 0:
+            self.contexts.observe_cached_tokens(backend, tokens)
+
+    def send(self, backend: Backend, ctx: RequestContext, path: str,
+             headers: dict[str, str] | None) -> Upstream:
+        """Send ``ctx`` to ``backend``; the upstream carries its :class:`ResponseAdapter`.
+
+        Raises:
+            UpstreamConnectError, UpstreamTimeoutError: as :meth:`Forwarder.send`.
+        """
+        chat = ctx.endpoint == CHAT
+        native = chat and self.settings.prefer_native_api
+        target = gemini.native_path(ctx.model, ctx.stream) if native else \
+            "/v1beta/openai" + path.removeprefix("/v1")
+        system: str | None = None
+        name: str | None = None
+        if chat and self.contexts is not None:
+            system = None if ctx.body.get("tools") else gemini.system_prompt(ctx.body)
+            name = self.contexts.reference(backend, ctx.model, system)
+        upstream = self.forwarder.send(backend, ctx, target,
+                                       self._body(ctx, native, name), headers)
+        prefetched = None
+        if name is not None and upstream.status in _MISSING_STATUSES:
+            data = self.forwarder.read_all(upstream)
+            if is_missing_cache(upstream.status, data):
+                assert self.contexts is not None and system is not None
+                log.info("request %s: %s answered %d for %s; sending it without the cache",
+                         ctx.request_id, backend.name, upstream.status, name)
+                self.contexts.invalidate(backend, ctx.model, system, name)
+                self.metrics.operation(backend.name, "stale_retry")
+                upstream = self.forwarder.send(backend, ctx, target,
+                                               self._body(ctx, native, None), headers)
+            else:
+                prefetched = data
+        upstream.adapter = ResponseAdapter(backend.name, ctx.model, native, self._count,
+                                           prefetched)
+        return upstream
+
+    @staticmethod
+    def _body(ctx: RequestContext, native: bool, name: str | None) -> bytes:
+        if native:
+            body = gemini.without_system(ctx.body) if name is not None else ctx.body
+            return json.dumps(gemini.to_native(body, name)).encode()
+        if name is None:
+            return ctx.raw
+        stripped = gemini.without_system(ctx.body)
+        extra = dict(stripped.get("extra_body") or {})
+        extra["google"] = {**(extra.get("google") or {}), "cached_content": name}
+        return json.dumps({**stripped, "extra_body": extra}).encode()
+
+
+def upstream_adapter(upstream: Upstream) -> Any:
+    """The adapter a gateway attached to ``upstream``, or None."""
+    return getattr(upstream, "adapter", None)

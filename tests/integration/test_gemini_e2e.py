@@ -1,0 +1,280 @@
+"""``type: gemini`` backends and the context-cache manager through real gunicorn -k gevent,
+driven by the official openai SDK, against the fake Gemini API in its own process (what the
+router sent it is read back from ``/_sim/received``, its cache counters from
+``/_sim/stats``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import requests
+
+from continuum.devtools.gemini_fake import FakeGeminiProcess
+from continuum.devtools.procs import wait_until
+from continuum.devtools.redis_server import unique_prefix
+
+pytestmark = pytest.mark.e2e
+
+KEY = "AIza-upstream-key"
+MODEL = "gemini-2.5-flash"
+LONG_SYSTEM = "You are the support assistant of the router; answer from its manual. " * 40
+CHAT = "/v1beta/openai/chat/completions"
+
+
+@pytest.fixture
+def gemini_factory(tmp_path: Path) -> Iterator[Callable[..., FakeGeminiProcess]]:
+    """Start fake Gemini APIs (``min_cache_tokens`` 100 unless given); stopped at the end."""
+    started: list[FakeGeminiProcess] = []
+
+    def start(**kwargs: Any) -> FakeGeminiProcess:
+        kwargs.setdefault("min_cache_tokens", 100)
+        fake = FakeGeminiProcess(tmp_path, api_key=KEY, **kwargs)
+        started.append(fake)
+        return fake
+
+    yield start
+    for fake in started:
+        fake.stop()
+
+
+def _config(fake: FakeGeminiProcess, **cache: Any) -> dict[str, Any]:
+    return {
+        "backends": [{"name": "gem", "url": fake.url, "type": "gemini", "api_key": KEY,
+                      "models": [MODEL]}],
+        "health_check": {"interval_seconds": 0.5},
+        "gemini_context_cache": {"enabled": True, "min_prefix_bytes": 1024, **cache},
+    }
+
+
+def _client(router: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=router.url + "/v1", api_key="client", max_retries=0)
+
+
+def _ask(client: openai.OpenAI, question: str = "How do I clear the cache?",
+         system: str = LONG_SYSTEM, **extra: Any) -> Any:
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": system},
+                               {"role": "user", "content": question}], **extra)
+
+
+def _stats(router: Any) -> dict[str, Any]:
+    return requests.get(router.url + "/admin/gemini-context-cache/stats", timeout=5).json()
+
+
+def _wait_entries(router: Any, count: int, field: str = "entries") -> dict[str, Any]:
+    return wait_until(lambda: (s := _stats(router))[field] == count and s["in_flight"] == 0
+                      and s, f"{count} {field} in the Gemini cache map")
+
+
+def _last_chat_body(fake: FakeGeminiProcess, part: str = CHAT) -> dict[str, Any]:
+    return fake.received(part, "POST")[-1]["body"]  # type: ignore[no-any-return]
+
+
+def test_first_request_is_unmodified_creation_single_flight_then_reference(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    fake = gemini_factory()
+    router = router_factory(_config(fake))
+    client = _client(router)
+    with ThreadPoolExecutor(20) as pool:
+        answers = list(pool.map(lambda i: _ask(client, f"Question {i}?"), range(20)))
+    assert all(a.choices[0].message.content for a in answers)
+    _wait_entries(router, 1)
+    assert fake.stats()["created"] == 1  # single-flight under 20 concurrent first requests
+    first = fake.received(CHAT, "POST")[0]
+    assert first["body"]["messages"][0] == {"role": "system", "content": LONG_SYSTEM}
+    assert "extra_body" not in first["body"]
+    assert first["headers"]["x-goog-api-key"] == KEY
+    assert "authorization" not in first["headers"]
+    create = fake.received("/cachedContents", "POST")
+    assert len(create) == 1
+    assert create[0]["path"] == "/v1beta/cachedContents"
+    assert create[0]["body"] == {"model": "models/" + MODEL, "ttl": "600s",
+                                 "systemInstruction": {"parts": [{"text": LONG_SYSTEM}]}}
+
+    later = _ask(client, "And how do I see its stats?")
+    body = _last_chat_body(fake)
+    name = body["extra_body"]["google"]["cached_content"]
+    assert name.startswith("cachedContents/")
+    assert [m["role"] for m in body["messages"]] == ["user"]
+    assert later.usage is not None and later.usage.prompt_tokens_details is not None
+    cached = later.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and cached > 0
+    assert later.usage.prompt_tokens > cached  # prompt_tokens stays the whole prompt
+
+    chunks = list(_ask(client, "Streamed?", stream=True,
+                       stream_options={"include_usage": True}))
+    final = chunks[-1]
+    assert final.usage is not None and final.usage.prompt_tokens_details is not None
+    assert final.usage.prompt_tokens_details.cached_tokens == cached
+    stats = _stats(router)
+    # the 20 concurrent requests missed until the create finished, then hit
+    assert stats["hits"] + stats["misses"] == 22 and stats["misses"] >= 1
+    assert stats["hits"] >= 2 and stats["creates"] == 1
+    assert stats["backends"]["gem"]["cached_tokens"] >= 2 * cached
+    metrics = router.metrics()
+    assert 'continuum_gemini_context_cache_requests_total{backend="gem",result="hit"} ' \
+        f'{stats["hits"]}.0' in metrics
+    assert 'continuum_gemini_context_cache_operations_total{backend="gem",' \
+        'operation="create"} 1.0' in metrics
+    assert 'continuum_gemini_cached_tokens_total{backend="gem"}' in metrics
+
+
+def test_native_surface_whole_and_streamed(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    fake = gemini_factory()
+    router = router_factory(_config(fake, prefer_native_api=True))
+    client = _client(router)
+    first = _ask(client, max_tokens=64, temperature=0.0)
+    body = _last_chat_body(fake, ":generateContent")
+    assert body["systemInstruction"] == {"parts": [{"text": LONG_SYSTEM}]}
+    assert body["contents"] == [{"role": "user",
+                                 "parts": [{"text": "How do I clear the cache?"}]}]
+    assert body["generationConfig"] == {"maxOutputTokens": 64, "temperature": 0.0}
+    assert first.choices[0].finish_reason == "stop" and first.choices[0].message.content
+    _wait_entries(router, 1)
+
+    hit = _ask(client, max_tokens=64, temperature=0.0)
+    body = _last_chat_body(fake, ":generateContent")
+    assert body["cachedContent"].startswith("cachedContents/")
+    assert "systemInstruction" not in body and "tools" not in body
+    assert hit.choices[0].message.content == first.choices[0].message.content
+    assert hit.usage is not None and hit.usage.prompt_tokens_details is not None
+    cached = hit.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and cached > 0
+    assert hit.usage.prompt_tokens == first.usage.prompt_tokens  # type: ignore[union-attr]
+
+    chunks = list(_ask(client, stream=True, max_tokens=64, temperature=0.0))
+    received = fake.received(":streamGenerateContent", "POST")[-1]
+    assert received["query"] == "alt=sse" and "cachedContent" in received["body"]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == first.choices[0].message.content
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens_details is not None
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+
+
+def test_refusal_is_negative_cached(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    fake = gemini_factory(min_cache_tokens=1_000_000)
+    router = router_factory(_config(fake))
+    client = _client(router)
+    _ask(client)
+    _wait_entries(router, 1, "negative_entries")
+    for i in range(3):
+        assert _ask(client, f"Again {i}?").choices[0].message.content
+    assert fake.stats()["refused"] == 1 and fake.stats()["created"] == 0
+    stats = _stats(router)
+    assert stats["negative"] == 3 and stats["create_failures"] == 1
+    assert "extra_body" not in _last_chat_body(fake)
+
+
+def test_lru_eviction_and_clear_send_delete(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    fake = gemini_factory()
+    router = router_factory(_config(fake, max_entries=10))
+    client = _client(router)
+    for i in range(11):
+        _ask(client, system=f"Prompt number {i}. " + LONG_SYSTEM)
+        _wait_entries(router, min(i + 1, 10))
+    wait_until(lambda: fake.stats()["deleted"] == 1, "the evicted cache's DELETE")
+    deleted = fake.received("/cachedContents/", "DELETE")
+    first = fake.received("/cachedContents", "POST")[0]
+    assert len(deleted) == 1
+    assert _stats(router)["evictions"] == 1
+    assert fake.stats()["live"] == 10
+    assert first["body"]["systemInstruction"]["parts"][0]["text"].startswith("Prompt number 0")
+
+    cleared = requests.post(router.url + "/admin/gemini-context-cache/clear", timeout=15).json()
+    assert cleared["success"] is True and cleared["cleared_entries"] == 10
+    assert fake.stats()["live"] == 0 and fake.stats()["deleted"] == 11
+    assert _stats(router)["entries"] == 0
+
+
+def test_expired_cache_retry_is_invisible(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    fake = gemini_factory()
+    router = router_factory(_config(fake))
+    client = _client(router)
+    _ask(client)
+    _wait_entries(router, 1)
+    name = fake.received("/cachedContents", "POST")[0]
+    listed = requests.get(fake.url + "/v1beta/cachedContents", timeout=5,
+                          headers={"x-goog-api-key": KEY}).json()["cachedContents"]
+    assert fake.expire(listed[0]["name"]) and name
+    answer = _ask(client, "After expiry?")
+    assert answer.choices[0].message.content
+    last_two = fake.received(CHAT, "POST")[-2:]
+    assert "extra_body" in last_two[0]["body"] and "extra_body" not in last_two[1]["body"]
+    assert fake.stats()["uses_of_missing"] == 1
+    assert 'operation="stale_retry"} 1.0' in router.metrics()
+    _wait_entries(router, 1)  # the next miss created a new one
+    assert fake.stats()["created"] == 2
+
+
+def test_extend_on_hit_sends_patch(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    # The fake's clock runs 590 s behind: its resources expire, by our clock, 10 s after
+    # creation, i.e. with under 20% of the 600 s TTL left at the first hit.
+    fake = gemini_factory(clock_offset=-590)
+    router = router_factory(_config(fake, extend_on_hit=True))
+    client = _client(router)
+    _ask(client)
+    _wait_entries(router, 1)
+    _ask(client, "A hit?")
+    wait_until(lambda: fake.stats()["patched"] == 1, "the PATCH of the TTL")
+    patch = fake.received("/cachedContents/", "PATCH")[0]
+    assert patch["query"] == "updateMask=ttl" and patch["body"] == {"ttl": "600s"}
+    assert 'operation="extend"} 1.0' in router.metrics()
+
+
+def test_two_workers_with_redis_create_one_resource(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any],
+    redis_server: Any,
+) -> None:
+    fake = gemini_factory()
+    cfg = _config(fake)
+    cfg["response_cache"] = {"backend": "redis", "redis": {
+        "url": redis_server.url, "key_prefix": unique_prefix()}}
+    router = router_factory(cfg, workers=2)
+    client = _client(router)
+    with ThreadPoolExecutor(20) as pool:
+        list(pool.map(lambda i: _ask(client, f"Question {i}?"), range(20)))
+    wait_until(lambda: fake.stats()["created"] >= 1, "the cache to be created")
+    for i in range(10):  # both workers now reuse the one resource
+        _ask(client, f"Later {i}?")
+    assert fake.stats()["created"] == 1
+    refs = {r["body"].get("extra_body", {}).get("google", {}).get("cached_content")
+            for r in fake.received(CHAT, "POST")[-6:]}
+    assert len(refs) == 1 and None not in refs
+
+
+def test_disabled_manager_and_models(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    fake = gemini_factory()
+    cfg = _config(fake)
+    cfg["gemini_context_cache"] = {"enabled": False}
+    router = router_factory(cfg)
+    assert _stats(router)["enabled"] is False
+    cleared = requests.post(router.url + "/admin/gemini-context-cache/clear", timeout=5).json()
+    assert cleared["success"] is False
+    assert cleared["error"] == "Gemini context cache is not enabled"
+    client = _client(router)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    _ask(client)
+    _ask(client)
+    assert fake.received("/cachedContents") == []
+    assert "extra_body" not in _last_chat_body(fake)

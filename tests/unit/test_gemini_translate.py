@@ -1,0 +1,173 @@
+"""OpenAI chat ↔ Gemini native translation, Google's errors, and the cache-miss verdict."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from continuum.config import parse_config
+from continuum.errors import ConfigError
+from continuum.routing import gemini
+from continuum.routing.gemini_dispatch import is_missing_cache
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Find a page",
+                                           "parameters": {"type": "object"}}}]
+
+
+def test_request_translation_maps_every_part() -> None:
+    body: dict[str, Any] = {
+        "model": "gemini-2.5-flash",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "developer", "content": [{"type": "text", "text": "Cite pages."}]},
+            {"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "lookup", "arguments": "{\"q\": \"x\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "{\"page\": 3}"},
+            {"role": "user", "content": "Thanks"},
+        ],
+        "temperature": 0.2, "top_p": 0.9, "max_completion_tokens": 50, "stop": "END",
+        "n": 1, "seed": 7, "presence_penalty": 0.1, "frequency_penalty": 0.3,
+        "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
+        "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "lookup"}},
+    }
+    native = gemini.to_native(body)
+    assert native["systemInstruction"] == {"parts": [{"text": "Be brief."},
+                                                     {"text": "Cite pages."}]}
+    assert native["contents"] == [
+        {"role": "user", "parts": [{"text": "What is this?"},
+                                   {"inlineData": {"mimeType": "image/png", "data": "AAAA"}}]},
+        {"role": "model", "parts": [{"functionCall": {"name": "lookup", "args": {"q": "x"}}}]},
+        {"role": "user", "parts": [{"functionResponse": {"name": "lookup",
+                                                         "response": {"page": 3}}},
+                                   {"text": "Thanks"}]},
+    ]
+    assert native["generationConfig"] == {
+        "temperature": 0.2, "topP": 0.9, "candidateCount": 1, "presencePenalty": 0.1,
+        "frequencyPenalty": 0.3, "seed": 7, "maxOutputTokens": 50, "stopSequences": ["END"],
+        "responseMimeType": "application/json", "responseJsonSchema": {"type": "object"}}
+    assert native["tools"] == [{"functionDeclarations": [{
+        "name": "lookup", "description": "Find a page", "parameters": {"type": "object"}}]}]
+    assert native["toolConfig"] == {"functionCallingConfig": {
+        "mode": "ANY", "allowedFunctionNames": ["lookup"]}}
+
+
+def test_cached_request_has_no_system_tools_or_tool_config() -> None:
+    body = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}],
+            "tools": TOOLS, "tool_choice": "required"}
+    native = gemini.to_native(gemini.without_system(body), "cachedContents/abc")
+    assert native == {"contents": [{"role": "user", "parts": [{"text": "Q"}]}],
+                      "cachedContent": "cachedContents/abc"}
+    assert gemini.to_native({"messages": [], "tool_choice": "none", "tools": TOOLS})[
+        "toolConfig"] == {"functionCallingConfig": {"mode": "NONE"}}
+
+
+@pytest.mark.parametrize(("google", "openai_reason", "calls"), [
+    ("STOP", "stop", False), ("MAX_TOKENS", "length", False), ("SAFETY", "content_filter", False),
+    ("RECITATION", "content_filter", False), ("STOP", "tool_calls", True),
+    ("OTHER", "stop", False)])
+def test_finish_reasons(google: str, openai_reason: str, calls: bool) -> None:
+    assert gemini.finish_reason({"finishReason": google}, calls) == openai_reason
+
+
+def test_answer_translation_with_cached_tokens_and_tool_calls() -> None:
+    doc = {"candidates": [{"index": 0, "finishReason": "STOP", "content": {"role": "model",
+           "parts": [{"text": "thinking", "thought": True}, {"text": "Hello"},
+                     {"functionCall": {"name": "lookup", "args": {"q": 1}}}]}}],
+           "usageMetadata": {"promptTokenCount": 5000, "cachedContentTokenCount": 4000,
+                             "candidatesTokenCount": 7, "thoughtsTokenCount": 3,
+                             "totalTokenCount": 5010},
+           "modelVersion": "gemini-2.5-flash", "responseId": "r1"}
+    answer = gemini.from_native(doc, "gemini-2.5-flash")
+    assert answer["id"] == "chatcmpl-r1" and answer["object"] == "chat.completion"
+    choice = answer["choices"][0]
+    assert choice["message"]["content"] == "Hello" and choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["tool_calls"] == [{"id": "call_0", "type": "function", "function": {
+        "name": "lookup", "arguments": "{\"q\": 1}"}}]
+    assert answer["usage"] == {"prompt_tokens": 5000, "completion_tokens": 10,
+                               "total_tokens": 5010,
+                               "prompt_tokens_details": {"cached_tokens": 4000},
+                               "completion_tokens_details": {"reasoning_tokens": 3}}
+
+
+def test_stream_translation_ends_with_usage_and_done() -> None:
+    records = [
+        {"candidates": [{"content": {"role": "model", "parts": [{"text": "Hel"}]}, "index": 0}],
+         "usageMetadata": {"promptTokenCount": 10}, "responseId": "x"},
+        {"candidates": [{"content": {"role": "model", "parts": [{"text": "lo"}]}, "index": 0,
+                         "finishReason": "MAX_TOKENS"}],
+         "usageMetadata": {"promptTokenCount": 10, "cachedContentTokenCount": 6,
+                           "candidatesTokenCount": 2, "totalTokenCount": 12}},
+    ]
+    raw = b"".join(b"data: " + json.dumps(r).encode() + b"\r\n\r\n" for r in records)
+    translator = gemini.NativeStream("m")
+    # split mid-record: the parser must hold the partial record
+    out = [*translator.feed(raw[:25]), *translator.feed(raw[25:]), *translator.finish()]
+    docs = [json.loads(o[len(b"data: "):]) for o in out[:-1]]
+    assert out[-1] == b"data: [DONE]\n\n"
+    assert [d["choices"][0]["delta"] for d in docs[:2]] == [
+        {"role": "assistant", "content": "Hel"}, {"content": "lo"}]
+    assert docs[1]["choices"][0]["finish_reason"] == "length"
+    assert docs[2]["choices"] == [] and docs[2]["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 6}
+    assert {d["id"] for d in docs} == {"chatcmpl-x"}
+
+
+def test_google_errors_become_openai_errors() -> None:
+    google = json.dumps({"error": {"code": 400, "message": "bad", "status": "INVALID_ARGUMENT"}})
+    doc = json.loads(gemini.openai_error(400, google.encode()))
+    assert doc == {"error": {"message": "bad", "type": "invalid_request_error",
+                             "code": "INVALID_ARGUMENT", "param": None}}
+    listed = gemini.openai_error(503, ("[" + google + "]").encode())
+    assert json.loads(listed)["error"]["type"] == "server_error"
+    assert gemini.openai_error(500, b"not json") == b"not json"
+
+
+@pytest.mark.parametrize(("status", "message", "missing"), [
+    (403, "CachedContent not found (or permission denied)", True),
+    (404, "anything", True),
+    (400, "Cached content cachedContents/x has expired", True),
+    (400, "CachedContent can not be used with GenerateContent request setting "
+          "system_instruction, tools or tool_config.", False),
+    (403, "API key not valid", False),
+    (429, "cachedContent not found", False)])
+def test_missing_cache_verdict(status: int, message: str, missing: bool) -> None:
+    body = json.dumps({"error": {"code": status, "message": message}}).encode()
+    assert is_missing_cache(status, body) is missing
+
+
+def test_system_prompt_rules() -> None:
+    assert gemini.system_prompt({"messages": [
+        {"role": "system", "content": "A"}, {"role": "developer", "content": "B"},
+        {"role": "user", "content": "Q"}]}) == "A\nB"
+    # a later system message, or a non-text system part, cannot be moved into a cache
+    assert gemini.system_prompt({"messages": [
+        {"role": "system", "content": "A"}, {"role": "user", "content": "Q"},
+        {"role": "system", "content": "C"}]}) is None
+    assert gemini.system_prompt({"messages": [{"role": "system", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}) is None
+    assert gemini.system_prompt({"messages": [{"role": "user", "content": "Q"}]}) is None
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("min_prefix_bytes", 1023, "between 1024"), ("ttl", "59s", "between 60"),
+    ("max_entries", 9, "between 10 and 1000000"), ("max_entries", 1_000_001, "between 10"),
+    ("create_timeout_ms", 499, "between 500 and 60000"),
+    ("create_timeout_ms", 60001, "between 500"), ("negative_ttl_seconds", 0, "between 1")])
+def test_config_ranges_name_the_key(key: str, value: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({"gemini_context_cache": {key: value}})
+    assert f"gemini_context_cache.{key}" in str(err.value) and message in str(err.value)
+
+
+def test_config_defaults_are_the_seeds() -> None:
+    settings = parse_config({}).gemini_context_cache
+    assert (settings.enabled, settings.min_prefix_bytes, settings.ttl, settings.extend_on_hit,
+            settings.max_entries, settings.create_timeout_ms, settings.negative_ttl_seconds,
+            settings.prefer_native_api) == (False, 16384, 600.0, False, 1000, 5000, 600, False)
+    assert parse_config({"gemini_context_cache": {"ttl": "10m"}}).gemini_context_cache.ttl == 600
