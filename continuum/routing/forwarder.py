@@ -69,13 +69,15 @@ CLIENT_CLOSED = 499
 class Lease:
     """One in-flight slot on a backend; :meth:`release` is idempotent."""
 
-    __slots__ = ("backend", "endpoint", "metrics", "released", "started")
+    __slots__ = ("backend", "endpoint", "metrics", "released", "started", "status")
 
     def __init__(self, backend: Backend, endpoint: str, metrics: RouterMetrics) -> None:
         self.backend = backend
         self.endpoint = endpoint
         self.metrics = metrics
         self.released = False
+        #: The status the attempt was recorded with, once released.
+        self.status: int | None = None
         self.started = time.perf_counter()
         backend.in_flight += 1
         metrics.child(metrics.in_flight, backend.name).inc()
@@ -90,15 +92,14 @@ class Lease:
         if self.released:
             return
         self.released = True
+        self.status = status
         backend, metrics = self.backend, self.metrics
         backend.in_flight -= 1
         elapsed = time.perf_counter() - self.started
         if ok is not None:
             backend.record(ok, elapsed if ok else None)
         metrics.child(metrics.in_flight, backend.name).dec()
-        metrics.child(metrics.requests, self.endpoint, backend.name, str(status)).inc()
-        metrics.child(metrics.duration, self.endpoint, backend.name).observe(elapsed)
-        metrics.worker_requests.inc()
+        metrics.child(metrics.upstream_attempts, self.endpoint, backend.name, str(status)).inc()
 
 
 @dataclass

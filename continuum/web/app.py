@@ -29,6 +29,7 @@ from continuum.web.http import (
     request_id_of,
     serialize_http_error,
 )
+from continuum.web.observe import Observer, configure_access_log
 from continuum.web.reload import ConfigReloader
 
 log = logging.getLogger(__name__)
@@ -52,10 +53,13 @@ class ProxyResource:
         if self.endpoint == rq.ANTHROPIC_MESSAGES:
             forward = {name: value for name in anthropic.FORWARDED_HEADERS
                        if (value := req.get_header(name))}
+        record = req.context.get("record")
+        if record is not None:
+            record.tenant = tenant
         ctx = service.admit(raw, self.endpoint, request_id_of(req), tenant=tenant,
                             cache_control=req.get_header("Cache-Control"),
                             forward_headers=forward)
-        result = service.proxy(ctx, self.path)
+        result = service.proxy(ctx, self.path, record)
         resp.status = result.status
         for name, value in result.headers.items():
             resp.set_header(name, value)
@@ -68,6 +72,8 @@ class ProxyResource:
 
 class ModelsResource:
     """``GET /v1/models``: the union of every routable backend's models."""
+
+    endpoint = "models"
 
     def __init__(self, service: RouterService) -> None:
         self.service = service
@@ -131,6 +137,7 @@ def create_app(
     app = RouterApp(media_type=JSON, middleware=[admin.AdminGate(service)])
     app.req_options.strip_url_path_trailing_slash = True
     app.add_middleware(RequestIdHeader())
+    app.add_middleware(Observer(metrics, config.server.access_log))
     app.add_error_handler(Exception, handle_unexpected)
     app.add_error_handler(ContinuumError, handle_continuum_error)
     app.set_error_serializer(serialize_http_error)
@@ -165,12 +172,15 @@ def get_app() -> RouterApp:
     )
     for warning in result.warnings:
         log.warning("config: %s", warning.render(result.source))
+    configure_access_log(config.server.access_log)
     metrics = RouterMetrics()
+    metrics.workers.set(1)
     service = RouterService(config, registry=registry, metrics=metrics)
     reloader = ConfigReloader(service, path)
     app = create_app(config, registry=registry, metrics=metrics, service=service,
                      reloader=reloader)
     service.start()
+    log.info("%s", service.summary())
     if config.server.watch_config:
         reloader.start(config.server.watch_interval_seconds)
     return app
