@@ -323,6 +323,10 @@ class RouterMetrics:
             multiprocess_mode="livesum",
             registry=r,
         )
+        # Series of fixed label values exist from the start, at zero: a rate() over them is
+        # 0, not "no data", before the first error.
+        for kind in ("connection", "timeout", "protocol", "other"):
+            self.redis_errors.labels(kind)
         self._children: dict[tuple[str, ...], Any] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:

@@ -152,6 +152,8 @@ class Forwarder:
         self.on_result = on_result
         self._pools: dict[str, upstream_http.ConnectionPool] = {}
         self._maxsize = maxsize
+        for backend in pool:  # at zero from the start: a rate() of 0, not "no data"
+            metrics.child(metrics.retries, backend.name)
 
     def connection_pool(self, backend: Backend) -> upstream_http.ConnectionPool:
         """The keep-alive connection pool of ``backend`` (created on first use)."""
