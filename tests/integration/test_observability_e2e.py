@@ -286,3 +286,18 @@ def test_request_id_echoed_in_errors_and_logged_with_the_access_line(
     log = router.proc.log_text()
     assert "backends: e=http://127.0.0.1:" in log and "strategy: " in log
     assert "response_cache=memory" in log
+
+
+def test_model_endpoints_the_sdks_call(router: RouterProcess) -> None:
+    client = _oai(router)
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    ant = anthropic.Anthropic(base_url=router.url + "/anthropic", api_key="x", max_retries=0)
+    assert [m.id for m in ant.models.list()] == [CLAUDE]
+    assert ant.models.retrieve(CLAUDE).id == CLAUDE
+    with pytest.raises(anthropic.NotFoundError):
+        ant.models.retrieve(MODEL)  # an OpenAI-side model is not an Anthropic one
+    text = router.metrics()
+    assert _count(text, "continuum_requests_total", endpoint="anthropic_models",
+                  status_class="4xx", outcome="router_error") == 1
