@@ -50,10 +50,25 @@ class RequestRecord:
     layer (id, endpoint, status) and the service (model, backend, decision, cache
     outcome, usage), then :meth:`RouterMetrics.observe_request` records it once."""
 
-    __slots__ = ("backend", "cache", "cache_creation_tokens", "cached_tokens",
-                 "completion_tokens", "decision", "endpoint", "first_byte", "finished",
-                 "lease", "model", "prompt_tokens", "request_id", "started", "status",
-                 "stream", "tenant")
+    __slots__ = (
+        "backend",
+        "cache",
+        "cache_creation_tokens",
+        "cached_tokens",
+        "completion_tokens",
+        "decision",
+        "endpoint",
+        "finished",
+        "first_byte",
+        "lease",
+        "model",
+        "prompt_tokens",
+        "request_id",
+        "started",
+        "status",
+        "stream",
+        "tenant",
+    )
 
     def __init__(self, endpoint: str, request_id: str = "") -> None:
         self.started = time.perf_counter()

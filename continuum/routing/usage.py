@@ -54,7 +54,7 @@ def _int(value: Any) -> int | None:
 def openai_usage(doc: dict[str, Any]) -> dict[str, int | None] | None:
     """OpenAI's ``usage`` object (``prompt_tokens`` marks it)."""
     usage = doc.get("usage")
-    if not isinstance(usage, dict) or "prompt_tokens" not in usage:
+    if not isinstance(usage, dict) or _int(usage.get("prompt_tokens")) is None:
         return None
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
@@ -87,7 +87,7 @@ def anthropic_usage(doc: dict[str, Any]) -> dict[str, int | None] | None:
 def gemini_usage(doc: dict[str, Any]) -> dict[str, int | None] | None:
     """Gemini's ``usageMetadata`` (``generateContent`` and each streamed chunk)."""
     meta = doc.get("usageMetadata")
-    if not isinstance(meta, dict) or "promptTokenCount" not in meta:
+    if not isinstance(meta, dict) or _int(meta.get("promptTokenCount")) is None:
         return None
     return {"prompt_tokens": _int(meta.get("promptTokenCount")),
             "cached_tokens": _int(meta.get("cachedContentTokenCount", 0)),

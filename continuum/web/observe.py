@@ -128,7 +128,7 @@ class Observer:
             mode = resp.get_header("X-Cache-Mode")
             record.cache = f"{mode}_hit" if mode and cache == "HIT" else cache.lower()
         stream = resp.stream
-        if stream is not None:
+        if stream is not None and not hasattr(stream, "read"):  # ours are iterators
             resp.stream = self._relay(stream, record)
         else:
             self.finish(record)

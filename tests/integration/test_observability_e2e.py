@@ -27,6 +27,7 @@ MODEL = "sim-model"
 CLAUDE = "claude-sonnet-4-6"
 ANT_KEY = "sk-ant-upstream"
 SYSTEM = "You are the operator's assistant for the Continuum router fleet. " * 40
+USER = [{"role": "user", "content": "x"}]
 LONG_SYSTEM = "You answer questions about the model cache of the router. " * 150
 
 
@@ -181,7 +182,7 @@ def test_every_request_counted_once_router_answers_and_retries_included(
     url = router.url + "/v1/chat/completions"
     ok = requests.post(url, json={"model": MODEL, "messages": [{"role": "user",
                                                                 "content": "hi"}]}, timeout=10)
-    unknown = requests.post(url, json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}, timeout=10)
+    unknown = requests.post(url, json={"model": "nope", "messages": USER}, timeout=10)
     bad = requests.post(url, data=b"{not json", timeout=10,
                         headers={"Content-Type": "application/json"})
     outage = requests.post(url, json={"model": "gone", "messages": [{"role": "user",
@@ -237,7 +238,7 @@ def test_request_id_echoed_in_errors_and_logged_with_the_access_line(
                              "auth": {"keys": [{"key": "tenant-key", "tenant": "acme"}]},
                              "response_cache": {"enabled": True}})
     url = router.url + "/v1/chat/completions"
-    missing = requests.post(url, json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}, timeout=10,
+    missing = requests.post(url, json={"model": "nope", "messages": USER}, timeout=10,
                             headers={"X-Request-Id": "client-req-1",
                                      "Authorization": "Bearer tenant-key"})
     assert missing.status_code == 404

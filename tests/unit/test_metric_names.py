@@ -84,11 +84,11 @@ def _exposed(name: str, kind: str) -> str:
 def _families(metrics: RouterMetrics) -> dict[str, tuple[str, str, list[str]]]:
     """name -> (type, help, label names) of every family the registry describes."""
     out = {}
-    for collector in list(metrics.registry._collector_to_names):  # noqa: SLF001
+    for collector in list(metrics.registry._collector_to_names):
         if isinstance(collector, Counter | Gauge | Histogram):
-            kind = collector._type  # noqa: SLF001
-            out[_exposed(collector._name, kind)] = (  # noqa: SLF001
-                kind, collector._documentation, list(collector._labelnames))  # noqa: SLF001
+            kind = collector._type
+            out[_exposed(collector._name, kind)] = (
+                kind, collector._documentation, list(collector._labelnames))
     return out
 
 
@@ -115,11 +115,11 @@ def test_names_labels_and_units_follow_prometheus_conventions() -> None:
 def _populated() -> bytes:
     """The exposition with a sample in every family (dummy label values)."""
     metrics = _metrics()
-    for collector in list(metrics.registry._collector_to_names):  # noqa: SLF001
+    for collector in list(metrics.registry._collector_to_names):
         if not isinstance(collector, Counter | Gauge | Histogram):
             continue
         target = collector.labels(*["x"] * len(collector._labelnames)) \
-            if collector._labelnames else collector  # noqa: SLF001
+            if collector._labelnames else collector
         if isinstance(target, Histogram):
             target.observe(0.5)
         else:
