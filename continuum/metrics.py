@@ -343,6 +343,7 @@ class RouterMetrics:
         for kind in ("connection", "timeout", "protocol", "other"):
             self.redis_errors.labels(kind)
         self._children: dict[tuple[str, ...], Any] = {}
+        self._bundles: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
         """The labelled child of ``metric``, cached (``labels()`` costs microseconds)."""
@@ -354,27 +355,40 @@ class RouterMetrics:
 
     def observe_request(self, record: RequestRecord) -> None:
         """Count a finished client request: once in ``continuum_requests_total``, its
-        duration and TTFT, and the tokens its answer reported."""
-        child = self.child
+        duration and TTFT, and the tokens its answer reported. The children of one label
+        combination are looked up once and kept together (one dict lookup per request)."""
         finished = record.finished = time.perf_counter()
         status = record.final_status
-        status_class = f"{status // 100}xx" if 100 <= status < 600 else "5xx"
-        child(self.requests, record.endpoint, status_class, record.outcome).inc()
-        backend = record.backend or ("cache" if record.decision == CACHE else NONE)
         decision = record.decision
-        child(self.duration, record.endpoint, backend, decision).observe(
-            finished - record.started)
+        backend = record.backend or ("cache" if decision == CACHE else NONE)
+        key = (record.endpoint, backend, decision, status // 100, record.outcome)
+        bundle = self._bundles.get(key)
+        if bundle is None:
+            bundle = self._bundles[key] = self._bundle(*key)
+        requests, duration, ttft, prompt, cached, created, completion = bundle
+        requests.inc()
+        duration.observe(finished - record.started)
         if record.stream and record.first_byte is not None:
-            child(self.ttft, record.endpoint, backend, decision).observe(
-                record.first_byte - record.started)
+            ttft.observe(record.first_byte - record.started)
         if record.prompt_tokens is not None:
-            child(self.prompt_tokens, backend, decision).inc(record.prompt_tokens)
-            child(self.cached_prompt_tokens, backend, decision).inc(record.cached_tokens or 0)
+            prompt.inc(record.prompt_tokens)
+            cached.inc(record.cached_tokens or 0)
             if record.cache_creation_tokens:
-                child(self.cache_creation_tokens, backend, decision).inc(
-                    record.cache_creation_tokens)
+                created.inc(record.cache_creation_tokens)
         if record.completion_tokens:
-            child(self.completion_tokens, backend, decision).inc(record.completion_tokens)
+            completion.inc(record.completion_tokens)
+
+    def _bundle(self, endpoint: str, backend: str, decision: str, hundreds: int,
+                outcome: str) -> tuple[Any, ...]:
+        status_class = f"{hundreds}xx" if 1 <= hundreds <= 5 else "5xx"
+        child = self.child
+        return (child(self.requests, endpoint, status_class, outcome),
+                child(self.duration, endpoint, backend, decision),
+                child(self.ttft, endpoint, backend, decision),
+                child(self.prompt_tokens, backend, decision),
+                child(self.cached_prompt_tokens, backend, decision),
+                child(self.cache_creation_tokens, backend, decision),
+                child(self.completion_tokens, backend, decision))
 
     def exposition(self) -> bytes:
         """The text exposition for ``GET /metrics``."""
