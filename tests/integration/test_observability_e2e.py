@@ -247,6 +247,13 @@ def test_request_id_echoed_in_errors_and_logged_with_the_access_line(
     ant = requests.post(router.url + "/anthropic/v1/messages", data=b"[", timeout=10,
                         headers={"X-Request-Id": "client-req-2"})
     assert ant.status_code == 400 and ant.json()["request_id"] == "client-req-2"
+    # Forwarded upstream with the request.
+    sent = requests.post(router.url + "/anthropic/v1/messages", timeout=10, json={
+        "model": CLAUDE, "max_tokens": 4, "messages": USER},
+        headers={"X-Request-Id": "client-req-4"})
+    assert sent.status_code == 200 and sent.headers["X-Request-Id"] == "client-req-4"
+    received = requests.get(engines["anthropic"] + "/_sim/received?n=1", timeout=5).json()
+    assert received["received"][0]["headers"]["x-request-id"] == "client-req-4"
 
     body = {"model": MODEL, "messages": [{"role": "user", "content": "cache me"}],
             "temperature": 0, "max_tokens": 4}
