@@ -12,6 +12,7 @@ tests can build as many apps as they like.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from prometheus_client import (
@@ -32,6 +33,84 @@ _LATENCY_BUCKETS = (
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+#: ``outcome`` label values of ``continuum_requests_total``.
+UPSTREAM = "upstream"
+CACHE_HIT = "cache_hit"
+ROUTER_ERROR = "router_error"
+#: Routing decisions (``decision`` label): the KV scorer's pick, the strategy's, a cached
+#: answer, or none (the router answered itself).
+KV_AWARE = "kv_aware"
+STRATEGY = "strategy"
+CACHE = "cache"
+NONE = "none"
+
+
+class RequestRecord:
+    """One client request as the metrics and the access log see it: filled in by the web
+    layer (id, endpoint, status) and the service (model, backend, decision, cache
+    outcome, usage), then :meth:`RouterMetrics.observe_request` records it once."""
+
+    __slots__ = (
+        "backend",
+        "cache",
+        "cache_creation_tokens",
+        "cached_tokens",
+        "completion_tokens",
+        "decision",
+        "endpoint",
+        "finished",
+        "first_byte",
+        "lease",
+        "model",
+        "prompt_tokens",
+        "request_id",
+        "started",
+        "status",
+        "stream",
+        "tenant",
+    )
+
+    def __init__(self, endpoint: str, request_id: str = "") -> None:
+        self.started = time.perf_counter()
+        self.endpoint = endpoint
+        self.request_id = request_id
+        self.tenant: str | None = None
+        self.model: str | None = None
+        self.backend: str | None = None
+        self.decision = NONE
+        self.cache: str | None = None
+        self.stream = False
+        self.status = 0
+        #: For a relayed stream: the upstream lease, whose ``status`` is what the stream's
+        #: end was recorded with (200, or 499, 502, 504).
+        self.lease: Any = None
+        self.first_byte: float | None = None
+        self.finished: float | None = None
+        self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None
+        self.cache_creation_tokens: int | None = None
+        self.completion_tokens: int | None = None
+
+    @property
+    def outcome(self) -> str:
+        """``cache_hit``, ``upstream`` (a backend was tried) or ``router_error``."""
+        if self.decision == CACHE:
+            return CACHE_HIT
+        return UPSTREAM if self.backend is not None else ROUTER_ERROR
+
+    @property
+    def final_status(self) -> int:
+        """The status to count: a relayed stream's recorded end wins over its 200."""
+        lease = self.lease
+        end = None if lease is None else lease.status
+        return end if end is not None else self.status
+
+    def mark_first_byte(self) -> None:
+        """The first piece of the answer went to the client (once)."""
+        if self.first_byte is None:
+            self.first_byte = time.perf_counter()
+
+
 def multiprocess_enabled() -> bool:
     """Whether samples go through the multiprocess directory."""
     return bool(os.environ.get(MULTIPROC_ENV))
@@ -45,22 +124,65 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter(
             "continuum_requests_total",
-            "Client requests by endpoint, backend and HTTP status",
+            "Client requests, each counted once when answered, by endpoint, status class "
+            "(2xx, 4xx, 5xx) and outcome (upstream, cache_hit, router_error)",
+            ["endpoint", "status_class", "outcome"],
+            registry=r,
+        )
+        self.upstream_attempts = Counter(
+            "continuum_upstream_attempts_total",
+            "Requests sent to a backend, retries included, by endpoint, backend and the "
+            "status recorded (499: the client went away first)",
             ["endpoint", "backend", "status"],
             registry=r,
         )
         self.duration = Histogram(
             "continuum_request_duration_seconds",
-            "Time from dispatch to the last byte of the upstream response",
-            ["endpoint", "backend"],
+            "Time from the router receiving a request to its last byte, by endpoint, "
+            "backend and routing decision (kv_aware, strategy, cache, none)",
+            ["endpoint", "backend", "decision"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "continuum_time_to_first_token_seconds",
+            "Streamed answers: time from the router receiving the request to the first "
+            "event relayed to the client, by endpoint, backend and routing decision",
+            ["endpoint", "backend", "decision"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.ttfb = Histogram(
-            "continuum_time_to_first_byte_seconds",
-            "Time from dispatch to the first byte of the upstream response",
+            "continuum_upstream_time_to_first_byte_seconds",
+            "Time from dispatch to the response head of the backend, per attempt",
             ["endpoint", "backend"],
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "continuum_prompt_tokens_total",
+            "Prompt tokens the answers' usage reported (Anthropic: input + cache read + "
+            "cache write), by backend and routing decision",
+            ["backend", "decision"],
+            registry=r,
+        )
+        self.cached_prompt_tokens = Counter(
+            "continuum_cached_prompt_tokens_total",
+            "Prompt tokens served from the engine's prefix cache (OpenAI "
+            "prompt_tokens_details.cached_tokens, Anthropic cache_read_input_tokens)",
+            ["backend", "decision"],
+            registry=r,
+        )
+        self.cache_creation_tokens = Counter(
+            "continuum_cache_creation_prompt_tokens_total",
+            "Prompt tokens written to Anthropic's prompt cache (cache_creation_input_tokens)",
+            ["backend", "decision"],
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            "continuum_completion_tokens_total",
+            "Completion tokens the answers' usage reported, by backend and routing decision",
+            ["backend", "decision"],
             registry=r,
         )
         self.in_flight = Gauge(
@@ -102,11 +224,10 @@ class RouterMetrics:
             ["strategy"],
             registry=r,
         )
-        self.prefix_distribution = Gauge(
-            "continuum_prefix_routing_backend_distribution",
+        self.prefix_distribution = Counter(
+            "continuum_prefix_routing_backend_distribution_total",
             "Requests PrefixAwareHash sent to each backend (rate() gives the load split)",
             ["backend"],
-            multiprocess_mode="sum",
             registry=r,
         )
         self.response_cache = Counter(
@@ -210,14 +331,19 @@ class RouterMetrics:
             buckets=(0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1),
             registry=r,
         )
-        self.worker_requests = Gauge(
-            "continuum_worker_requests",
-            "Requests proxied by each live worker (pid label), to see how workers share load",
+        self.workers = Gauge(
+            "continuum_workers",
+            "Live gunicorn worker processes serving this router (1 per worker, summed)",
             [],
-            multiprocess_mode="liveall",
+            multiprocess_mode="livesum",
             registry=r,
         )
+        # Series of fixed label values exist from the start, at zero: a rate() over them is
+        # 0, not "no data", before the first error.
+        for kind in ("connection", "timeout", "protocol", "other"):
+            self.redis_errors.labels(kind)
         self._children: dict[tuple[str, ...], Any] = {}
+        self._bundles: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
         """The labelled child of ``metric``, cached (``labels()`` costs microseconds)."""
@@ -226,6 +352,43 @@ class RouterMetrics:
         if child is None:
             child = self._children[key] = metric.labels(*labels)
         return child
+
+    def observe_request(self, record: RequestRecord) -> None:
+        """Count a finished client request: once in ``continuum_requests_total``, its
+        duration and TTFT, and the tokens its answer reported. The children of one label
+        combination are looked up once and kept together (one dict lookup per request)."""
+        finished = record.finished = time.perf_counter()
+        status = record.final_status
+        decision = record.decision
+        backend = record.backend or ("cache" if decision == CACHE else NONE)
+        key = (record.endpoint, backend, decision, status // 100, record.outcome)
+        bundle = self._bundles.get(key)
+        if bundle is None:
+            bundle = self._bundles[key] = self._bundle(*key)
+        requests, duration, ttft, prompt, cached, created, completion = bundle
+        requests.inc()
+        duration.observe(finished - record.started)
+        if record.stream and record.first_byte is not None:
+            ttft.observe(record.first_byte - record.started)
+        if record.prompt_tokens is not None:
+            prompt.inc(record.prompt_tokens)
+            cached.inc(record.cached_tokens or 0)
+            if record.cache_creation_tokens:
+                created.inc(record.cache_creation_tokens)
+        if record.completion_tokens:
+            completion.inc(record.completion_tokens)
+
+    def _bundle(self, endpoint: str, backend: str, decision: str, hundreds: int,
+                outcome: str) -> tuple[Any, ...]:
+        status_class = f"{hundreds}xx" if 1 <= hundreds <= 5 else "5xx"
+        child = self.child
+        return (child(self.requests, endpoint, status_class, outcome),
+                child(self.duration, endpoint, backend, decision),
+                child(self.ttft, endpoint, backend, decision),
+                child(self.prompt_tokens, backend, decision),
+                child(self.cached_prompt_tokens, backend, decision),
+                child(self.cache_creation_tokens, backend, decision),
+                child(self.completion_tokens, backend, decision))
 
     def exposition(self) -> bytes:
         """The text exposition for ``GET /metrics``."""

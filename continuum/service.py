@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import urlsplit
 
 from continuum import views
 from continuum.auth import ClientAuth
@@ -20,7 +21,7 @@ from continuum.errors import ContinuumError, RequestError, UpstreamConnectError
 from continuum.kv.chain_scorer import ChainOverlapScorer
 from continuum.kv.consumer import KvEventConsumerManager
 from continuum.kv.scorer import KvOverlapScorer
-from continuum.metrics import RouterMetrics
+from continuum.metrics import CACHE, RequestRecord, RouterMetrics
 from continuum.prefix import request_prefix_key
 from continuum.registry import PluginRegistry
 from continuum.request import parse_request
@@ -36,6 +37,7 @@ from continuum.routing.forwarder import (
 from continuum.routing.gemini_dispatch import GeminiGateway, GeminiMetrics
 from continuum.routing.health import HealthMonitor
 from continuum.routing.selection import SelectionPipeline
+from continuum.routing.usage import UsageStream, asks_for_usage, read_body, with_stream_usage
 
 if TYPE_CHECKING:
     from continuum.caching.semantic import Probe, SemanticCache
@@ -49,6 +51,12 @@ STRATEGIES = "continuum.strategies"
 SCORERS = "continuum.scorers"
 CACHE_STORES = "continuum.cache_stores"
 KV_INDEXES = "continuum.kv_indexes"
+
+
+def _public_url(url: str) -> str:
+    """``url`` without credentials (for logs)."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
 
 
 @dataclass
@@ -217,6 +225,23 @@ class RouterService:
         if self.kv_consumers is not None:
             self.kv_consumers.start()
 
+    def summary(self) -> str:
+        """One line for the startup log: the backends, the strategy, which tiers are on."""
+        c = self.config
+        backends = ", ".join(
+            f"{b.name}={_public_url(b.url)} ({b.type}; {','.join(b.models) or 'discovered'})"
+            for b in c.backends)
+        tiers = [f"prefix_routing={'on' if c.prefix_routing.enabled else 'off'}",
+                 "response_cache=" + (c.response_cache.backend if c.response_cache.enabled
+                                      else "off"),
+                 f"semantic_cache={'on' if self.semantic is not None else 'off'}",
+                 "kv_index=" + (c.kv_cache_index.backend if self.kv_index is not None
+                                else "off"),
+                 "scorers=" + (",".join(type(s).__name__ for s in self.pipeline.scorers)
+                               or "none")]
+        return (f"backends: {backends}; strategy: {c.selection_strategy}; "
+                f"tiers: {' '.join(tiers)}")
+
     def stop(self) -> None:
         """Stop background greenlets and close connections."""
         self.health.stop()
@@ -287,14 +312,19 @@ class RouterService:
         if caching and self.response_cache.eligible(ctx, cache_control):
             ctx.cache_key = cache_key(ctx)
 
-    def proxy(self, ctx: RequestContext, path: str) -> ProxyResult:
+    def proxy(self, ctx: RequestContext, path: str,
+              record: RequestRecord | None = None) -> ProxyResult:
         """Answer ``ctx`` (from :meth:`admit`) from the response cache, or send it to the
-        backend the pipeline picks (storing the answer when it is cacheable)."""
+        backend the pipeline picks (storing the answer when it is cacheable). ``record``
+        (the web layer's, for the metrics and the access log) gets the model, backend,
+        routing decision and the usage the answer reports."""
+        record = record or RequestRecord(ctx.endpoint, ctx.request_id)
+        record.model, record.stream = ctx.model, ctx.stream
         if self._salt_per_tenant and "cache_salt" in ctx.body:
             self._refuse_client_salt(ctx)
         cache = self.response_cache
         if ctx.cache_key is None:
-            result = self._forward(ctx, path)
+            result = self._forward(ctx, path, record)
             result.headers["X-Cache"] = BYPASS
             return result
         entry = cache.lookup(ctx)
@@ -302,32 +332,46 @@ class RouterService:
             headers = {"Content-Type": entry.content_type, "X-Cache": HIT}
             if entry.kind == "sse":
                 headers["Cache-Control"] = "no-cache"
-                return ProxyResult(200, headers, stream=entry.events())
-            return ProxyResult(200, headers, body=entry.payload)
+                return self._replayed(record, headers, None, entry.events())
+            return self._replayed(record, headers, entry.payload, None)
         probe = self.semantic.lookup(ctx) if self.semantic is not None else None
         if probe is not None and probe.entry is not None:
             assert self.semantic is not None
-            headers, body, stream = self.semantic.replay(probe)
-            return ProxyResult(200, headers, body=body, stream=stream)
-        result = self._forward(ctx, path, cache, probe)
+            return self._replayed(record, *self.semantic.replay(probe))
+        result = self._forward(ctx, path, record, cache, probe)
         result.headers["X-Cache"] = MISS
         return result
 
+    @staticmethod
+    def _replayed(record: RequestRecord, headers: dict[str, str], body: bytes | None,
+                  stream: Iterator[bytes] | None) -> ProxyResult:
+        """A cached answer, its usage read into ``record`` (decision ``cache``)."""
+        record.decision = CACHE
+        if body is not None:
+            read_body(record, body)
+            return ProxyResult(200, headers, body=body)
+        assert stream is not None
+        return ProxyResult(200, headers, stream=iter(UsageStream(stream, record)))
+
     def _forward(
-        self, ctx: RequestContext, path: str, cache: ResponseCache | None = None,
-        probe: Probe | None = None,
+        self, ctx: RequestContext, path: str, record: RequestRecord,
+        cache: ResponseCache | None = None, probe: Probe | None = None,
     ) -> ProxyResult:
         error_event = anthropic_error_event if ctx.protocol == "anthropic" \
             else openai_error_event
-        upstream = self._send(ctx, path)
+        stream_usage = ctx.stream and ctx.protocol == "openai" and \
+            self.config.server.stream_usage and not asks_for_usage(ctx.body)
+        upstream = self._send(ctx, path, record, stream_usage)
         headers = upstream.headers()
         headers["X-Continuum-Backend"] = upstream.backend.name
         content_type = headers.get("content-type", "application/json")
         adapter = upstream.adapter
         if ctx.stream and upstream.status == 200:
+            record.lease = upstream.lease
             stream = self.forwarder.relay(upstream, error_event)
             if adapter is not None:
                 stream = adapter.stream(stream, upstream)
+            stream = iter(UsageStream(stream, record, strip=stream_usage))
             if cache is not None:
                 done = None if probe is None or self.semantic is None else \
                     self.semantic.stream_done(probe, content_type)
@@ -336,13 +380,15 @@ class RouterService:
             return ProxyResult(200, headers, stream=stream)
         data = self.forwarder.read_all(upstream) if adapter is None else \
             adapter.read(self.forwarder, upstream)
+        read_body(record, data)
         if cache is not None and not ctx.stream:
             cache.store_body(ctx, upstream.status, content_type, data)
             if probe is not None and self.semantic is not None:
                 self.semantic.store_body(probe, upstream.status, content_type, data)
         return ProxyResult(upstream.status, headers, body=data)
 
-    def _send(self, ctx: RequestContext, path: str) -> Upstream:
+    def _send(self, ctx: RequestContext, path: str, record: RequestRecord,
+              stream_usage: bool = False) -> Upstream:
         """Select a backend, build the body for it and send it; after a connect failure
         (nothing was sent) once more to another candidate, when the forwarder allows it.
 
@@ -351,26 +397,31 @@ class RouterService:
             UpstreamConnectError: the backend (and the retry, if any) was unreachable.
             UpstreamTimeoutError: the backend accepted the request but did not answer in time.
         """
-        forwarder, select = self.forwarder, self.pipeline.select
+        forwarder, decide = self.forwarder, self.pipeline.decide
         headers = ctx.forward_headers
         candidates = forwarder.candidates(ctx)
-        backend = select(candidates, ctx)
+        backend, record.decision = decide(candidates, ctx)
+        record.backend = backend.name
         self._routed(ctx, backend)
         try:
-            return self._send_to(backend, ctx, path, headers)
+            return self._send_to(backend, ctx, path, headers, stream_usage)
         except UpstreamConnectError:
             if not forwarder.may_retry(candidates):
                 raise
             forwarder.retrying(backend, ctx)
-        backend = select([b for b in candidates if b is not backend], ctx)
+        backend, record.decision = decide([b for b in candidates if b is not backend], ctx)
+        record.backend = backend.name
         self._routed(ctx, backend)
-        return self._send_to(backend, ctx, path, headers)
+        return self._send_to(backend, ctx, path, headers, stream_usage)
 
     def _send_to(self, backend: Backend, ctx: RequestContext, path: str,
-                 headers: dict[str, str] | None) -> Upstream:
+                 headers: dict[str, str] | None, stream_usage: bool = False) -> Upstream:
+        """Send to ``backend``: Gemini backends through their dispatcher (which builds its
+        own body), every other one through the forwarder."""
         if self.gemini is not None and backend.config.type == "gemini":
             return self.gemini.send(backend, ctx, path, headers)
-        return self.forwarder.send(backend, ctx, path, self._body_for(ctx, backend), headers)
+        return self.forwarder.send(backend, ctx, path,
+                                   self._body_for(ctx, backend, stream_usage), headers)
 
     def _routed(self, ctx: RequestContext, backend: Backend) -> None:
         """With chain matching, the chain scorer records the route in the index
@@ -388,11 +439,13 @@ class RouterService:
             raise RequestError("'cache_salt' is issued by the router per tenant for this "
                                "model; remove it from the request", param="cache_salt")
 
-    def _body_for(self, ctx: RequestContext, backend: Backend) -> bytes:
+    def _body_for(self, ctx: RequestContext, backend: Backend,
+                  stream_usage: bool = False) -> bytes:
         """The bytes to send ``backend``: the client's own, except for Anthropic backends
         that get ``cache_control`` injected (where the precedence says so) and backends
         with a KV event source, which get a router-issued ``cache_salt`` (a client's own is
-        never replaced; with per-tenant salts it is refused before this)."""
+        never replaced; with per-tenant salts it is refused before this). ``stream_usage``
+        adds ``stream_options.include_usage`` (see :mod:`continuum.routing.usage`)."""
         if ctx.protocol == "anthropic":
             if should_inject(self.config.prefix_routing.anthropic_cache_control_injection,
                              backend.config.anthropic_auto_cache_control):
@@ -401,10 +454,12 @@ class RouterService:
         secret = self._salt_secret
         if secret is None or ctx.prefix_key is None or backend.name not in \
                 self._salted_backends or "cache_salt" in ctx.body:
-            return ctx.raw
+            return with_stream_usage(ctx.body, ctx.raw) if stream_usage else ctx.raw
         salt = make_salt(secret, backend.name, ctx.prefix_hash or "",
                          ctx.tenant if self._salt_per_tenant else None)
-        return json.dumps({**ctx.body, "cache_salt": salt}).encode()
+        body = {**ctx.body, "cache_salt": salt}
+        return with_stream_usage(body, json.dumps(body).encode()) if stream_usage \
+            else json.dumps(body).encode()
 
     def explain(self, ctx: RequestContext) -> dict[str, Any]:
         """What routing would do with ``ctx`` (from :meth:`admit`) and why; sends nothing

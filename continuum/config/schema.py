@@ -63,6 +63,15 @@ class ServerConfig:
     log_level: str = setting(
         "info", doc="log level", choices=("debug", "info", "warning", "error")
     )
+    access_log: str = setting(
+        "text", doc="one access-log line per client request (logger continuum.access): "
+        "text (key=value), json, or off", choices=("text", "json", "off"), restart=True,
+    )
+    stream_usage: bool = setting(
+        True, doc="ask OpenAI-compatible backends for the usage chunk of streams "
+        "(stream_options.include_usage) when the client did not, for the token metrics; "
+        "the router strips that chunk from the client's stream",
+    )
     watch_config: bool = setting(
         True, doc="reload the config when its file changes", restart=True
     )

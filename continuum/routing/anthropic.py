@@ -82,9 +82,11 @@ def injected_body(body: dict[str, Any]) -> bytes | None:
     return None if injected is None else json.dumps(injected).encode()
 
 
-def error_document(status: int, message: str) -> bytes:
-    """An Anthropic-shaped error body for ``status``."""
+def error_document(status: int, message: str, request_id: str | None = None) -> bytes:
+    """An Anthropic-shaped error body for ``status`` (``request_id`` at the top level, as
+    Anthropic's API has it, when given)."""
     error_type = _ERROR_TYPES.get(status, "api_error")
-    return json.dumps(
-        {"type": "error", "error": {"type": error_type, "message": message}}
-    ).encode()
+    doc: dict[str, Any] = {"type": "error", "error": {"type": error_type, "message": message}}
+    if request_id is not None:
+        doc["request_id"] = request_id
+    return json.dumps(doc).encode()

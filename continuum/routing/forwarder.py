@@ -69,13 +69,15 @@ CLIENT_CLOSED = 499
 class Lease:
     """One in-flight slot on a backend; :meth:`release` is idempotent."""
 
-    __slots__ = ("backend", "endpoint", "metrics", "released", "started")
+    __slots__ = ("backend", "endpoint", "metrics", "released", "started", "status")
 
     def __init__(self, backend: Backend, endpoint: str, metrics: RouterMetrics) -> None:
         self.backend = backend
         self.endpoint = endpoint
         self.metrics = metrics
         self.released = False
+        #: The status the attempt was recorded with, once released.
+        self.status: int | None = None
         self.started = time.perf_counter()
         backend.in_flight += 1
         metrics.child(metrics.in_flight, backend.name).inc()
@@ -90,15 +92,14 @@ class Lease:
         if self.released:
             return
         self.released = True
+        self.status = status
         backend, metrics = self.backend, self.metrics
         backend.in_flight -= 1
         elapsed = time.perf_counter() - self.started
         if ok is not None:
             backend.record(ok, elapsed if ok else None)
         metrics.child(metrics.in_flight, backend.name).dec()
-        metrics.child(metrics.requests, self.endpoint, backend.name, str(status)).inc()
-        metrics.child(metrics.duration, self.endpoint, backend.name).observe(elapsed)
-        metrics.worker_requests.inc()
+        metrics.child(metrics.upstream_attempts, self.endpoint, backend.name, str(status)).inc()
 
 
 @dataclass
@@ -154,6 +155,8 @@ class Forwarder:
         self.on_result = on_result
         self._pools: dict[str, upstream_http.ConnectionPool] = {}
         self._maxsize = maxsize
+        for backend in pool:  # at zero from the start: a rate() of 0, not "no data"
+            metrics.child(metrics.retries, backend.name)
 
     def connection_pool(self, backend: Backend) -> upstream_http.ConnectionPool:
         """The keep-alive connection pool of ``backend`` (created on first use)."""

@@ -21,7 +21,11 @@ if TYPE_CHECKING:
     from continuum.request import RequestContext
     from continuum.routing.backends import Backend
 
-__all__ = ["SCORER_THRESHOLD", "SelectionPipeline"]
+__all__ = ["KV_AWARE", "SCORER_THRESHOLD", "STRATEGY", "SelectionPipeline"]
+
+#: Decisions :meth:`SelectionPipeline.decide` reports (the ``decision`` metric label).
+KV_AWARE = "kv_aware"
+STRATEGY = "strategy"
 
 
 class SelectionPipeline:
@@ -43,13 +47,21 @@ class SelectionPipeline:
         Raises:
             NoHealthyBackendError: ``candidates`` is empty.
         """
+        return self.decide(candidates, ctx)[0]
+
+    def decide(self, candidates: Sequence[Backend], ctx: RequestContext) -> tuple[Backend, str]:
+        """:meth:`select`, and who decided: ``kv_aware`` (a scorer) or ``strategy``.
+
+        Raises:
+            NoHealthyBackendError: ``candidates`` is empty.
+        """
         if not candidates:
             raise NoHealthyBackendError(f"no healthy backend for model '{ctx.model}'")
         if self.scorers and ctx.prefix_key is not None:
             chosen = self._score(candidates, ctx)
             if chosen is not None:
-                return chosen
-        return self.strategy.select(candidates, ctx)
+                return chosen, KV_AWARE
+        return self.strategy.select(candidates, ctx), STRATEGY
 
     def _score(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend | None:
         best: Backend | None = None

@@ -197,8 +197,8 @@ class KvIndexClearResource(AdminResource):
             self._send(resp, {"success": False, "error": exc.message}, status=503)
             return
         if cleared is None:
-            self._send(resp, {"success": False, "error": "KV cache index is not enabled"})
-            return
+            raise _KvIndexDisabled("the KV cache index is not enabled "
+                                   "(kv_cache_index.enabled: false)")
         self._send(resp, {"success": True, **asdict(cleared)})
 
 
@@ -225,6 +225,14 @@ class _NoConfigFile(ContinuumError):
     status = 409
     error_type = "invalid_request_error"
     code = "no_config_file"
+
+
+class _KvIndexDisabled(ContinuumError):
+    """An action on a tier that is off: 409 Conflict with the router's state."""
+
+    status = 409
+    error_type = "invalid_request_error"
+    code = "kv_index_disabled"
 
 
 def add_routes(

@@ -9,12 +9,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import Any
 
 import falcon
 
 from continuum import request as rq
 from continuum.config import CONFIG_ENV, RouterConfig, check_config_file
-from continuum.errors import ConfigError, ConfigIssue, ContinuumError, RequestError
+from continuum.errors import (
+    ConfigError,
+    ConfigIssue,
+    ContinuumError,
+    ModelNotFoundError,
+    RequestError,
+)
 from continuum.metrics import CONTENT_TYPE, RouterMetrics
 from continuum.registry import PluginRegistry
 from continuum.routing import anthropic
@@ -29,6 +36,7 @@ from continuum.web.http import (
     request_id_of,
     serialize_http_error,
 )
+from continuum.web.observe import Observer, configure_access_log
 from continuum.web.reload import ConfigReloader
 
 log = logging.getLogger(__name__)
@@ -52,10 +60,13 @@ class ProxyResource:
         if self.endpoint == rq.ANTHROPIC_MESSAGES:
             forward = {name: value for name in anthropic.FORWARDED_HEADERS
                        if (value := req.get_header(name))}
+        record = req.context.get("record")
+        if record is not None:
+            record.tenant = tenant
         ctx = service.admit(raw, self.endpoint, request_id_of(req), tenant=tenant,
                             cache_control=req.get_header("Cache-Control"),
                             forward_headers=forward)
-        result = service.proxy(ctx, self.path)
+        result = service.proxy(ctx, self.path, record)
         resp.status = result.status
         for name, value in result.headers.items():
             resp.set_header(name, value)
@@ -69,16 +80,55 @@ class ProxyResource:
 class ModelsResource:
     """``GET /v1/models``: the union of every routable backend's models."""
 
+    endpoint = "models"
+
     def __init__(self, service: RouterService) -> None:
         self.service = service
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        data = [
-            {"id": mid, "object": "model", "created": 0, "owned_by": "continuum-router"}
-            for mid in self.service.pool.model_ids("openai")
-        ]
+        data = [_openai_model(mid) for mid in self.service.pool.model_ids("openai")]
         resp.content_type = JSON
         resp.data = json.dumps({"object": "list", "data": data}).encode()
+
+    def on_get_one(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
+        """``GET /v1/models/{id}`` (``client.models.retrieve``)."""
+        if model_id not in self.service.pool.model_ids("openai"):
+            raise ModelNotFoundError(f"The model '{model_id}' does not exist or is not "
+                                     "served by this router", param="model")
+        resp.content_type = JSON
+        resp.data = json.dumps(_openai_model(model_id)).encode()
+
+
+def _openai_model(model_id: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "continuum-router"}
+
+
+def _anthropic_model(model_id: str) -> dict[str, Any]:
+    return {"type": "model", "id": model_id, "display_name": model_id,
+            "created_at": "1970-01-01T00:00:00Z"}
+
+
+class AnthropicModelsResource:
+    """``GET /anthropic/v1/models`` and ``/{id}``: the Anthropic backends' models, in the
+    Models API's shape (one page: ``has_more`` false)."""
+
+    endpoint = "anthropic_models"
+
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        ids = self.service.pool.model_ids("anthropic")
+        resp.content_type = JSON
+        resp.data = json.dumps({"data": [_anthropic_model(mid) for mid in ids],
+                                "has_more": False, "first_id": ids[0] if ids else None,
+                                "last_id": ids[-1] if ids else None}).encode()
+
+    def on_get_one(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
+        if model_id not in self.service.pool.model_ids("anthropic"):
+            raise ModelNotFoundError(f"model: {model_id}", param="model")
+        resp.content_type = JSON
+        resp.data = json.dumps(_anthropic_model(model_id)).encode()
 
 
 class HealthResource:
@@ -131,13 +181,19 @@ def create_app(
     app = RouterApp(media_type=JSON, middleware=[admin.AdminGate(service)])
     app.req_options.strip_url_path_trailing_slash = True
     app.add_middleware(RequestIdHeader())
+    app.add_middleware(Observer(metrics, config.server.access_log))
     app.add_error_handler(Exception, handle_unexpected)
     app.add_error_handler(ContinuumError, handle_continuum_error)
     app.set_error_serializer(serialize_http_error)
     app.add_route("/v1/chat/completions", ProxyResource(service, rq.CHAT, "/v1/chat/completions"))
     app.add_route("/v1/completions", ProxyResource(service, rq.COMPLETIONS, "/v1/completions"))
     app.add_route("/v1/embeddings", ProxyResource(service, rq.EMBEDDINGS, "/v1/embeddings"))
-    app.add_route("/v1/models", ModelsResource(service))
+    models = ModelsResource(service)
+    app.add_route("/v1/models", models)
+    app.add_route("/v1/models/{model_id}", models, suffix="one")
+    anthropic_models = AnthropicModelsResource(service)
+    app.add_route("/anthropic/v1/models", anthropic_models)
+    app.add_route("/anthropic/v1/models/{model_id}", anthropic_models, suffix="one")
     app.add_route(
         "/anthropic/v1/messages",
         ProxyResource(service, rq.ANTHROPIC_MESSAGES, "/v1/messages"),
@@ -165,12 +221,15 @@ def get_app() -> RouterApp:
     )
     for warning in result.warnings:
         log.warning("config: %s", warning.render(result.source))
+    configure_access_log(config.server.access_log)
     metrics = RouterMetrics()
+    metrics.workers.set(1)
     service = RouterService(config, registry=registry, metrics=metrics)
     reloader = ConfigReloader(service, path)
     app = create_app(config, registry=registry, metrics=metrics, service=service,
                      reloader=reloader)
     service.start()
+    log.info("%s", service.summary())
     if config.server.watch_config:
         reloader.start(config.server.watch_interval_seconds)
     return app

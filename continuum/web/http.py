@@ -27,11 +27,13 @@ JSON = "application/json"
 ANTHROPIC_PREFIX = "/anthropic/"
 
 
-def error_body(message: str, error_type: str, code: str | None, param: Any = None) -> bytes:
-    """An OpenAI-shaped error document."""
-    return json.dumps(
-        {"error": {"message": message, "type": error_type, "code": code, "param": param}}
-    ).encode()
+def error_body(message: str, error_type: str, code: str | None, param: Any = None,
+               request_id: str | None = None) -> bytes:
+    """An OpenAI-shaped error document (with the router's request id when given)."""
+    error = {"message": message, "type": error_type, "code": code, "param": param}
+    if request_id is not None:
+        error["request_id"] = request_id
+    return json.dumps({"error": error}).encode()
 
 
 def _is_anthropic(req: falcon.Request) -> bool:
@@ -58,12 +60,15 @@ class RequestIdHeader:
 
 def _error_document(req: falcon.Request, status: int, message: str, error_type: str,
                     code: str | None, param: Any = None) -> bytes:
-    """The error body in the client's dialect; a 5xx also names the request id."""
+    """The error body in the client's dialect with the request id (Anthropic's API puts
+    ``request_id`` at the top level, so does the router; OpenAI's in the error object);
+    a 5xx also names it in the message, which is what SDKs show."""
+    rid = request_id_of(req)
     if status >= 500:
-        message = f"{message} (request id {request_id_of(req)})"
+        message = f"{message} (request id {rid})"
     if _is_anthropic(req):
-        return anthropic.error_document(status, message)
-    return error_body(message, error_type, code, param)
+        return anthropic.error_document(status, message, rid)
+    return error_body(message, error_type, code, param, rid)
 
 
 def handle_continuum_error(

@@ -216,3 +216,15 @@ def test_a_retried_anthropic_request_follows_the_injection_rule_of_its_backend(
         else:
             assert system == "be brief"
     assert _retries(client, "dead") >= 1
+
+
+def test_clearing_a_disabled_kv_index_is_a_conflict(
+        upstreams: Callable[[str], Any], client_of: Callable[..., Any]) -> None:
+    a = upstreams("a")
+    client = client_of({"backends": [{"name": "a", "url": a.url, "models": ["m"]}]})
+    resp = client.simulate_post("/admin/kv-index/clear", headers=TOKEN)
+    assert resp.status_code == 409
+    error = resp.json["error"]
+    assert error["code"] == "kv_index_disabled"
+    assert "kv_cache_index.enabled" in error["message"]
+    assert error["request_id"] == resp.headers["X-Request-Id"]

@@ -42,7 +42,7 @@ def _backend(router: RouterProcess, name: str) -> dict[str, Any]:
 
 
 def _count(router: RouterProcess, status: str) -> float:
-    return metric_sum(router.metrics(), "continuum_requests_total", backend="a",
+    return metric_sum(router.metrics(), "continuum_upstream_attempts_total", backend="a",
                       status=status)
 
 

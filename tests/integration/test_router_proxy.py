@@ -218,8 +218,15 @@ def test_metrics_aggregate_two_workers(upstreams, router_factory) -> None:
         statuses = list(pool.map(call, range(48)))
     assert statuses == [200] * 48
     text = router.metrics()
-    assert metric_sum(text, "continuum_requests_total", backend="a", status="200") == 48
-    per_worker = [line for line in text.splitlines()
-                  if line.startswith("continuum_worker_requests{")]
-    assert len(per_worker) == 2, per_worker  # both workers' samples are in one answer
-    assert sum(float(line.rsplit(" ", 1)[1]) for line in per_worker) == 48
+    # Both workers' samples are in one answer: each request once, each attempt once.
+    assert metric_sum(text, "continuum_requests_total", endpoint="chat", status_class="2xx",
+                      outcome="upstream") == 48
+    assert metric_sum(text, "continuum_upstream_attempts_total", backend="a",
+                      status="200") == 48
+    assert metric_sum(text, "continuum_workers") == 2
+    assert "pid=" not in text
+    # One access-log line per request, written by the worker that served it.
+    lines = [line for line in router.proc.log_text().splitlines()
+             if " continuum.access: " in line]
+    assert len(lines) == 48
+    assert len({line.split("request_id=")[1].split()[0] for line in lines}) == 48

@@ -1,0 +1,153 @@
+"""Per-request observation: ``continuum_requests_total`` and the access log, once each.
+
+:class:`Observer` (Falcon middleware) gives every client request of the API endpoints a
+:class:`~continuum.metrics.RequestRecord` when it arrives, lets the resource and the
+service fill it in, and records it when the answer is finished: at once for a body, when
+the last piece went out (or the client went away) for a stream. So requests the router
+answers itself (401, 400, unknown model 404, ``no_healthy_backend`` 503) and cache hits are
+counted exactly like proxied ones, and a retried request once (its attempts are in
+``continuum_upstream_attempts_total``). ``/metrics``, ``/health`` and ``/admin`` are
+operators' endpoints and not counted.
+
+The access log (logger ``continuum.access``, ``server.access_log``) is one line per
+request: text ``key=value`` pairs or one JSON object. The tenant id is hashed (SHA-256,
+12 hex digits): it tells requests of one tenant apart without writing the client's
+tenant name into log storage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import falcon
+
+from continuum.metrics import RequestRecord, RouterMetrics
+from continuum.web.http import request_id_of
+
+access_log = logging.getLogger("continuum.access")
+
+#: Paths that are not client API requests.
+_OPERATOR_PREFIXES = ("/metrics", "/health", "/admin")
+UNKNOWN = "unknown"
+TEXT, JSON_FORMAT, OFF = "text", "json", "off"
+
+
+def tenant_hash(tenant: str | None) -> str | None:
+    """The tenant id as logged: 12 hex digits of its SHA-256."""
+    return None if tenant is None else hashlib.sha256(tenant.encode()).hexdigest()[:12]
+
+
+def _ms(start: float, end: float | None) -> float | None:
+    return None if end is None else round((end - start) * 1000, 3)
+
+
+def access_fields(record: RequestRecord) -> dict[str, Any]:
+    """The access-log fields of a finished ``record``."""
+    return {
+        "request_id": record.request_id,
+        "tenant": tenant_hash(record.tenant),
+        "endpoint": record.endpoint,
+        "model": record.model,
+        "backend": record.backend,
+        "decision": record.decision,
+        "cache": record.cache,
+        "status": record.final_status,
+        "outcome": record.outcome,
+        "ttft_ms": _ms(record.started, record.first_byte) if record.stream else None,
+        "duration_ms": _ms(record.started, record.finished),
+        "prompt_tokens": record.prompt_tokens,
+        "cached_tokens": record.cached_tokens,
+        "completion_tokens": record.completion_tokens,
+    }
+
+
+def _text_value(value: Any) -> str:
+    if value is None:
+        return "-"
+    text = str(value)
+    return json.dumps(text) if not text or any(c in text for c in ' "=\\') else text
+
+
+def format_access(record: RequestRecord, fmt: str) -> str:
+    """One access-log line for ``record`` in ``fmt`` (text or json)."""
+    fields = access_fields(record)
+    if fmt == JSON_FORMAT:
+        return json.dumps(fields, separators=(",", ":"))
+    return " ".join(f"{key}={_text_value(value)}" for key, value in fields.items())
+
+
+def configure_access_log(fmt: str) -> None:
+    """Route ``continuum.access`` to stderr as bare lines (JSON stays parseable) for json,
+    through the root logger's format for text; nowhere for off."""
+    access_log.handlers.clear()
+    if fmt == OFF:
+        access_log.disabled = True
+        return
+    access_log.disabled = False
+    access_log.setLevel(logging.INFO)
+    if fmt == JSON_FORMAT:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access_log.addHandler(handler)
+        access_log.propagate = False
+    else:
+        access_log.propagate = True
+
+
+class Observer:
+    """Falcon middleware: one :class:`RequestRecord` per client API request, recorded in
+    the metrics and the access log when the answer is finished."""
+
+    def __init__(self, metrics: RouterMetrics, fmt: str = TEXT) -> None:
+        self.metrics = metrics
+        self.fmt = fmt
+
+    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        if not req.path.startswith(_OPERATOR_PREFIXES):
+            req.context.record = RequestRecord(UNKNOWN)
+
+    def process_resource(self, req: falcon.Request, resp: falcon.Response, resource: Any,
+                         params: dict[str, Any]) -> None:
+        record: RequestRecord | None = req.context.get("record")
+        if record is not None and resource is not None:
+            record.endpoint = getattr(resource, "endpoint", UNKNOWN)
+
+    def process_response(self, req: falcon.Request, resp: falcon.Response, resource: Any,
+                         req_succeeded: bool) -> None:
+        record: RequestRecord | None = req.context.get("record")
+        if record is None:
+            return
+        record.request_id = request_id_of(req)
+        record.status = resp.status_code
+        cache = resp.get_header("X-Cache")
+        if cache is not None:
+            mode = resp.get_header("X-Cache-Mode")
+            record.cache = f"{mode}_hit" if mode and cache == "HIT" else cache.lower()
+        stream = resp.stream
+        if stream is not None and not hasattr(stream, "read"):  # ours are iterators
+            resp.stream = self._relay(stream, record)
+        else:
+            self.finish(record)
+
+    def _relay(self, stream: Iterable[bytes], record: RequestRecord) -> Iterator[bytes]:
+        """Pass ``stream`` on, noting its first piece; record the request at its end."""
+        try:
+            for piece in stream:
+                if record.first_byte is None:
+                    record.mark_first_byte()
+                yield piece
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()  # the relay releases its lease first: its status is then known
+            self.finish(record)
+
+    def finish(self, record: RequestRecord) -> None:
+        """Record ``record`` once: metrics, then the access-log line."""
+        self.metrics.observe_request(record)
+        if self.fmt != OFF and access_log.isEnabledFor(logging.INFO):
+            access_log.info(format_access(record, self.fmt))
