@@ -92,9 +92,12 @@ def test_demo_quick_prints_ordered_hit_rates_and_cleans_up() -> None:
     assert single > round_robin, rows
     assert prefix_aware > round_robin, rows
     # learning the actual holders does at least as well as the hash ring, and the chain
-    # index (the default) within a point of the seed's key
+    # index (the default) as well as the seed's key. A quick run has about 100 requests
+    # through the router and its hit rates move with how busy the machine is (a point or
+    # two between runs, more on a loaded machine), so this is a floor for CI, 3 points
+    # below the seed key; the README's table (full runs) is where the margin is measured.
     assert kv_index >= prefix_aware, rows
-    assert kv_index >= rows["KV index (seed key)"]["prefix_hit_rate"] - 0.01, rows
+    assert kv_index >= rows["KV index (seed key)"]["prefix_hit_rate"] - 0.03, rows
     for name in ("KV index", "KV index (seed key)"):
         _assert_kv_row(rows[name])
         # the first requests of each prefix precede its events: the strategy places them
