@@ -371,7 +371,8 @@ class RouterService:
             stream = self.forwarder.relay(upstream, error_event)
             if adapter is not None:
                 stream = adapter.stream(stream, upstream)
-            stream = iter(UsageStream(stream, record, strip=stream_usage))
+            # a translating adapter (Gemini native) makes its own final usage chunk: kept
+            stream = iter(UsageStream(stream, record, strip=stream_usage and adapter is None))
             if cache is not None:
                 done = None if probe is None or self.semantic is None else \
                     self.semantic.stream_done(probe, content_type)
