@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
+from continuum import request as rq
 from continuum import views
 from continuum.auth import ClientAuth
 from continuum.cache_salt import make_salt
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
     from continuum.request import RequestContext
 
 log = logging.getLogger(__name__)
+
+#: Streamed endpoints whose usage chunk ``stream_options.include_usage`` asks for (the
+#: Responses API reports usage in ``response.completed`` unasked, Anthropic in its events).
+_USAGE_OPTION_ENDPOINTS = frozenset({rq.CHAT, rq.COMPLETIONS})
 
 STRATEGIES = "continuum.strategies"
 SCORERS = "continuum.scorers"
@@ -304,7 +309,7 @@ class RouterService:
         settings = self.config.prefix_routing
         if settings.enabled:
             ctx.prefix_key = request_prefix_key(
-                ctx.body, ctx.model, max_prefix_length=settings.max_prefix_length
+                ctx.keyed_body, ctx.model, max_prefix_length=settings.max_prefix_length
             )
             chain_scorer = self._chain_scorer
             if chain_scorer is not None and ctx.prefix_key is not None:
@@ -359,7 +364,7 @@ class RouterService:
     ) -> ProxyResult:
         error_event = anthropic_error_event if ctx.protocol == "anthropic" \
             else openai_error_event
-        stream_usage = ctx.stream and ctx.protocol == "openai" and \
+        stream_usage = ctx.stream and ctx.endpoint in _USAGE_OPTION_ENDPOINTS and \
             self.config.server.stream_usage and not asks_for_usage(ctx.body)
         upstream = self._send(ctx, path, record, stream_usage)
         headers = upstream.headers()

@@ -57,7 +57,7 @@ class ProxyResource:
         server = service.config.server
         raw = read_body(req, server.max_body_bytes, server.client_body_timeout_seconds)
         forward = None
-        if self.endpoint == rq.ANTHROPIC_MESSAGES:
+        if self.endpoint in rq.ANTHROPIC_ENDPOINTS:
             forward = {name: value for name in anthropic.FORWARDED_HEADERS
                        if (value := req.get_header(name))}
         record = req.context.get("record")
@@ -188,6 +188,7 @@ def create_app(
     app.add_route("/v1/chat/completions", ProxyResource(service, rq.CHAT, "/v1/chat/completions"))
     app.add_route("/v1/completions", ProxyResource(service, rq.COMPLETIONS, "/v1/completions"))
     app.add_route("/v1/embeddings", ProxyResource(service, rq.EMBEDDINGS, "/v1/embeddings"))
+    app.add_route("/v1/responses", ProxyResource(service, rq.RESPONSES, "/v1/responses"))
     models = ModelsResource(service)
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model_id}", models, suffix="one")
@@ -197,6 +198,10 @@ def create_app(
     app.add_route(
         "/anthropic/v1/messages",
         ProxyResource(service, rq.ANTHROPIC_MESSAGES, "/v1/messages"),
+    )
+    app.add_route(
+        "/anthropic/v1/messages/count_tokens",
+        ProxyResource(service, rq.ANTHROPIC_COUNT_TOKENS, "/v1/messages/count_tokens"),
     )
     app.add_route("/health", HealthResource(service))
     app.add_route("/metrics", MetricsResource(metrics))
