@@ -26,7 +26,7 @@ from continuum.metrics import CONTENT_TYPE, RouterMetrics
 from continuum.registry import PluginRegistry
 from continuum.routing import anthropic
 from continuum.service import RouterService
-from continuum.web import admin
+from continuum.web import admin, tracing
 from continuum.web.http import (
     JSON,
     RequestIdHeader,
@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 
 class ProxyResource:
     """``POST`` an OpenAI-compatible request to the chosen backend."""
+
+    #: Its requests get a server span when tracing is on (:mod:`continuum.web.tracing`).
+    traced = True
 
     def __init__(self, service: RouterService, endpoint: str, path: str) -> None:
         self.service = service
@@ -173,8 +176,12 @@ def create_app(
     metrics: RouterMetrics | None = None,
     service: RouterService | None = None,
     reloader: ConfigReloader | None = None,
+    tracer_provider: Any = None,
 ) -> RouterApp:
-    """Build the Falcon app for ``config``; collaborators may be injected (tests)."""
+    """Build the Falcon app for ``config``; collaborators may be injected (tests).
+
+    Tracing is on with ``tracer_provider`` (an OpenTelemetry one), or when the ``OTEL_*``
+    environment asks for it (:mod:`continuum.web.tracing`)."""
     registry = registry or PluginRegistry()
     metrics = metrics or RouterMetrics()
     service = service or RouterService(config, registry=registry, metrics=metrics)
@@ -206,6 +213,7 @@ def create_app(
     app.add_route("/health", HealthResource(service))
     app.add_route("/metrics", MetricsResource(metrics))
     admin.add_routes(app, service, reloader)
+    tracing.install(app, service, tracer_provider)
     app.service = service
     return app
 
