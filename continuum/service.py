@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -571,15 +572,21 @@ class RouterService:
         """Apply ``new`` to the running worker; report what needs a restart instead."""
         old = self.config
         report = ReloadReport(restart_required=restart_required(old, new))
+        backends = old.backends
         if old.backends != new.backends:
-            report.restart_required.append("backends")
+            changed = self._reload_backends(new)
+            if changed is None:
+                report.restart_required.append("backends")
+            else:
+                report.applied += changed
+                backends = new.backends
         old_leaves = {path: value for path, _f, value in walk(old)}
         for path, _f, value in walk(new):
             if path.startswith("backends") or path in report.restart_required:
                 continue
             if old_leaves.get(path, value) != value:
                 report.applied.append(path)
-        new = keep_restart_fields(old, new)
+        new = dataclasses.replace(keep_restart_fields(old, new), backends=backends)
         self.config = new
         if new.selection_strategy != old.selection_strategy:
             self.pipeline.strategy = self._make_strategy(new)
@@ -594,6 +601,42 @@ class RouterService:
         self._reload_response_cache(new)
         self.auth = ClientAuth(new.auth)
         return report
+
+    def _reload_backends(self, new: RouterConfig) -> list[str] | None:
+        """Apply ``new.backends`` to the pool: unchanged backends keep their object and
+        state; added and changed ones start unprobed (not routable until a health check
+        passes), removed ones leave (their requests in flight finish). The key paths
+        applied, or None when a restart is needed instead: a ``type: gemini`` or
+        ``internal`` backend is among the changes (the Gemini cache manager and the
+        semantic cache hold theirs)."""
+        running = {b.name: b for b in self.pool}
+        wanted = {c.name: c for c in new.backends}
+        touched = sorted(name for name in running.keys() | wanted.keys()
+                         if name not in running or name not in wanted
+                         or running[name].config != wanted[name])
+        configs = [c for name in touched for c in (
+            wanted.get(name), running[name].config if name in running else None) if c]
+        if any(c.type == "gemini" or c.internal for c in configs):
+            return None
+        pool = new.pool
+        backends = []
+        for cfg in new.backends:
+            current = running.get(cfg.name)
+            if current is None or current.config != cfg:
+                replaced = current
+                current = Backend(cfg, ewma_alpha=pool.latency_ewma_alpha,
+                                  success_window=pool.success_window, unprobed=True)
+                current.draining = replaced is not None and replaced.draining
+                self.forwarder.forget(cfg.name)
+            backends.append(current)
+        for name in touched:
+            if name not in wanted:
+                self.forwarder.forget(name)
+        self.pool.replace(backends)
+        self.health.sync()
+        log.info("backends reloaded: %s (added or changed ones are unprobed until a "
+                 "health check passes)", ", ".join(touched))
+        return [f"backends.{name}" for name in touched]
 
     def _reload_response_cache(self, new: RouterConfig) -> None:
         """The store adjusts itself or builds its replacement (new connection settings:

@@ -26,7 +26,7 @@ from continuum.metrics import CONTENT_TYPE, RouterMetrics
 from continuum.registry import PluginRegistry
 from continuum.routing import anthropic
 from continuum.service import RouterService
-from continuum.web import admin, tracing
+from continuum.web import admin, drain, tracing
 from continuum.web.http import (
     JSON,
     RequestIdHeader,
@@ -167,6 +167,8 @@ class RouterApp(falcon.App):  # type: ignore[type-arg]
     """The Falcon app, with the worker's :class:`RouterService` at ``.service``."""
 
     service: RouterService
+    #: The drained set of backends (``/admin/backends/{name}/drain``).
+    drain: drain.DrainControl
 
 
 def create_app(
@@ -213,6 +215,7 @@ def create_app(
     app.add_route("/health", HealthResource(service))
     app.add_route("/metrics", MetricsResource(metrics))
     admin.add_routes(app, service, reloader)
+    app.drain = drain.add_routes(app, service)
     tracing.install(app, service, tracer_provider)
     app.service = service
     return app
@@ -242,6 +245,7 @@ def get_app() -> RouterApp:
     app = create_app(config, registry=registry, metrics=metrics, service=service,
                      reloader=reloader)
     service.start()
+    app.drain.start()
     log.info("%s", service.summary())
     if config.server.watch_config:
         reloader.start(config.server.watch_interval_seconds)

@@ -234,3 +234,28 @@ def _json_docs(text: str) -> Iterator[str]:
             depth -= 1
             if depth == 0:
                 yield text[start:i + 1]
+
+
+def test_off_nothing_is_wrapped_and_no_middleware_runs(upstream: FakeUpstream,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without OTEL_* variables (or the extra), tracing adds nothing to the request path:
+    the service's stages are the classes' own methods and no tracing middleware is in the
+    app."""
+    from continuum.routing.forwarder import Forwarder
+    from continuum.web.tracing import Tracing
+
+    for name in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
+                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    config = parse_config({"backends": [{"name": "a", "url": upstream.url, "models": ["m"]}],
+                           "health_check": {"enabled": False}})
+    app = create_app(config)
+    try:
+        forwarder = app.service.forwarder
+        assert forwarder.send.__func__ is Forwarder.send  # type: ignore[attr-defined]
+        assert forwarder.relay.__func__ is Forwarder.relay  # type: ignore[attr-defined]
+        assert "decide" not in vars(app.service.pipeline)
+        assert "lookup" not in vars(app.service.response_cache)
+        assert not any(isinstance(m, Tracing) for m in app._unprepared_middleware)
+    finally:
+        app.service.stop()
