@@ -38,10 +38,10 @@ def ups(tmp_path: Path) -> Iterator[Callable[[str], FakeUpstream]]:
         up.stop()
 
 
-def _config(*backends: dict[str, Any]) -> dict[str, Any]:
+def _config(*backends: dict[str, Any], timeout_ms: int = 1500) -> dict[str, Any]:
     return {"backends": list(backends), "selection_strategy": "RoundRobin",
             "admin": {"allow_unauthenticated": True},
-            "health_check": {"interval_seconds": 0.5, "timeout_ms": 1500,
+            "health_check": {"interval_seconds": 0.5, "timeout_ms": timeout_ms,
                              "unhealthy_threshold": 1, "healthy_threshold": 1}}
 
 
@@ -53,6 +53,11 @@ def _views(router: RouterProcess, rounds: int = 12) -> dict[int, dict[str, dict[
                            headers={"Connection": "close"}).json()
         seen[doc["worker_pid"]] = {row["name"]: row for row in doc["backends"]}
     return seen
+
+
+def _state(view: dict[str, dict[str, Any]], name: str) -> str | None:
+    row = view.get(name)
+    return None if row is None else row["state"]  # type: ignore[no-any-return]
 
 
 def _reload(router: RouterProcess, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -87,7 +92,7 @@ def silent_port() -> Iterator[int]:
 def test_backends_a_reload_adds_are_unprobed_until_a_check_passes(
         tmp_path: Path, ups: Callable[[str], FakeUpstream], silent_port: int) -> None:
     a = ups("a")
-    base = _config({"name": "a", "url": a.url, "models": ["m"]})
+    base = _config({"name": "a", "url": a.url, "models": ["m"]}, timeout_ms=4000)
     router = RouterProcess(base, tmp_path, workers=2)
     try:
         client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
@@ -96,21 +101,22 @@ def test_backends_a_reload_adds_are_unprobed_until_a_check_passes(
         report = _reload(router, _config(
             {"name": "a", "url": a.url, "models": ["m"]},
             {"name": "dead", "url": dead, "models": ["m"]},
-            {"name": "silent", "url": silent, "models": ["m"]}))
+            {"name": "silent", "url": silent, "models": ["m"]}, timeout_ms=4000))
         assert report["applied"] == ["backends.dead", "backends.silent"]
         assert "backends" not in report["restart_required"]
         # The receiving worker: the silent one's first probe is still waiting.
-        row = requests.get(router.url + "/admin/backends", timeout=5).json()["backends"]
-        by_name = {r["name"]: r for r in row}
-        assert by_name["silent"]["healthy"] is False
+        by_name = next(v for pid, v in _views(router, 40).items()
+                       if pid == report["worker_pid"])
+        assert (by_name["silent"]["state"], by_name["silent"]["healthy"]) == ("unprobed", False)
         assert by_name["dead"]["healthy"] is False
         assert by_name["dead"]["state"] in ("unprobed", "unhealthy")
         # Requests meanwhile, in both workers, all go to the one probed backend.
         assert set(_backends_of(client, 24)) == {"a"}
         # Then every worker has probed them: unhealthy, still never routed.
+        # (the other worker reloads from its watcher: until then it has no such rows)
         wait_until(lambda: len(views := _views(router)) == 2 and all(
-            v["dead"]["state"] == v["silent"]["state"] == "unhealthy"
-            for v in views.values()), "both workers probe the new backends", timeout=15)
+            _state(v, "dead") == _state(v, "silent") == "unhealthy"
+            for v in views.values()), "both workers probe the new backends", timeout=20)
         assert set(_backends_of(client, 12)) == {"a"}
         text = router.metrics()
         for name in ("dead", "silent"):
@@ -129,7 +135,7 @@ def test_a_reloaded_live_backend_takes_traffic_once_probed(
         _reload(router, _config({"name": "a", "url": a.url, "models": ["m"]},
                                 {"name": "b", "url": b.url, "models": ["m"]}))
         wait_until(lambda: len(views := _views(router)) == 2 and all(
-            v["b"]["state"] == "healthy" for v in views.values()),
+            _state(v, "b") == "healthy" for v in views.values()),
             "both workers probe b", timeout=15)
         client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
         assert "b" in _backends_of(client, 8)
