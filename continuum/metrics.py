@@ -199,6 +199,13 @@ class RouterMetrics:
             multiprocess_mode="livemin",
             registry=r,
         )
+        self.draining = Gauge(
+            "continuum_backend_draining",
+            "1 while the backend is drained by the admin API (no new requests)",
+            ["backend"],
+            multiprocess_mode="livemax",
+            registry=r,
+        )
         self.upstream_errors = Counter(
             "continuum_upstream_errors_total",
             "Upstream failures by backend and kind (connect, timeout, stream, status, "

@@ -28,6 +28,11 @@ CHAT = "chat"
 COMPLETIONS = "completions"
 EMBEDDINGS = "embeddings"
 ANTHROPIC_MESSAGES = "anthropic_messages"
+#: OpenAI's Responses API (``instructions`` + ``input``), passed through to OpenAI-compatible
+#: backends; and Anthropic's token counting, passed to Anthropic backends.
+RESPONSES = "responses"
+ANTHROPIC_COUNT_TOKENS = "anthropic_count_tokens"
+ANTHROPIC_ENDPOINTS = frozenset({ANTHROPIC_MESSAGES, ANTHROPIC_COUNT_TOKENS})
 
 #: Default of ``server.max_json_depth``: far deeper than any real request (a structured
 #: output schema at OpenAI's own limit nests about 30 levels), far below the ~1000 frames
@@ -74,11 +79,20 @@ class RequestContext:
     #: The chain of prefix keys (:mod:`continuum.prefix_chain`), derived with the prefix
     #: key when the KV scorer matches chains (``kv_cache_index.match: chain``).
     chain: PrefixChain | None = None
+    #: What the prefix key and chain are computed from when it is not :attr:`body`: a
+    #: Responses request's ``instructions`` and ``input`` as a chat-shaped body
+    #: (:func:`responses_key_body`).
+    key_body: dict[str, Any] | None = None
 
     @property
     def protocol(self) -> str:
         """The API family of the request: ``anthropic`` or ``openai``."""
-        return "anthropic" if self.endpoint == ANTHROPIC_MESSAGES else "openai"
+        return "anthropic" if self.endpoint in ANTHROPIC_ENDPOINTS else "openai"
+
+    @property
+    def keyed_body(self) -> dict[str, Any]:
+        """The body the prefix key and chain are computed from."""
+        return self.body if self.key_body is None else self.key_body
 
     @property
     def prefix_hash(self) -> str | None:
@@ -229,6 +243,7 @@ NUMBER_FIELDS: dict[str, NumberField] = {
     "length_penalty": NumberField(-_FLOAT_MAX, _FLOAT_MAX),
     "max_tokens": NumberField(0, INT64_MAX, integer=True),
     "max_completion_tokens": NumberField(0, INT64_MAX, integer=True),
+    "max_output_tokens": NumberField(0, INT64_MAX, integer=True),  # Responses API
     "min_tokens": NumberField(0, INT64_MAX, integer=True),
     "n": NumberField(1, INT64_MAX, integer=True),
     "best_of": NumberField(1, INT64_MAX, integer=True),
@@ -240,7 +255,8 @@ NUMBER_FIELDS: dict[str, NumberField] = {
 _LOGPROBS = NumberField(0, INT64_MAX, integer=True)
 #: The endpoint's own input field besides ``messages``: a string or an array (of strings,
 #: token ids or content blocks — the backend checks the items).
-_INPUT_FIELD = {COMPLETIONS: "prompt", EMBEDDINGS: "input", ANTHROPIC_MESSAGES: "system"}
+_INPUT_FIELD = {COMPLETIONS: "prompt", EMBEDDINGS: "input", ANTHROPIC_MESSAGES: "system",
+                ANTHROPIC_COUNT_TOKENS: "system", RESPONSES: "input"}
 
 
 _CHECKED_FIELDS = frozenset({*NUMBER_FIELDS, "logprobs", "stop", "stop_sequences"})
@@ -264,7 +280,7 @@ def _check_field(name: str, value: Any) -> None:
 
 def _check_messages(messages: Any, endpoint: str) -> list[Any] | None:
     """``messages``: required by chat and Anthropic, an array of objects wherever given."""
-    needed = endpoint in (CHAT, ANTHROPIC_MESSAGES)
+    needed = endpoint in (CHAT, ANTHROPIC_MESSAGES, ANTHROPIC_COUNT_TOKENS)
     if messages is None or messages == []:
         if needed:
             raise RequestError("'messages' is required and must be a non-empty array",
@@ -277,6 +293,21 @@ def _check_messages(messages: Any, endpoint: str) -> list[Any] | None:
             if type(message) is not dict:
                 raise _wrong_type(f"messages[{index}]", "an object", message)
     return messages
+
+
+def responses_key_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A Responses request as the chat-shaped body its keys are computed from: the
+    ``instructions`` as the system prompt, ``input`` (a string, or message items) as the
+    messages, so the same instructions, or the same opening input, give the same prefix
+    key as the equivalent chat completion would."""
+    given = body.get("input")
+    messages = [{"role": "user", "content": given}] if isinstance(given, str) else \
+        [item for item in given if isinstance(item, dict) and "role" in item] \
+        if isinstance(given, list) else []
+    keyed: dict[str, Any] = {"messages": messages}
+    if isinstance(body.get("instructions"), str):
+        keyed["system"] = body["instructions"]
+    return keyed
 
 
 def parse_request(
@@ -312,6 +343,15 @@ def parse_request(
         value = body.get(input_field)
         if value is not None and type(value) not in (str, list):
             raise _wrong_type(input_field, "a string or an array", value)
+    key_body = None
+    if endpoint == RESPONSES:
+        instructions = body.get("instructions")
+        if instructions is not None and type(instructions) is not str:
+            raise _wrong_type("instructions", "a string", instructions)
+        if body.get("input") is None:
+            raise RequestError("'input' is required: a string or an array",
+                               param="input", code="invalid_value")
+        key_body = responses_key_body(body)
     for name, value in body.items():
         if name in _CHECKED_FIELDS:
             _check_field(name, value)
@@ -333,4 +373,5 @@ def parse_request(
         max_tokens=max_tokens,
         tenant=tenant,
         request_id=request_id or uuid.uuid4().hex,
+        key_body=key_body,
     )

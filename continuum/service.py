@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
+from continuum import request as rq
 from continuum import views
 from continuum.auth import ClientAuth
 from continuum.cache_salt import make_salt
@@ -46,6 +48,10 @@ if TYPE_CHECKING:
     from continuum.request import RequestContext
 
 log = logging.getLogger(__name__)
+
+#: Streamed endpoints whose usage chunk ``stream_options.include_usage`` asks for (the
+#: Responses API reports usage in ``response.completed`` unasked, Anthropic in its events).
+_USAGE_OPTION_ENDPOINTS = frozenset({rq.CHAT, rq.COMPLETIONS})
 
 STRATEGIES = "continuum.strategies"
 SCORERS = "continuum.scorers"
@@ -304,7 +310,7 @@ class RouterService:
         settings = self.config.prefix_routing
         if settings.enabled:
             ctx.prefix_key = request_prefix_key(
-                ctx.body, ctx.model, max_prefix_length=settings.max_prefix_length
+                ctx.keyed_body, ctx.model, max_prefix_length=settings.max_prefix_length
             )
             chain_scorer = self._chain_scorer
             if chain_scorer is not None and ctx.prefix_key is not None:
@@ -359,7 +365,7 @@ class RouterService:
     ) -> ProxyResult:
         error_event = anthropic_error_event if ctx.protocol == "anthropic" \
             else openai_error_event
-        stream_usage = ctx.stream and ctx.protocol == "openai" and \
+        stream_usage = ctx.stream and ctx.endpoint in _USAGE_OPTION_ENDPOINTS and \
             self.config.server.stream_usage and not asks_for_usage(ctx.body)
         upstream = self._send(ctx, path, record, stream_usage)
         headers = upstream.headers()
@@ -567,15 +573,21 @@ class RouterService:
         """Apply ``new`` to the running worker; report what needs a restart instead."""
         old = self.config
         report = ReloadReport(restart_required=restart_required(old, new))
+        backends = old.backends
         if old.backends != new.backends:
-            report.restart_required.append("backends")
+            changed = self._reload_backends(new)
+            if changed is None:
+                report.restart_required.append("backends")
+            else:
+                report.applied += changed
+                backends = new.backends
         old_leaves = {path: value for path, _f, value in walk(old)}
         for path, _f, value in walk(new):
             if path.startswith("backends") or path in report.restart_required:
                 continue
             if old_leaves.get(path, value) != value:
                 report.applied.append(path)
-        new = keep_restart_fields(old, new)
+        new = dataclasses.replace(keep_restart_fields(old, new), backends=backends)
         self.config = new
         if new.selection_strategy != old.selection_strategy:
             self.pipeline.strategy = self._make_strategy(new)
@@ -590,6 +602,42 @@ class RouterService:
         self._reload_response_cache(new)
         self.auth = ClientAuth(new.auth)
         return report
+
+    def _reload_backends(self, new: RouterConfig) -> list[str] | None:
+        """Apply ``new.backends`` to the pool: unchanged backends keep their object and
+        state; added and changed ones start unprobed (not routable until a health check
+        passes), removed ones leave (their requests in flight finish). The key paths
+        applied, or None when a restart is needed instead: a ``type: gemini`` or
+        ``internal`` backend is among the changes (the Gemini cache manager and the
+        semantic cache hold theirs)."""
+        running = {b.name: b for b in self.pool}
+        wanted = {c.name: c for c in new.backends}
+        touched = sorted(name for name in running.keys() | wanted.keys()
+                         if name not in running or name not in wanted
+                         or running[name].config != wanted[name])
+        configs = [c for name in touched for c in (
+            wanted.get(name), running[name].config if name in running else None) if c]
+        if any(c.type == "gemini" or c.internal for c in configs):
+            return None
+        pool = new.pool
+        backends = []
+        for cfg in new.backends:
+            current = running.get(cfg.name)
+            if current is None or current.config != cfg:
+                replaced = current
+                current = Backend(cfg, ewma_alpha=pool.latency_ewma_alpha,
+                                  success_window=pool.success_window, unprobed=True)
+                current.draining = replaced is not None and replaced.draining
+                self.forwarder.forget(cfg.name)
+            backends.append(current)
+        for name in touched:
+            if name not in wanted:
+                self.forwarder.forget(name)
+        self.pool.replace(backends)
+        self.health.sync()
+        log.info("backends reloaded: %s (added or changed ones are unprobed until a "
+                 "health check passes)", ", ".join(touched))
+        return [f"backends.{name}" for name in touched]
 
     def _reload_response_cache(self, new: RouterConfig) -> None:
         """The store adjusts itself or builds its replacement (new connection settings:

@@ -67,6 +67,11 @@ class BackendView:
     internal: bool
     healthy: bool
     in_flight: int
+    #: ``unprobed`` (added or changed by a reload, no probe result yet), ``healthy``,
+    #: ``unhealthy``.
+    state: str
+    #: Taken out of rotation by ``POST /admin/backends/{name}/drain``.
+    draining: bool
     latency_ewma_ms: float | None
     success_rate: float
     models: list[str]
@@ -84,6 +89,8 @@ def backend_view(backend: Backend) -> BackendView:
         internal=backend.config.internal,
         healthy=backend.healthy,
         in_flight=backend.in_flight,
+        state=backend.state,
+        draining=backend.draining,
         latency_ewma_ms=None if ewma is None else round(ewma * 1000, 3),
         success_rate=round(backend.success_rate, 4),
         models=sorted(backend.models),

@@ -162,8 +162,8 @@ class DefaultSourceProcessor:
         self._report()
 
     def stats(self) -> dict[str, int]:
-        """Gauges ``tracked_blocks``, ``retained_tokens``, ``attributed_prefixes`` (prefixes
-        held now); every other value counts since start."""
+        """Gauges ``tracked_blocks``, ``retained_tokens``, ``attributed_prefixes``,
+        ``chain_keys`` (held now); every other value counts since start."""
         recovery = self.recovery
         return {
             "tracked_blocks": self.tracker.tracked_blocks,

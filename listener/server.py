@@ -65,7 +65,8 @@ SOURCE_COUNTERS: dict[str, tuple[str, str]] = {
 }
 #: Processor ``stats()`` keys exported as gauges (values held now); every other key counts
 #: since start and is exported as a counter.
-PROCESSOR_GAUGES = frozenset({"tracked_blocks", "retained_tokens", "attributed_prefixes"})
+PROCESSOR_GAUGES = frozenset({"tracked_blocks", "retained_tokens", "attributed_prefixes",
+                              "chain_keys"})
 _METRIC_NAME = re.compile(r"[^a-z0-9_]")
 
 

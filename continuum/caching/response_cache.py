@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from continuum.caching.cache_key import cache_key
 from continuum.errors import StoreError
+from continuum.request import RESPONSES
 
 if TYPE_CHECKING:
     from continuum.config import ResponseCacheConfig
@@ -113,10 +114,13 @@ class ResponseCache:
         self.metrics.child(self.metrics.response_cache, result).inc()
 
     def eligible(self, ctx: RequestContext, cache_control: str | None) -> bool:
-        """Whether ``ctx`` may be answered from and stored in the cache (counts a skip)."""
+        """Whether ``ctx`` may be answered from and stored in the cache (counts a skip).
+        Responses API requests never are: each answer has its own id, and the backend may
+        store it for a later ``previous_response_id``."""
         config = self.config
         ok = (
             config.enabled
+            and ctx.endpoint != RESPONSES
             and (ctx.temperature is None or ctx.temperature == 0)
             and (not ctx.stream or config.cache_streaming)
             and not (cache_control and ("no-store" in cache_control

@@ -158,7 +158,7 @@ class ChainOverlapScorer(KvOverlapScorer):
     def request_chain(self, ctx: RequestContext) -> PrefixChain | None:
         """``ctx``'s chain of prefix keys at this scorer's chunk size and depth (None when
         the request has no messages to key)."""
-        return request_chain(ctx.body, ctx.model, chunk_bytes=self.chunk_bytes,
+        return request_chain(ctx.keyed_body, ctx.model, chunk_bytes=self.chunk_bytes,
                              max_keys=self.max_keys)
 
     def record_route(self, ctx: RequestContext, backend: Backend) -> None:

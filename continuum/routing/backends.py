@@ -24,6 +24,11 @@ class Backend:
         weight: relative weight for weighted strategies.
         in_flight: requests dispatched and not yet finished (released on every exit path).
         healthy: current verdict of the active health checks.
+        probed: False until the first health check result: a backend added or changed by
+            a reload starts unprobed and unhealthy, so it takes no request before a probe
+            passes (the ones configured at start are assumed healthy until probed).
+        draining: taken out of rotation by ``POST /admin/backends/{name}/drain``: no new
+            requests; the ones in flight finish.
         latency_ewma: exponentially weighted mean of request latency in seconds (None until
             the first completed request).
         models: model ids this backend serves (configured, or discovered when none are).
@@ -36,10 +41,12 @@ class Backend:
         "config",
         "configured_models",
         "discovered_models",
+        "draining",
         "healthy",
         "in_flight",
         "latency_ewma",
         "name",
+        "probed",
         "url",
         "weight",
     )
@@ -50,13 +57,16 @@ class Backend:
         *,
         ewma_alpha: float = 0.2,
         success_window: int = 100,
+        unprobed: bool = False,
     ) -> None:
         self.config = config
         self.name = config.name
         self.url = config.url.rstrip("/")
         self.weight = config.weight
         self.in_flight = 0
-        self.healthy = True
+        self.healthy = not unprobed
+        self.probed = not unprobed
+        self.draining = False
         self.latency_ewma: float | None = None
         # Built once: ``serves()`` runs for every backend on every request.
         self.configured_models = frozenset(config.models)
@@ -78,6 +88,11 @@ class Backend:
         """
         models = self.models
         return model in models or not models
+
+    @property
+    def state(self) -> str:
+        """``unprobed``, ``healthy`` or ``unhealthy`` (draining is shown apart)."""
+        return "unprobed" if not self.probed else "healthy" if self.healthy else "unhealthy"
 
     @property
     def success_rate(self) -> float:
@@ -118,6 +133,11 @@ class BackendPool:
     def __len__(self) -> int:
         return len(self._order)
 
+    def replace(self, backends: Iterable[Backend]) -> None:
+        """Make ``backends`` the pool, in their order (a reload; kept objects keep state)."""
+        self._by_name = {b.name: b for b in backends}
+        self._order = list(self._by_name.values())
+
     def get(self, name: str) -> Backend | None:
         """The backend called ``name``, or None."""
         return self._by_name.get(name)
@@ -133,10 +153,12 @@ class BackendPool:
         ]
 
     def candidates(self, model: str, protocol: str = "openai") -> list[Backend]:
-        """Routable, healthy backends speaking ``protocol`` that serve ``model``."""
+        """Routable, healthy, not draining backends speaking ``protocol`` that serve
+        ``model``."""
         return [
             b for b in self.routable()
-            if b.healthy and b.config.protocol == protocol and b.serves(model)
+            if b.healthy and not b.draining and b.config.protocol == protocol
+            and b.serves(model)
         ]
 
     def model_ids(self, protocol: str | None = None) -> list[str]:

@@ -176,6 +176,14 @@ class Forwarder:
             self._pools[backend.name] = cp
         return cp
 
+    def forget(self, name: str) -> None:
+        """Drop the connection pool of backend ``name`` (a reload changed or removed it;
+        connections in use finish and are closed, not pooled)."""
+        cp = self._pools.pop(name, None)
+        if cp is not None:
+            cp.clear()
+        self.metrics.child(self.metrics.retries, name)
+
     def close(self) -> None:
         """Close the idle upstream connections of every backend."""
         for cp in self._pools.values():

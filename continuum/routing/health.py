@@ -2,6 +2,8 @@
 
 Invariants:
   * A backend is either ``healthy`` or not; only :meth:`HealthTracker.observe` changes it.
+  * One added or changed by a reload starts ``unprobed`` (not healthy, takes no request);
+    its first probe result, pass or fail, makes it healthy or unhealthy.
   * ``unhealthy_threshold`` consecutive failures take a healthy backend out;
     ``healthy_threshold`` consecutive successes put an unhealthy one back. A result of the
     other kind resets the streak.
@@ -13,6 +15,8 @@ Transitions (state, event) → state:
     ===========  =======  ===================================================
     state        event    next
     ===========  =======  ===================================================
+    unprobed     success  healthy
+    unprobed     failure  unhealthy
     healthy      success  healthy (failure streak reset)
     healthy      failure  healthy, or unhealthy when the streak hits the limit
     unhealthy    failure  unhealthy (success streak reset)
@@ -49,8 +53,14 @@ class HealthTracker:
         self._successes = 0
 
     def observe(self, ok: bool) -> bool | None:
-        """Record one result; return the new state if it changed, else None."""
+        """Record one result; return the new state if it changed, else None. The first
+        result of an unprobed backend decides its state at once."""
         backend = self.backend
+        if not backend.probed:
+            backend.probed = True
+            self._successes, self._failures = (1, 0) if ok else (0, 1)
+            backend.healthy = ok
+            return ok
         if ok:
             self._failures = 0
             self._successes += 1
@@ -101,11 +111,40 @@ class HealthMonitor:
             self._greenlet.kill(block=False)
             self._greenlet = None
 
+    def sync(self) -> list[Backend]:
+        """Follow the pool after a reload: trackers for its new backend objects (the kept
+        ones keep theirs), none for removed ones; probe the new ones at once when running.
+        Returns the new backends."""
+        config, old = self.config, self.trackers
+        self.trackers = {}
+        added = []
+        for backend in self.pool:
+            tracker = old.get(backend.name)
+            if tracker is None or tracker.backend is not backend:
+                tracker = HealthTracker(backend, config.unhealthy_threshold,
+                                        config.healthy_threshold)
+                added.append(backend)
+                self._publish(backend)
+            self.trackers[backend.name] = tracker
+        if not config.enabled:  # no probe will come: nothing to wait for
+            for backend in added:
+                backend.probed = backend.healthy = True
+                self._publish(backend)
+        elif added and self._started:
+            import gevent
+
+            for backend in added:
+                if backend.config.enabled:
+                    gevent.spawn(self.probe, backend)
+        return added
+
     def observe(self, backend: Backend, ok: bool) -> None:
         """Feed one probe or passive result for ``backend``."""
         tracker = self.trackers.get(backend.name)
         if tracker is None:
             return
+        if tracker.backend is not backend:
+            return  # a result for a backend object a reload has replaced
         changed = tracker.observe(ok)
         if changed is not None:
             state = "healthy" if changed else "unhealthy"

@@ -4,6 +4,9 @@ Every answer that reports usage is read, whatever its shape:
 
 * OpenAI (chat, completions, embeddings; vLLM, SGLang, TensorRT-LLM): ``usage`` with
   ``prompt_tokens``, ``prompt_tokens_details.cached_tokens`` and ``completion_tokens``;
+* OpenAI Responses: ``usage`` with ``input_tokens`` (cached ones included),
+  ``input_tokens_details.cached_tokens`` and ``output_tokens``, streamed in the
+  ``response`` of ``response.completed``;
 * Anthropic Messages: ``usage`` with ``input_tokens`` (the uncached part only),
   ``cache_read_input_tokens``, ``cache_creation_input_tokens`` and ``output_tokens``; a
   stream reports them in ``message_start`` and the running ``output_tokens`` in each
@@ -63,6 +66,23 @@ def openai_usage(doc: dict[str, Any]) -> dict[str, int | None] | None:
             "completion_tokens": _int(usage.get("completion_tokens", 0))}
 
 
+def responses_usage(doc: dict[str, Any]) -> dict[str, int | None] | None:
+    """The Responses API's ``usage`` (``input_tokens`` with ``input_tokens_details``, which
+    include the cached ones), in a response or in the ``response`` of its stream events."""
+    usage = doc.get("usage")
+    if usage is None:
+        response = doc.get("response")
+        usage = response.get("usage") if isinstance(response, dict) else None
+    if not isinstance(usage, dict) or "input_tokens_details" not in usage or \
+            _int(usage.get("input_tokens")) is None:
+        return None
+    details = usage["input_tokens_details"]
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return {"prompt_tokens": _int(usage["input_tokens"]),
+            "cached_tokens": _int(cached) if cached is not None else 0,
+            "completion_tokens": _int(usage.get("output_tokens", 0))}
+
+
 def anthropic_usage(doc: dict[str, Any]) -> dict[str, int | None] | None:
     """Anthropic's ``usage``, in a message, ``message_start`` or ``message_delta``."""
     usage = doc.get("usage")
@@ -96,7 +116,7 @@ def gemini_usage(doc: dict[str, Any]) -> dict[str, int | None] | None:
 
 #: Tried in order on a decoded answer (or stream event); the first non-None wins.
 EXTRACTORS: list[Callable[[dict[str, Any]], dict[str, int | None] | None]] = [
-    openai_usage, anthropic_usage, gemini_usage,
+    openai_usage, responses_usage, anthropic_usage, gemini_usage,
 ]
 
 

@@ -8,10 +8,12 @@
   ``content_block_stop``, ``message_delta``, ``message_stop``; token counts from
   :class:`~continuum.sim.tokenizer.SimTokenizer`; ``usage`` with the prompt-cache fields of
   :mod:`continuum.sim.anthropic_cache`;
+* ``POST /v1/messages/count_tokens``: ``{"input_tokens": N}`` for a Messages request
+  without ``max_tokens``, counted like ``usage`` counts the prompt;
 * ``GET /v1/models`` and ``GET /v1/models/{id}`` (``"type": "model"`` entries);
 * errors as ``{"type": "error", "error": {"type", "message"}, "request_id"}`` with the
   real statuses, and a ``request-id`` header on every answer;
-* for tests: ``GET /_sim/received?n=N`` (the last ``POST /v1/messages`` bodies and
+* for tests: ``GET /_sim/received?n=N`` (the last ``POST /v1/messages[/count_tokens]`` bodies and
   headers, oldest first, recorded before any check) and ``POST /_sim/reset``.
 
 With ``api_key`` set, ``x-api-key`` (or ``Authorization: Bearer``) must match it (401
@@ -232,6 +234,28 @@ class FakeAnthropic:
         else:
             resp.media = message
 
+    def on_post_count_tokens(self, req: falcon.Request, resp: falcon.Response) -> None:
+        """``POST /v1/messages/count_tokens``: the request's input tokens, as the API
+        answers them (``{"input_tokens": N}``); nothing is generated or cached. The body
+        is a Messages request without ``max_tokens`` (which the API refuses here)."""
+        raw = req.bounded_stream.read()
+        try:
+            body: Any = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        headers = {name.lower(): value for name, value in req.headers.items()}
+        self.received.append({"path": req.path, "headers": headers,
+                              "body": body if body is not None else raw.decode("utf-8", "replace")})
+        self._authorize(req)
+        if not isinstance(body, dict):
+            raise RequestError("There was an issue with the format or content of your "
+                               "request: the body is not a JSON object")
+        for extra in ("max_tokens", "stream", "stop_sequences", "temperature"):
+            _check(extra not in body, f"{extra}: Extra inputs are not permitted")
+        validate({**body, "max_tokens": 1}, self.models)
+        blocks = prompt_blocks(body, self.tokenizer)
+        resp.media = {"input_tokens": blocks[-1].end if blocks else 0}
+
     def _generate(self, rng: random.Random, max_tokens: int,
                   stops: Sequence[str]) -> tuple[list[str], str, str | None]:
         """Token strings of the answer, the stop reason and the stop sequence hit, if any."""
@@ -290,6 +314,7 @@ def create_anthropic_app(
     app.add_error_handler(ContinuumError, _on_error)  # replaces the base's vLLM shape
     app.set_error_serializer(_serialize)
     app.add_route("/v1/messages", fake, suffix="messages")
+    app.add_route("/v1/messages/count_tokens", fake, suffix="count_tokens")
     app.add_route("/v1/models", fake, suffix="models")
     app.add_route("/v1/models/{model_id}", fake, suffix="model")
     app.add_route("/_sim/received", fake, suffix="received")

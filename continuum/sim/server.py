@@ -24,6 +24,7 @@ from gevent.pywsgi import WSGIHandler, WSGIServer
 
 from continuum.errors import ContinuumError, RequestError
 from continuum.sim.engine import Generation, GenerationRequest, SimEngine, render_metrics
+from continuum.sim.responses import ResponseShape, chat_messages
 
 _OWNERS = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError"}
@@ -98,6 +99,7 @@ def create_engine_app(
     app.add_route("/v1/chat/completions", api, suffix="chat")
     app.add_route("/v1/completions", api, suffix="completions")
     app.add_route("/v1/embeddings", api, suffix="embeddings")
+    app.add_route("/v1/responses", api, suffix="responses")
     if engine.config.engine != "trtllm":  # trtllm-serve has no public (de)tokenize endpoints
         app.add_route("/tokenize", api, suffix="tokenize")
         app.add_route("/detokenize", api, suffix="detokenize")
@@ -305,6 +307,28 @@ class _EngineApi:
 
     def on_post_completions(self, req: falcon.Request, resp: falcon.Response) -> None:
         self._generate(req, resp, chat=False)
+
+    def on_post_responses(self, req: falcon.Request, resp: falcon.Response) -> None:
+        """``POST /v1/responses`` (see :mod:`continuum.sim.responses`)."""
+        body = read_json(req)
+        if body.get("previous_response_id") is not None:
+            raise RequestError("previous_response_id is not supported: this server stores "
+                               "no responses (store: false)", param="previous_response_id")
+        engine = self.engine
+        model = engine.resolve_model(body.get("model"))
+        stream = _flag(body, "stream", False)
+        prompt = engine.chat_prompt(chat_messages(body))
+        sampling = {k: v for k, v in body.items() if k in ("temperature", "seed")}
+        if body.get("max_output_tokens") is not None:
+            sampling["max_tokens"] = body["max_output_tokens"]
+        gen = engine.start(_sampling(engine, sampling, model, prompt))
+        shape = ResponseShape(model, body)
+        if stream:
+            resp.content_type = "text/event-stream"
+            resp.stream = (b"event: " + name.encode() + b"\ndata: " + dumps(doc) + b"\n\n"
+                           for name, doc in shape.events(gen))
+        else:
+            send_json(resp, shape.full(gen.run()))
 
     def _generate(self, req: falcon.Request, resp: falcon.Response, *, chat: bool) -> None:
         body = read_json(req)

@@ -116,7 +116,11 @@ class ExplainResource(AdminResource):
     """
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        endpoint = rq.ANTHROPIC_MESSAGES if req.get_param("endpoint") == "anthropic" else rq.CHAT
+        given = req.get_param("endpoint")
+        if given not in (None, "anthropic", "chat"):
+            raise RequestError(f"endpoint must be 'chat' (the default) or 'anthropic', got "
+                               f"'{given}'", param="endpoint")
+        endpoint = rq.ANTHROPIC_MESSAGES if given == "anthropic" else rq.CHAT
         server = self.service.config.server
         raw = read_body(req, server.max_body_bytes, server.client_body_timeout_seconds)
         ctx = self.service.admit(raw, endpoint, request_id_of(req), caching=False)
@@ -215,9 +219,9 @@ class GeminiContextClearResource(AdminResource):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         cleared = self.service.clear_gemini_context()
         if cleared is None:
-            self._send(resp, {"success": False,
-                              "error": "Gemini context cache is not enabled"})
-            return
+            raise _GeminiContextDisabled(
+                "the Gemini context cache is not enabled (gemini_context_cache.enabled: "
+                "false, or no type: gemini backend)")
         self._send(resp, {"success": True, "cleared_entries": cleared})
 
 
@@ -227,12 +231,20 @@ class _NoConfigFile(ContinuumError):
     code = "no_config_file"
 
 
-class _KvIndexDisabled(ContinuumError):
+class _TierDisabled(ContinuumError):
     """An action on a tier that is off: 409 Conflict with the router's state."""
 
     status = 409
     error_type = "invalid_request_error"
+    code = "tier_disabled"
+
+
+class _KvIndexDisabled(_TierDisabled):
     code = "kv_index_disabled"
+
+
+class _GeminiContextDisabled(_TierDisabled):
+    code = "gemini_context_cache_disabled"
 
 
 def add_routes(

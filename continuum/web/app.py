@@ -26,7 +26,7 @@ from continuum.metrics import CONTENT_TYPE, RouterMetrics
 from continuum.registry import PluginRegistry
 from continuum.routing import anthropic
 from continuum.service import RouterService
-from continuum.web import admin
+from continuum.web import admin, drain, tracing
 from continuum.web.http import (
     JSON,
     RequestIdHeader,
@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 class ProxyResource:
     """``POST`` an OpenAI-compatible request to the chosen backend."""
 
+    #: Its requests get a server span when tracing is on (:mod:`continuum.web.tracing`).
+    traced = True
+
     def __init__(self, service: RouterService, endpoint: str, path: str) -> None:
         self.service = service
         self.endpoint = endpoint
@@ -57,7 +60,7 @@ class ProxyResource:
         server = service.config.server
         raw = read_body(req, server.max_body_bytes, server.client_body_timeout_seconds)
         forward = None
-        if self.endpoint == rq.ANTHROPIC_MESSAGES:
+        if self.endpoint in rq.ANTHROPIC_ENDPOINTS:
             forward = {name: value for name in anthropic.FORWARDED_HEADERS
                        if (value := req.get_header(name))}
         record = req.context.get("record")
@@ -164,6 +167,8 @@ class RouterApp(falcon.App):  # type: ignore[type-arg]
     """The Falcon app, with the worker's :class:`RouterService` at ``.service``."""
 
     service: RouterService
+    #: The drained set of backends (``/admin/backends/{name}/drain``).
+    drain: drain.DrainControl
 
 
 def create_app(
@@ -173,8 +178,12 @@ def create_app(
     metrics: RouterMetrics | None = None,
     service: RouterService | None = None,
     reloader: ConfigReloader | None = None,
+    tracer_provider: Any = None,
 ) -> RouterApp:
-    """Build the Falcon app for ``config``; collaborators may be injected (tests)."""
+    """Build the Falcon app for ``config``; collaborators may be injected (tests).
+
+    Tracing is on with ``tracer_provider`` (an OpenTelemetry one), or when the ``OTEL_*``
+    environment asks for it (:mod:`continuum.web.tracing`)."""
     registry = registry or PluginRegistry()
     metrics = metrics or RouterMetrics()
     service = service or RouterService(config, registry=registry, metrics=metrics)
@@ -188,6 +197,7 @@ def create_app(
     app.add_route("/v1/chat/completions", ProxyResource(service, rq.CHAT, "/v1/chat/completions"))
     app.add_route("/v1/completions", ProxyResource(service, rq.COMPLETIONS, "/v1/completions"))
     app.add_route("/v1/embeddings", ProxyResource(service, rq.EMBEDDINGS, "/v1/embeddings"))
+    app.add_route("/v1/responses", ProxyResource(service, rq.RESPONSES, "/v1/responses"))
     models = ModelsResource(service)
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model_id}", models, suffix="one")
@@ -198,9 +208,15 @@ def create_app(
         "/anthropic/v1/messages",
         ProxyResource(service, rq.ANTHROPIC_MESSAGES, "/v1/messages"),
     )
+    app.add_route(
+        "/anthropic/v1/messages/count_tokens",
+        ProxyResource(service, rq.ANTHROPIC_COUNT_TOKENS, "/v1/messages/count_tokens"),
+    )
     app.add_route("/health", HealthResource(service))
     app.add_route("/metrics", MetricsResource(metrics))
     admin.add_routes(app, service, reloader)
+    app.drain = drain.add_routes(app, service)
+    tracing.install(app, service, tracer_provider)
     app.service = service
     return app
 
@@ -229,6 +245,7 @@ def get_app() -> RouterApp:
     app = create_app(config, registry=registry, metrics=metrics, service=service,
                      reloader=reloader)
     service.start()
+    app.drain.start()
     log.info("%s", service.summary())
     if config.server.watch_config:
         reloader.start(config.server.watch_interval_seconds)

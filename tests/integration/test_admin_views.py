@@ -152,8 +152,8 @@ def test_admin_documents_keep_their_shape(
     assert prefix["backend_distribution"] == [{"backend": "a", "in_flight_requests": 0}]
     backends = _admin(client, "backends")["backends"]
     assert [list(row) for row in backends] == [[
-        "name", "url", "type", "enabled", "internal", "healthy", "in_flight",
-        "latency_ewma_ms", "success_rate", "models", "weight"]] * 2
+        "name", "url", "type", "enabled", "internal", "healthy", "in_flight", "state",
+        "draining", "latency_ewma_ms", "success_rate", "models", "weight"]] * 2
     assert [(row["name"], row["enabled"], row["models"]) for row in backends] == [
         ("a", True, ["m"]), ("b", False, ["m"])]
     strategies = _admin(client, "strategies")

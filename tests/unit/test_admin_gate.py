@@ -22,6 +22,8 @@ ADMIN_ROUTES = [
     ("POST", "/admin/config/reload"), ("GET", "/admin/response-cache/stats"),
     ("POST", "/admin/response-cache/invalidate"), ("GET", "/admin/kv-index/stats"),
     ("GET", "/admin/kv-index/backends"), ("POST", "/admin/kv-index/clear"),
+    ("GET", "/admin/gemini-context-cache/stats"), ("POST", "/admin/gemini-context-cache/clear"),
+    ("POST", "/admin/backends/a/drain"), ("POST", "/admin/backends/a/undrain"),
 ]
 
 

@@ -35,6 +35,7 @@ EXPORTED = {
     "continuum_completion_tokens_total": "counter",
     "continuum_backend_in_flight": "gauge",
     "continuum_backend_healthy": "gauge",
+    "continuum_backend_draining": "gauge",
     "continuum_upstream_errors_total": "counter",
     "continuum_upstream_retries_total": "counter",
     "continuum_backend_health_transitions_total": "counter",
@@ -144,4 +145,118 @@ def test_promtool_lints_the_exposition_clean() -> None:
 def test_docs_name_every_family() -> None:
     text = (ROOT / "docs" / "metrics.md").read_text()
     missing = [name for name in EXPORTED if f"`{name}`" not in text]
+    assert not missing, missing
+
+
+# --- the KV listener (continuum-kv-listener's /metrics) -------------------------------------
+
+#: Every family the listener exports (``continuum_kv_listener_`` + this), as exposed.
+LISTENER_EXPORTED = {
+    "batches_in_total": "counter", "events_in_total": "counter",
+    "skipped_events_total": "counter", "decode_errors_total": "counter",
+    "sequence_gaps_total": "counter", "duplicates_total": "counter",
+    "engine_restarts_total": "counter", "resets_total": "counter",
+    "replays_total": "counter", "replay_failures_total": "counter",
+    "rejected_publishers_total": "counter", "processor_errors_total": "counter",
+    "polls_total": "counter", "publisher_disconnects_total": "counter",
+    "pruned_sequence_streams_total": "counter", "poll_errors_total": "counter",
+    "source_connected": "gauge", "events_out_total": "counter",
+    "buffer_overflows_total": "counter", "subscriptions_refused_total": "counter",
+    "subscriptions_total": "counter", "subscribers": "gauge", "prefixes": "gauge",
+    "unauthorized_requests_total": "counter",
+    "processor_tracked_blocks": "gauge", "processor_retained_tokens": "gauge",
+    "processor_attributed_prefixes": "gauge", "processor_chain_keys": "gauge",
+    "processor_chain_unknown_parents_total": "counter",
+    "processor_pruned_blocks_total": "counter",
+    "processor_detokenize_calls_total": "counter",
+    "processor_detokenize_errors_total": "counter",
+    "processor_detokenize_too_large_total": "counter",
+    "processor_detokenize_cache_hits_total": "counter",
+    "processor_events_in_total": "counter", "processor_events_out_total": "counter",
+    "processor_ignored_blocks_total": "counter", "processor_masked_blocks_total": "counter",
+    "processor_mismatched_blocks_total": "counter", "processor_salt_rejected_total": "counter",
+    "processor_unattributed_chains_total": "counter",
+}
+
+
+def _listener_exposition() -> tuple[dict[str, tuple[str, str, list[str]]], bytes]:
+    """A real listener (a vLLM ZMQ source and a TensorRT-LLM polled one, with the real
+    processor), built but not started: its families (name -> type, help, labels) and its
+    exposition."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from listener.app import Listener
+    from listener.config import check_listener_config
+    from listener.server import ListenerCollector, _Events
+
+    config, errors, _warnings = check_listener_config({
+        "listen": "127.0.0.1:0", "cache_salt": {"secret": "inventory-test-secret"},
+        "sources": [
+            {"backend_name": "v", "engine": "vllm", "model": "m",
+             "zmq_endpoint": "tcp://127.0.0.1:5999", "allowed_publishers": ["127.0.0.1"],
+             "detokenize_endpoint": "http://127.0.0.1:9/detokenize"},
+            {"backend_name": "t", "engine": "trtllm", "model": "m",
+             "allowed_publishers": ["127.0.0.1"],
+             "trtllm_endpoint": "http://127.0.0.1:9/kv_cache_events"}]})
+    assert config is not None, errors
+    listener = Listener(config)
+    try:
+        for source in listener.sources:  # one sample in every family, poll errors too
+            source.stats.poll_errors["connect"] = 1
+        events = _Events(listener.hub, 1.0, None)
+        collector = ListenerCollector(listener.hub, listener.sources, events)
+        listener.hub.publish("v", _created())
+        families = {}
+        for family in collector.collect():
+            name = family.name + ("_total" if family.type == "counter" else "")
+            labels = sorted({k for s in family.samples for k in s.labels})
+            families[name] = (family.type, family.documentation, labels)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(collector)
+        return families, generate_latest(registry)
+    finally:
+        listener.stop(drain=0)
+
+
+def _created() -> object:
+    from listener.model import CACHE_CREATED, PrefixEvent
+
+    return PrefixEvent(CACHE_CREATED, prefix_hash="ab" * 32, token_count=16)
+
+
+def test_the_listener_inventory_lists_every_exported_family() -> None:
+    families, _text = _listener_exposition()
+    prefix = "continuum_kv_listener_"
+    assert all(name.startswith(prefix) for name in families)
+    assert {name.removeprefix(prefix): kind for name, (kind, _h, _l) in families.items()} \
+        == LISTENER_EXPORTED
+
+
+def test_listener_names_and_labels_follow_prometheus_conventions() -> None:
+    families, _text = _listener_exposition()
+    for name, (kind, help_text, labels) in families.items():
+        assert NAME.fullmatch(name), name
+        assert help_text.strip(), name
+        assert (kind == "counter") == name.endswith("_total"), name
+        assert not name.removesuffix("_total").endswith(RESERVED_SUFFIXES), name
+        assert not re.search(r"latency|duration|seconds", name), name  # no times here
+        for label in labels:
+            assert LABEL.fullmatch(label), (name, label)
+            assert label not in ("pid", "process", "le", "quantile"), (name, label)
+
+
+def test_promtool_lints_the_listener_exposition_clean() -> None:
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is missing: apt-get install prometheus (.ci/run does)"
+    _families, text = _listener_exposition()
+    result = subprocess.run([promtool, "check", "metrics"], input=text,
+                            capture_output=True, timeout=60, check=False)
+    assert result.returncode == 0 and not result.stdout.strip() \
+        and not result.stderr.strip(), (result.stdout + result.stderr).decode()
+
+
+def test_docs_name_every_listener_family() -> None:
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    missing = [f"continuum_kv_listener_{name}" for name in LISTENER_EXPORTED
+               if f"`continuum_kv_listener_{name}`" not in text]
     assert not missing, missing

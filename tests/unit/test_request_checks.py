@@ -228,3 +228,24 @@ def test_request_ids_keep_sane_client_values_only() -> None:
         fresh = new_request_id(insane)
         assert fresh != insane and len(fresh) == 32
     assert new_request_id() != new_request_id()
+
+
+def test_responses_keys_come_from_instructions_then_input() -> None:
+    """A Responses request is keyed like the chat request it stands for: ``instructions``
+    as the system prompt, else the first ``input`` message (string or ``input_text``)."""
+    from continuum.prefix import request_prefix_key
+    from continuum.request import CHAT, RESPONSES, parse_request
+
+    def key(body: dict[str, object], endpoint: str = RESPONSES) -> bytes | None:
+        ctx = parse_request(json.dumps({"model": "m", **body}).encode(), endpoint)
+        return request_prefix_key(ctx.keyed_body, "m")
+
+    chat_system = key({"messages": [{"role": "system", "content": "Be terse."},
+                                    {"role": "user", "content": "q"}]}, CHAT)
+    assert key({"instructions": "Be terse.", "input": "q1"}) == chat_system
+    assert key({"instructions": "Be terse.", "input": "another"}) == chat_system
+    chat_user = key({"messages": [{"role": "user", "content": "Read this log."}]}, CHAT)
+    assert key({"input": "Read this log."}) == chat_user
+    assert key({"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "Read this log."}]}]}) == chat_user
+    assert key({"input": "Read that log."}) != chat_user

@@ -158,3 +158,32 @@ def test_include_usage_is_spliced_or_merged() -> None:
     assert asks_for_usage({"stream_options": {"include_usage": True}})
     assert not asks_for_usage({"stream_options": {"include_usage": False}})
     assert not asks_for_usage({})
+
+
+RESPONSES_USAGE = {"input_tokens": 300, "input_tokens_details": {"cached_tokens": 256},
+                   "output_tokens": 7, "output_tokens_details": {"reasoning_tokens": 0},
+                   "total_tokens": 307}
+
+
+def test_responses_api_body_counts_cached_tokens_inside_input_tokens() -> None:
+    """The Responses API's ``input_tokens`` include the cached ones (unlike Anthropic's,
+    which are only the uncached part): 300 prompt tokens, 256 of them cached."""
+    record = _record()
+    body = {"id": "resp_1", "object": "response", "output": [], "usage": RESPONSES_USAGE,
+            "user": None, "metadata": {}}
+    read_body(record, json.dumps(body).encode())
+    assert _tokens(record) == (300, 256, None, 7)
+
+
+def test_responses_api_stream_reads_response_completed_only() -> None:
+    record = _record()
+    head = {"id": "resp_1", "status": "in_progress", "usage": None}
+    pieces = [*_sse({"type": "response.created", "response": head}, event="response.created"),
+              *_sse({"type": "response.output_text.delta", "delta": "hi"},
+                    event="response.output_text.delta"),
+              *_sse({"type": "response.completed",
+                     "response": {**head, "status": "completed", "usage": RESPONSES_USAGE}},
+                    event="response.completed")]
+    out = b"".join(UsageStream(iter(pieces), record))
+    assert out == b"".join(pieces)  # nothing stripped from a Responses stream
+    assert _tokens(record) == (300, 256, None, 7)

@@ -1,0 +1,178 @@
+"""Draining backends: ``POST /admin/backends/{name}/drain`` and ``/undrain``.
+
+A drained backend takes no new requests (it is left out of the candidates, like an
+unhealthy one); requests in flight on it finish normally, so an operator can drain, watch
+``in_flight`` in ``/admin/backends`` (or ``continuum_backend_in_flight``) reach 0, and then
+stop or upgrade the engine. ``continuum_backend_draining`` is 1 while it is drained.
+
+Every gunicorn worker has its own pool, so the drained set is kept in a file in
+``$CONTINUUM_RUNTIME_DIR`` (set by ``continuum.gunicorn_conf``): the worker that gets the
+call writes it (under a lock) and applies it at once, every other worker notices the
+change within :data:`POLL_SECONDS`. Without a runtime directory (one process) the set is
+the worker's own. The set survives a config reload (by backend name) but not a restart
+of the router. Nothing here runs on the request path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from continuum.errors import ContinuumError
+from continuum.web.admin import AdminResource
+from continuum.web.reload import RUNTIME_DIR_ENV
+
+if TYPE_CHECKING:
+    import falcon
+
+    from continuum.routing.backends import Backend
+    from continuum.service import RouterService
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.5
+_FILE = "drained-backends.json"
+
+
+class BackendNotFoundError(ContinuumError, LookupError):
+    """An admin action names a backend the config does not have (404)."""
+
+    status = 404
+    error_type = "not_found_error"
+    code = "backend_not_found"
+
+
+class BackendNotRoutableError(ContinuumError):
+    """Draining a backend that takes no client traffic anyway (409)."""
+
+    status = 409
+    error_type = "invalid_request_error"
+    code = "backend_not_routable"
+
+
+class DrainControl:
+    """The drained set of one worker, shared with the others through the runtime dir."""
+
+    def __init__(self, service: RouterService, runtime_dir: str | None = None) -> None:
+        self.service = service
+        runtime_dir = runtime_dir if runtime_dir is not None else \
+            os.environ.get(RUNTIME_DIR_ENV)
+        self.path = Path(runtime_dir) / _FILE if runtime_dir else None
+        self._local: set[str] = set()
+        self._seen: tuple[int, int] | None = None
+        self._greenlet: Any = None
+        self.apply()
+
+    def drained(self) -> set[str]:
+        """The names drained now (the file's, or this worker's without a runtime dir)."""
+        if self.path is None:
+            return set(self._local)
+        try:
+            names = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return set()
+        return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
+
+    def set(self, name: str, draining: bool) -> Backend:
+        """Drain (or undrain) backend ``name`` in every worker; the backend.
+
+        Raises:
+            BackendNotFoundError: no backend is called ``name``.
+            BackendNotRoutableError: it is disabled or internal (takes no client traffic).
+        """
+        backend = self.service.pool.get(name)
+        if backend is None:
+            known = ", ".join(b.name for b in self.service.pool)
+            raise BackendNotFoundError(f"no backend named '{name}' (configured: {known})")
+        if not backend.config.enabled or backend.config.internal:
+            why = "enabled: false" if not backend.config.enabled else "internal: true"
+            raise BackendNotRoutableError(
+                f"backend '{name}' takes no client requests ({why}); there is nothing "
+                "to drain")
+        if self.path is None:
+            (self._local.add if draining else self._local.discard)(name)
+        else:
+            self._write(name, draining)
+        self.apply()
+        log.warning("backend %s %s by the admin API (%d request(s) in flight in this "
+                    "worker)", name, "drained" if draining else "undrained",
+                    backend.in_flight)
+        return backend
+
+    def _write(self, name: str, draining: bool) -> None:
+        assert self.path is not None
+        with open(self.path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            names = self.drained()
+            (names.add if draining else names.discard)(name)
+            tmp = self.path.with_suffix(f".{os.getpid()}")
+            tmp.write_text(json.dumps(sorted(names)))
+            tmp.replace(self.path)
+
+    def apply(self) -> None:
+        """Mark the pool's backends from the drained set, and publish the gauge."""
+        names = self.drained()
+        metrics = self.service.metrics
+        for backend in self.service.pool:
+            backend.draining = backend.name in names
+            metrics.child(metrics.draining, backend.name).set(1 if backend.draining else 0)
+
+    def check(self) -> None:
+        """Apply the set when the file changed."""
+        sig = None
+        if self.path is not None:
+            try:
+                st = self.path.stat()
+                sig = (st.st_mtime_ns, st.st_size)
+            except OSError:
+                sig = None
+        if sig != self._seen:
+            self._seen = sig
+            self.apply()
+
+    def start(self, interval: float = POLL_SECONDS) -> None:
+        """Follow the other workers' drains from a greenlet (call in the worker)."""
+        if self.path is None or self._greenlet is not None:
+            return
+        import gevent
+
+        def loop() -> None:
+            while True:
+                gevent.sleep(interval)
+                try:
+                    self.check()
+                except Exception:  # the watcher must outlive one bad read
+                    log.exception("drain watcher failed")
+
+        self._greenlet = gevent.spawn(loop)
+
+    def stop(self) -> None:
+        if self._greenlet is not None:
+            self._greenlet.kill(block=False)
+            self._greenlet = None
+
+
+class _DrainResource(AdminResource):
+    """``POST /admin/backends/{name}/drain`` (or ``/undrain``)."""
+
+    def __init__(self, service: RouterService, control: DrainControl, draining: bool) -> None:
+        super().__init__(service)
+        self.control = control
+        self.draining = draining
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response, name: str) -> None:
+        backend = self.control.set(name, self.draining)
+        self._send(resp, {"success": True, "backend": name, "draining": backend.draining,
+                          "state": backend.state, "in_flight": backend.in_flight})
+
+
+def add_routes(app: falcon.App[Any, Any], service: RouterService) -> DrainControl:
+    """Mount drain and undrain on ``app`` (behind :class:`~continuum.web.admin.AdminGate`)."""
+    control = DrainControl(service)
+    app.add_route("/admin/backends/{name}/drain", _DrainResource(service, control, True))
+    app.add_route("/admin/backends/{name}/undrain", _DrainResource(service, control, False))
+    return control

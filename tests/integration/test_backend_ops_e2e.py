@@ -1,0 +1,194 @@
+"""Operating the fleet under real gunicorn -k gevent with 2 workers: backends a reload adds
+start unprobed and take no request until a health check passes; drain and undrain take a
+backend out of rotation in every worker while its requests in flight finish. Upstreams are
+real HTTP servers on 127.0.0.1; the official openai SDK is the client.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import requests
+import yaml
+
+from continuum.devtools.fleet import metric_sum
+from continuum.devtools.procs import free_port, wait_until
+from continuum.devtools.servers import FakeUpstream, RouterProcess
+
+pytestmark = pytest.mark.e2e
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+def ups(tmp_path: Path) -> Iterator[Callable[[str], FakeUpstream]]:
+    started: list[FakeUpstream] = []
+
+    def make(name: str) -> FakeUpstream:
+        started.append(FakeUpstream(name, tmp_path))
+        return started[-1]
+
+    yield make
+    for up in started:
+        up.stop()
+
+
+def _config(*backends: dict[str, Any], timeout_ms: int = 1500) -> dict[str, Any]:
+    return {"backends": list(backends), "selection_strategy": "RoundRobin",
+            "admin": {"allow_unauthenticated": True},
+            "health_check": {"interval_seconds": 0.5, "timeout_ms": timeout_ms,
+                             "unhealthy_threshold": 1, "healthy_threshold": 1}}
+
+
+def _views(router: RouterProcess, rounds: int = 12) -> dict[int, dict[str, dict[str, Any]]]:
+    """``/admin/backends`` per worker pid (several calls, to reach both workers)."""
+    seen: dict[int, dict[str, dict[str, Any]]] = {}
+    for _ in range(rounds):
+        doc = requests.get(router.url + "/admin/backends", timeout=5,
+                           headers={"Connection": "close"}).json()
+        seen[doc["worker_pid"]] = {row["name"]: row for row in doc["backends"]}
+    return seen
+
+
+def _state(view: dict[str, dict[str, Any]], name: str) -> str | None:
+    row = view.get(name)
+    return None if row is None else row["state"]  # type: ignore[no-any-return]
+
+
+def _reload(router: RouterProcess, cfg: dict[str, Any]) -> dict[str, Any]:
+    doc = dict(cfg)
+    doc["server"] = {"bind": f"127.0.0.1:{router.port}", "workers": 2}
+    router.config_path.write_text(yaml.safe_dump(doc))
+    resp = requests.post(router.url + "/admin/config/reload", timeout=10)
+    assert resp.status_code == 200, resp.text
+    return resp.json()  # type: ignore[no-any-return]
+
+
+def _backends_of(client: openai.OpenAI, n: int, **extra: Any) -> list[str]:
+    names = []
+    for _ in range(n):
+        raw = client.chat.completions.with_raw_response.create(
+            model="m", messages=MESSAGES, **extra)  # type: ignore[arg-type]
+        names.append(raw.headers["x-continuum-backend"])
+    return names
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port that accepts connections and never answers: a probe there waits out its
+    timeout, so the backend stays unprobed that long."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    yield sock.getsockname()[1]
+    sock.close()
+
+
+def test_backends_a_reload_adds_are_unprobed_until_a_check_passes(
+        tmp_path: Path, ups: Callable[[str], FakeUpstream], silent_port: int) -> None:
+    a = ups("a")
+    base = _config({"name": "a", "url": a.url, "models": ["m"]}, timeout_ms=4000)
+    router = RouterProcess(base, tmp_path, workers=2)
+    try:
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+        dead = f"http://127.0.0.1:{free_port()}"
+        silent = f"http://127.0.0.1:{silent_port}"
+        report = _reload(router, _config(
+            {"name": "a", "url": a.url, "models": ["m"]},
+            {"name": "dead", "url": dead, "models": ["m"]},
+            {"name": "silent", "url": silent, "models": ["m"]}, timeout_ms=4000))
+        assert report["applied"] == ["backends.dead", "backends.silent"]
+        assert "backends" not in report["restart_required"]
+        # The receiving worker: the silent one's first probe is still waiting.
+        by_name = next(v for pid, v in _views(router, 40).items()
+                       if pid == report["worker_pid"])
+        assert (by_name["silent"]["state"], by_name["silent"]["healthy"]) == ("unprobed", False)
+        assert by_name["dead"]["healthy"] is False
+        assert by_name["dead"]["state"] in ("unprobed", "unhealthy")
+        # Requests meanwhile, in both workers, all go to the one probed backend.
+        assert set(_backends_of(client, 24)) == {"a"}
+        # Then every worker has probed them: unhealthy, still never routed.
+        # (the other worker reloads from its watcher: until then it has no such rows)
+        wait_until(lambda: len(views := _views(router)) == 2 and all(
+            _state(v, "dead") == _state(v, "silent") == "unhealthy"
+            for v in views.values()), "both workers probe the new backends", timeout=20)
+        assert set(_backends_of(client, 12)) == {"a"}
+        text = router.metrics()
+        for name in ("dead", "silent"):
+            assert metric_sum(text, "continuum_upstream_attempts_total", backend=name) == 0
+            assert metric_sum(text, "continuum_backend_healthy", backend=name) == 0
+    finally:
+        router.stop()
+
+
+def test_a_reloaded_live_backend_takes_traffic_once_probed(
+        tmp_path: Path, ups: Callable[[str], FakeUpstream]) -> None:
+    a, b = ups("a"), ups("b")
+    router = RouterProcess(_config({"name": "a", "url": a.url, "models": ["m"]}), tmp_path,
+                           workers=2)
+    try:
+        _reload(router, _config({"name": "a", "url": a.url, "models": ["m"]},
+                                {"name": "b", "url": b.url, "models": ["m"]}))
+        wait_until(lambda: len(views := _views(router)) == 2 and all(
+            _state(v, "b") == "healthy" for v in views.values()),
+            "both workers probe b", timeout=15)
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+        assert "b" in _backends_of(client, 8)
+    finally:
+        router.stop()
+
+
+def test_drain_stops_new_requests_in_every_worker_and_lets_in_flight_ones_finish(
+        tmp_path: Path, ups: Callable[[str], FakeUpstream]) -> None:
+    a, b = ups("a"), ups("b")
+    router = RouterProcess(_config({"name": "a", "url": a.url, "models": ["m"]},
+                                   {"name": "b", "url": b.url, "models": ["m"]},
+                                   {"name": "off", "url": a.url, "models": ["m"],
+                                    "enabled": False}),
+                           tmp_path, workers=2)
+    try:
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+        # A slow stream in flight on one backend...
+        slow = client.chat.completions.with_raw_response.create(
+            model="m", messages=MESSAGES, stream=True,
+            extra_body={"x_test": {"chunks": 12, "delay": 0.15}})
+        held = slow.headers["x-continuum-backend"]
+        other = "b" if held == "a" else "a"
+        chunks = iter(slow.parse())
+        first = next(chunks)
+        # ...then that backend is drained.
+        resp = requests.post(f"{router.url}/admin/backends/{held}/drain", timeout=5)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["draining"] is True
+        wait_until(lambda: len(views := _views(router)) == 2 and all(
+            v[held]["draining"] for v in views.values()), "every worker drains", timeout=10)
+        assert set(_backends_of(client, 16)) == {other}
+        text = router.metrics()
+        assert metric_sum(text, "continuum_backend_draining", backend=held) == 1
+        assert metric_sum(text, "continuum_backend_draining", backend=other) == 0
+        # The stream that was in flight finishes whole.
+        rest = list(chunks)
+        assert first is not None and len([c for c in [first, *rest] if c.choices]) >= 12
+        wait_until(lambda: metric_sum(router.metrics(), "continuum_backend_in_flight",
+                                      backend=held) == 0, "the drained backend idles")
+        # Undrain: back in rotation everywhere.
+        resp = requests.post(f"{router.url}/admin/backends/{held}/undrain", timeout=5)
+        assert resp.status_code == 200 and resp.json()["draining"] is False
+        wait_until(lambda: len(views := _views(router)) == 2 and not any(
+            v[held]["draining"] for v in views.values()), "every worker undrains", timeout=10)
+        assert held in _backends_of(client, 8)
+        assert metric_sum(router.metrics(), "continuum_backend_draining", backend=held) == 0
+        # Errors: an unknown backend is 404, one that takes no traffic 409.
+        missing = requests.post(f"{router.url}/admin/backends/nope/drain", timeout=5)
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "backend_not_found"
+        off = requests.post(f"{router.url}/admin/backends/off/drain", timeout=5)
+        assert off.status_code == 409
+        assert off.json()["error"]["code"] == "backend_not_routable"
+    finally:
+        router.stop()
