@@ -16,6 +16,7 @@ from continuum.caching.response_cache import BYPASS, HIT, MISS, ResponseCache
 from continuum.config import restart_required
 from continuum.config.fields import keep_restart_fields, walk
 from continuum.errors import ContinuumError, RequestError, UpstreamConnectError
+from continuum.kv.bus_consumer import add_bus_consumers
 from continuum.kv.consumer import KvEventConsumerManager
 from continuum.kv.scorer import KvOverlapScorer
 from continuum.metrics import RouterMetrics
@@ -145,6 +146,7 @@ class RouterService:
         self.kv_consumers = KvEventConsumerManager(
             kv.event_sources, self.kv_index, self.metrics.registry,
             tokens={s.backend_name: kv.source_token(s) for s in kv.event_sources})
+        add_bus_consumers(self.kv_consumers, kv.event_sources, self.kv_index)
 
     def _build_scorers(self, config: RouterConfig) -> None:
         """The configured ``scorers``, loaded from ``continuum.scorers`` by name, in order.
