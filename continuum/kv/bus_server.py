@@ -62,6 +62,9 @@ from continuum.config.event_bus import EventBusConfig
 from continuum.kv.bus import REFUSALS, BusRefused, BusRegistry, Hello, Session
 
 log = logging.getLogger(__name__)
+# hpack logs every header it encodes at DEBUG, the bearer token included: never below INFO
+for _name in ("hpack", "h2"):
+    logging.getLogger(_name).setLevel(max(logging.getLogger(_name).level, logging.INFO))
 
 SESSION_PATH = "/bus/v1/session"
 STREAMS_PATH = "/bus/v1/streams/"

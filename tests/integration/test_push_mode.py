@@ -1,0 +1,267 @@
+"""Push mode end to end: real TLS (a CA made in the test), the real bus process (under real
+gunicorn -k gevent where the router is involved), real listener processes, 127.0.0.1 only.
+
+Every wait has a deadline; nothing asserts on time. The cadence test records the delays the
+consumer asks its clock for, it does not time them.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+
+from continuum.config.schema import KvEventSourceConfig
+from continuum.devtools.procs import free_port, wait_until
+from continuum.devtools.servers import RouterProcess
+from continuum.kv.bus_consumer import BusSourceConsumer, add_bus_consumers
+from continuum.kv.bus_process import read_bus_file
+from continuum.kv.consumer import KvEventConsumerManager
+from stores.kv_memory import InMemoryKvIndex
+from tests.integration.push_helpers import (
+    BusProcess,
+    ListenerProcess,
+    Pki,
+    bus_client,
+    listener_config,
+    router_config,
+    token_hash,
+)
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.e2e]
+
+Factory = Callable[..., RouterProcess]
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of ``name`` samples whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        series, _, rest = head.partition("{")
+        if series != name:
+            continue
+        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def sources(*names: str) -> dict[str, tuple[int, int]]:
+    """Listener sources without an engine (a bound ZMQ port, an unused detokenizer)."""
+    return {name: (free_port(), 9) for name in names}
+
+
+def test_sessions_refusals_and_allowlist_shrink_under_gunicorn(
+        tmp_path: Path, router_factory: Factory) -> None:
+    """Token and mTLS sessions succeed; a wrong token, a wrong SAN, a wrong role and an
+    unlisted backend are refused; both gunicorn workers' consumers read the stream over one
+    session per listener; shrinking a broker's allowlist ends its session with forbidden."""
+    pki = Pki(tmp_path)
+    bus_port = free_port()
+    (tmp_path / "good.token").write_text("good-token\n")
+    (tmp_path / "wrong.token").write_text("wrong-token\n")
+    (tmp_path / "broker.token").write_text("broker-token\n")
+    brokers: list[dict[str, Any]] = [
+        {"id": "kv-a", "role": "kv_listener", "token_hash": token_hash("good-token"),
+         "backends": ["vllm-1"]},
+        {"id": "kv-m", "role": "kv_listener", "backends": ["vllm-2"]},  # mTLS only
+        {"id": "brk", "role": "broker", "token_hash": token_hash("broker-token"),
+         "backends": ["vllm-1"]},
+    ]
+    config = router_config(pki, bus_port, brokers, mtls=True,
+                           backends={"vllm-1": "http://127.0.0.1:9",
+                                     "vllm-2": "http://127.0.0.1:9"})
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    router = router_factory(config, workers=2, env={"CONTINUUM_RUNTIME_DIR": str(runtime)})
+    wait_until(lambda: read_bus_file(str(runtime)) is not None, "the bus process", 20)
+    started: list[ListenerProcess] = []
+
+    def listener(name: str, client: dict[str, Any], *backends: str) -> ListenerProcess:
+        proc = ListenerProcess(tmp_path, listener_config(free_port(), sources(*backends),
+                                                         client), name)
+        started.append(proc)
+        return proc
+
+    try:
+        by_token = listener("token", bus_client(pki, bus_port, "kv-a",
+                                                token_file=tmp_path / "good.token"), "vllm-1")
+        by_cert = listener("mtls", bus_client(pki, bus_port, "kv-m", cert=pki.issue(
+            "kv-m", ["kv-m"], client=True)), "vllm-2")
+        wait_until(by_token.bus_connected, "the token session", 20)
+        wait_until(by_cert.bus_connected, "the mTLS session", 20)
+        refused = [
+            listener("wrong-token", bus_client(pki, bus_port, "kv-a",
+                                               token_file=tmp_path / "wrong.token"), "vllm-1"),
+            listener("wrong-san", bus_client(pki, bus_port, "kv-m", cert=pki.issue(
+                "other", ["other"], client=True)), "vllm-2"),
+            listener("wrong-role", bus_client(pki, bus_port, "brk",
+                                              token_file=tmp_path / "broker.token"), "vllm-1"),
+            listener("unlisted", bus_client(pki, bus_port, "kv-a",
+                                            token_file=tmp_path / "good.token"),
+                     "vllm-1", "vllm-9"),
+        ]
+        for proc in refused:
+            wait_until(lambda p=proc: metric(p.metrics(), "continuum_kv_listener_bus_sessions"
+                                             "_total", outcome="refused") >= 1,
+                       f"{proc.config_path.name} to be refused", 20)
+            assert not proc.bus_connected()
+
+        def router_metrics() -> str:
+            return requests.get(router.url + "/metrics", timeout=5).text
+
+        def consumers_connected() -> bool:
+            text = router_metrics()
+            # livemin over the workers: 1 only when every worker's consumer is streaming
+            return all(metric(text, "continuum_kv_consumer_connected", backend=b) == 1
+                       for b in ("vllm-1", "vllm-2"))
+
+        wait_until(consumers_connected, "both workers' consumers of both sources", 30)
+        text = router_metrics()
+        refusals = {reason: metric(text, "continuum_event_bus_sessions_refused_total",
+                                   reason=reason)
+                    for reason in ("unauthenticated", "wrong_role", "unlisted_backend")}
+        assert refusals["unauthenticated"] >= 2  # wrong token, wrong SAN (each retries)
+        assert refusals["wrong_role"] >= 1 and refusals["unlisted_backend"] >= 1
+        assert metric(text, "continuum_event_bus_sessions", role="kv_listener") == 2
+        # two workers, one session each for two listeners: two streams per backend
+        assert metric(text, "continuum_event_bus_subscribes_total", backend="vllm-1",
+                      outcome="opened") >= 2
+        assert metric(by_token.metrics(), "continuum_kv_listener_bus_sessions_total",
+                      outcome="welcomed") == 1
+        for proc in refused:
+            assert "good-token" not in proc.proc.log_text()
+            assert "wrong-token" not in proc.proc.log_text()
+
+        # Hot reload: kv-a may no longer announce vllm-1 -> its session ends with forbidden.
+        doc = yaml.safe_load(router.config_path.read_text())
+        doc["dynamo"]["event_bus"]["brokers"][0]["backends"] = []
+        tmp = router.config_path.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(doc))
+        tmp.replace(router.config_path)
+        wait_until(lambda: metric(by_token.metrics(), "continuum_kv_listener_bus_sessions"
+                                  "_total", outcome="forbidden") == 1,
+                   "the listener to get forbidden", 20)
+        assert not by_token.bus_connected()
+        text = router_metrics()
+        assert metric(text, "continuum_event_bus_sessions_forbidden_total") == 1
+        assert by_cert.bus_connected()  # the other session stays
+        assert metric(text, "continuum_kv_consumer_connected", backend="vllm-2") == 1
+    finally:
+        for proc in started:
+            proc.proc.stop()
+
+
+def _manager(runtime: Path, backend: str = "vllm-1", interval_ms: int = 50,
+             clock: Any = None) -> tuple[KvEventConsumerManager, BusSourceConsumer,
+                                         InMemoryKvIndex]:
+    index = InMemoryKvIndex()
+    src = [KvEventSourceConfig(backend_name=backend, transport="event_bus",
+                               reconnect_interval_ms=interval_ms)]
+    manager = KvEventConsumerManager(src, index, clock=clock, connect_timeout=5.0)
+    (consumer,) = add_bus_consumers(manager, src, index, runtime_dir=str(runtime))
+    return manager, consumer, index
+
+
+def test_two_listeners_fail_over_on_draining(tmp_path: Path) -> None:
+    """SIGTERM on the serving listener: it sends draining, the consumer resubscribes at once
+    and the bus hands it the other listener's session announcing the same backend."""
+    pki = Pki(tmp_path)
+    bus_port = free_port()
+    (tmp_path / "a.token").write_text("token-a")
+    (tmp_path / "b.token").write_text("token-b")
+    brokers = [{"id": f"kv-{x}", "role": "kv_listener", "token_hash": token_hash(f"token-{x}"),
+                "backends": ["vllm-1"]} for x in "ab"]
+    bus = BusProcess(tmp_path, router_config(pki, bus_port, brokers))
+    first = ListenerProcess(tmp_path, listener_config(free_port(), sources("vllm-1"), bus_client(
+        pki, bus_port, "kv-a", token_file=tmp_path / "a.token")), "first")
+    second: ListenerProcess | None = None
+    manager, consumer, _ = _manager(bus.runtime, interval_ms=60_000)
+    try:
+        wait_until(first.bus_connected, "the first session", 20)
+        second = ListenerProcess(tmp_path, listener_config(
+            free_port(), sources("vllm-1"), bus_client(pki, bus_port, "kv-b",
+                                                       token_file=tmp_path / "b.token")),
+            "second")
+        wait_until(second.bus_connected, "the second session", 20)
+        assert bus.health()["announced"] == {"vllm-1": 2}
+        manager.start()
+        first_epoch = first.health()["epoch"]
+        wait_until(lambda: (consumer.last_event_id or "").startswith(first_epoch),
+                   "the consumer to read the oldest session (the first listener)", 20)
+        first.proc.send_signal(signal.SIGTERM)
+        second_epoch = second.health()["epoch"]
+        # reconnect_interval_ms is a minute: only the immediate retry after draining fits
+        wait_until(lambda: (consumer.last_event_id or "").startswith(second_epoch),
+                   "the consumer to move to the second listener", 20)
+        assert consumer.connected and consumer.reconnect_count == 1
+        assert first.proc.wait(20) == 0
+        assert "draining" in bus.proc.log_text()
+        assert bus.health()["announced"] == {"vllm-1": 1}
+    finally:
+        manager.stop(timeout=10)
+        for proc in (first, second):
+            if proc is not None:
+                proc.proc.stop()
+        bus.stop()
+
+
+class RecordingClock:
+    """Real time, but every requested delay is recorded (and cut short to 10 ms)."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.time = time
+        self.delays: list[float] = []
+        self.lock = threading.Lock()
+
+    def now(self) -> float:
+        return self.time.time()
+
+    def wait(self, seconds: float, wake: threading.Event) -> None:
+        with self.lock:
+            self.delays.append(seconds)
+        wake.wait(min(seconds, 0.01))
+
+
+def test_no_session_retries_at_the_plain_interval(tmp_path: Path) -> None:
+    """While no session announces the source the consumer retries every
+    reconnect_interval_ms without growing; a failing bus address doubles as in pull mode."""
+    pki = Pki(tmp_path)
+    bus = BusProcess(tmp_path, router_config(pki, free_port(), [
+        {"id": "kv-a", "role": "kv_listener", "token_hash": token_hash("t"),
+         "backends": ["vllm-1"]}]))
+    clock = RecordingClock()
+    manager, consumer, _ = _manager(bus.runtime, interval_ms=500, clock=clock)
+    try:
+        manager.start()
+        wait_until(lambda: len(clock.delays) >= 6, "six no_session retries", 20)
+        no_session = list(clock.delays[:6])
+        assert no_session == [0.5] * 6 and consumer.no_session >= 6
+        assert not consumer.connected
+    finally:
+        manager.stop(timeout=10)
+        bus.stop()
+    # the same consumer rule against an address that refuses connections: it grows
+    dead = tmp_path / "dead"
+    dead.mkdir()
+    (dead / "bus-local.json").write_text(json.dumps(
+        {"url": f"http://127.0.0.1:{free_port()}", "token": "x"}))
+    clock = RecordingClock()
+    manager, consumer, _ = _manager(dead, interval_ms=500, clock=clock)
+    try:
+        manager.start()
+        wait_until(lambda: len(clock.delays) >= 4, "four failed connects", 20)
+        assert clock.delays[:4] == [0.5, 1.0, 2.0, 4.0]
+    finally:
+        manager.stop(timeout=10)
