@@ -135,13 +135,14 @@ class BusProcess:
 
 
 def listener_config(port: int, sources: dict[str, tuple[int, int]],
-                    bus: dict[str, Any] | None) -> dict[str, Any]:
-    """``sources``: backend → (zmq port, sim port)."""
+                    bus: dict[str, Any] | None, replay: int | None = None) -> dict[str, Any]:
+    """``sources``: backend → (zmq port, sim port); ``replay``: the engine's replay port."""
     doc: dict[str, Any] = {"listen": f"127.0.0.1:{port}", "log_level": "debug", "sources": [
         {"backend_name": name, "engine": "vllm", "model": MODEL,
          "zmq_endpoint": f"tcp://127.0.0.1:{zmq}", "zmq_mode": "bind",
          "detokenize_endpoint": f"http://127.0.0.1:{sim}/detokenize",
-         "allowed_publishers": ["127.0.0.1"]}
+         "allowed_publishers": ["127.0.0.1"],
+         **({"replay_endpoint": f"tcp://127.0.0.1:{replay}"} if replay else {})}
         for name, (zmq, sim) in sources.items()]}
     if bus is not None:
         doc["event_bus"] = bus
@@ -191,12 +192,15 @@ class ListenerProcess:
 class Engine:
     """A simulated vLLM engine publishing KV events to a listener's ZMQ port."""
 
-    def __init__(self, tmp: Path, zmq_port: int, name: str = "sim") -> None:
+    def __init__(self, tmp: Path, zmq_port: int, name: str = "sim",
+                 replay_port: int | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        replay = ["--zmq-replay-endpoint", f"tcp://127.0.0.1:{replay_port}"] \
+            if replay_port else []
         self.proc = Child([sys.executable, "-m", "continuum.sim.cli", "--fast", "--port",
                            str(self.port), "--zmq-endpoint", f"tcp://127.0.0.1:{zmq_port}",
-                           "--zmq-connect"], log=tmp / f"{name}.log")
+                           "--zmq-connect", *replay], log=tmp / f"{name}.log")
         wait_http(self.url + "/health", children=[self.proc])
 
     def chat(self, n: int) -> None:
