@@ -175,8 +175,8 @@ def test_router_parses_the_golden_fixture_alike_on_pull_and_push(tmp_path: Path)
         assert (a.events_received, a.malformed, a.index_created, a.index_evicted) == \
             (b.events_received, b.malformed, b.index_created, b.index_evicted) == (7, 0, 4, 3)
     finally:
-        done.set()
         pull.stop(timeout=5)
         push.stop(timeout=5)
+        done.set()
         server.shutdown()
         server.server_close()
