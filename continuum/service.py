@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from continuum import views
@@ -16,7 +16,7 @@ from continuum.caching.response_cache import BYPASS, HIT, MISS, ResponseCache
 from continuum.config import restart_required
 from continuum.config.fields import keep_restart_fields, walk
 from continuum.errors import ContinuumError, RequestError, UpstreamConnectError
-from continuum.kv.bus_consumer import add_bus_consumers
+from continuum.kv.bus_consumer import add_bus_consumers, rebuild_consumers
 from continuum.kv.consumer import KvEventConsumerManager
 from continuum.kv.scorer import KvOverlapScorer
 from continuum.metrics import RouterMetrics
@@ -37,7 +37,7 @@ from continuum.routing.selection import SelectionPipeline
 
 if TYPE_CHECKING:
     from continuum.caching.semantic import Probe, SemanticCache
-    from continuum.config import RouterConfig
+    from continuum.config import KvEventSourceConfig, RouterConfig
     from continuum.interfaces import BackendScorer, CacheStore, KvCacheIndex, SelectionStrategy
     from continuum.request import RequestContext
 
@@ -455,7 +455,11 @@ class RouterService:
                 continue
             if old_leaves.get(path, value) != value:
                 report.applied.append(path)
+        sources = self._reload_kv_sources(old, new, report)
         new = keep_restart_fields(old, new)
+        if sources is not None:
+            new = replace(new, kv_cache_index=replace(new.kv_cache_index,
+                                                      event_sources=sources))
         self.config = new
         if new.selection_strategy != old.selection_strategy:
             self.pipeline.strategy = self._make_strategy(new)
@@ -470,6 +474,27 @@ class RouterService:
         self._reload_response_cache(new)
         self.auth = ClientAuth(new.auth)
         return report
+
+    def _reload_kv_sources(self, old: RouterConfig, new: RouterConfig,
+                           report: ReloadReport) -> tuple[KvEventSourceConfig, ...] | None:
+        """Changed ``kv_cache_index.event_sources``: restart every consumer, pull and push
+        sources together (:func:`~continuum.kv.bus_consumer.rebuild_consumers`); the new
+        sources, or None when nothing changed or the index itself needs a restart."""
+        kv_old, kv_new = old.kv_cache_index, new.kv_cache_index
+        if (self.kv_consumers is None or self.kv_index is None or kv_old.event_sources ==
+                kv_new.event_sources or replace(kv_old, event_sources=()) !=
+                replace(kv_new, event_sources=(), cache_salt=kv_old.cache_salt)):
+            return None
+        self.kv_consumers = rebuild_consumers(
+            self.kv_consumers, kv_new.event_sources, self.kv_index,
+            {s.backend_name: kv_new.source_token(s) for s in kv_new.event_sources},
+            self.metrics.registry)
+        self._salted_backends = frozenset(s.backend_name for s in kv_new.event_sources)
+        prefix = "kv_cache_index.event_sources"
+        report.restart_required[:] = [p for p in report.restart_required
+                                      if not p.startswith(prefix)]
+        report.applied.append(prefix)
+        return kv_new.event_sources
 
     def _reload_response_cache(self, new: RouterConfig) -> None:
         """The store adjusts itself or builds its replacement (new connection settings:

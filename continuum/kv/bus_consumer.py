@@ -18,7 +18,9 @@ the same way. Only two things differ, through the consumer's hooks:
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+from prometheus_client import CollectorRegistry
 
 from continuum.config import KvEventSourceConfig
 from continuum.errors import ContinuumError
@@ -92,3 +94,25 @@ def add_bus_consumers(manager: KvEventConsumerManager, sources: Sequence[KvEvent
     ]
     manager.consumers.extend(added)
     return added
+
+
+def rebuild_consumers(old: KvEventConsumerManager, sources: Sequence[KvEventSourceConfig],
+                      index: KvCacheIndex, tokens: Mapping[str, str | None],
+                      registry: CollectorRegistry | None = None) -> KvEventConsumerManager:
+    """A ``kv_cache_index.event_sources`` hot reload: stop every consumer of ``old`` and
+    start one per source in ``sources``, pull and push alike. A source whose stream did not
+    change (same backend, transport and endpoint) resumes from its last event id, so the
+    restart neither replays nor skips an event; a new stream starts with the listener's
+    snapshot."""
+    resume = {(c.backend, type(c), c.endpoint if not isinstance(c, BusSourceConsumer) else ""):
+              c.last_event_id for c in old.consumers}
+    old.stop()
+    manager = KvEventConsumerManager(sources, index, registry, old.clock, spawn=old.spawn,
+                                     tokens=tokens)
+    add_bus_consumers(manager, sources, index)
+    for consumer in manager.consumers:
+        key = (consumer.backend, type(consumer),
+               consumer.endpoint if not isinstance(consumer, BusSourceConsumer) else "")
+        consumer.last_event_id = resume.get(key)
+    manager.start()
+    return manager

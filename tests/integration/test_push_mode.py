@@ -374,3 +374,59 @@ def test_listener_killed_under_traffic_converges_without_failed_requests(
             if proc is not None:
                 proc.proc.stop()
         engine.proc.stop()
+
+
+def test_kv_index_hot_reload_restarts_bus_sources_with_the_others(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kv_cache_index.event_sources reload restarts every consumer, the bus source
+    included, and the bus source resumes from its last id (the listener counts a history
+    resume, not a second snapshot)."""
+    from continuum.config import check_config
+    from continuum.metrics import RouterMetrics
+    from continuum.registry import PluginRegistry
+    from continuum.service import RouterService
+
+    pki = Pki(tmp_path)
+    bus_port = free_port()
+    (tmp_path / "token").write_text("reload-token")
+    brokers = [{"id": "kv-a", "role": "kv_listener", "token_hash": token_hash("reload-token"),
+                "backends": ["vllm-1"]}]
+    doc = router_config(pki, bus_port, brokers)
+    bus = BusProcess(tmp_path, doc)
+    monkeypatch.setenv("CONTINUUM_RUNTIME_DIR", str(bus.runtime))
+    lst = ListenerProcess(tmp_path, listener_config(free_port(), sources("vllm-1"), bus_client(
+        pki, bus_port, "kv-a", token_file=tmp_path / "token")))
+    registry = PluginRegistry()
+    result = check_config(doc, registry=registry)
+    assert result.config is not None, result.errors
+    service = RouterService(result.config, registry=registry, metrics=RouterMetrics())
+    try:
+        wait_until(lst.bus_connected, "the session", 20)
+        service.start()
+        assert service.kv_consumers is not None
+        (before,) = service.kv_consumers.consumers
+        assert isinstance(before, BusSourceConsumer)
+        wait_until(lambda: before.last_event_id is not None, "the first snapshot", 20)
+        doc["kv_cache_index"]["event_sources"][0]["reconnect_interval_ms"] = 250
+        doc["kv_cache_index"]["event_sources"].append(
+            {"backend_name": "vllm-2", "endpoint": lst.url + "/events/vllm-2"})
+        reloaded = check_config(doc, registry=registry)
+        assert reloaded.config is not None, reloaded.errors
+        report = service.reload(reloaded.config)
+        assert "kv_cache_index.event_sources" in report.applied
+        assert not [p for p in report.restart_required if "event_sources" in p]
+        kinds = {c.backend: type(c).__name__ for c in service.kv_consumers.consumers}
+        assert kinds == {"vllm-1": "BusSourceConsumer", "vllm-2": "SourceConsumer"}
+        restarted = service.kv_consumers.consumer("vllm-1")
+        assert restarted is not before and before.state == "stopped"
+        assert restarted.backoff.base_ms == 250
+        wait_until(lambda: restarted.connected, "the restarted bus source", 20)
+        wait_until(lambda: metric(lst.metrics(), "continuum_kv_listener_subscriptions_total",
+                                  backend="vllm-1", start="history") == 1,
+                   "the listener to count a history resume", 20)
+        assert metric(lst.metrics(), "continuum_kv_listener_subscriptions_total",
+                      backend="vllm-1", start="snapshot") == 1
+    finally:
+        service.stop()
+        lst.proc.stop()
+        bus.stop()
