@@ -310,18 +310,21 @@ class BusClient:
         return False
 
     def _push(self, link: _Link, sid: str, source: str, last_id: str | None) -> None:
+        host, port = self.config.address
+        headers = [(":method", "POST"), (":scheme", "https"), (":authority", f"{host}:{port}"),
+                   (":path", STREAMS_PATH + sid), ("content-type", "text/event-stream")]
+        # Allocate the stream id and open it in one step under the lock: an id is only
+        # taken once its HEADERS are out, and ids must go out in increasing order.
         with link.lock:
             stream = link.conn.get_next_available_stream_id()
+            link.conn.send_headers(stream, headers)
+            link.sock.sendall(link.conn.data_to_send())
         link.by_sid[sid] = stream
         link.pushers[stream] = gevent.spawn(self._pusher, link, stream, sid, source, last_id)
 
     def _pusher(self, link: _Link, stream: int, sid: str, source: str,
                 last_id: str | None) -> None:
-        host, port = self.config.address
-        headers = [(":method", "POST"), (":scheme", "https"), (":authority", f"{host}:{port}"),
-                   (":path", STREAMS_PATH + sid), ("content-type", "text/event-stream")]
         try:
-            link.call(link.conn.send_headers, stream, headers)
             try:
                 generator = self.hub.stream(source, last_id, self.keepalive)
             except (KeyError, SubscriberLimitError) as exc:

@@ -430,3 +430,42 @@ def test_kv_index_hot_reload_restarts_bus_sources_with_the_others(
         service.stop()
         lst.proc.stop()
         bus.stop()
+
+
+def test_many_streams_open_at_once_on_one_connection(tmp_path: Path) -> None:
+    """Eight consumers subscribe together: the listener opens every stream on its one
+    connection (stream ids allocated and opened in order) and none is reset."""
+    pki = Pki(tmp_path)
+    bus_port = free_port()
+    names = [f"engine-{i}" for i in range(4)]
+    (tmp_path / "token").write_text("many-token")
+    bus = BusProcess(tmp_path, router_config(pki, bus_port, [
+        {"id": "kv-a", "role": "kv_listener", "token_hash": token_hash("many-token"),
+         "backends": names}], backends={n: "http://127.0.0.1:9" for n in names}))
+    lst = ListenerProcess(tmp_path, listener_config(free_port(), sources(*names), bus_client(
+        pki, bus_port, "kv-a", token_file=tmp_path / "token")))
+    index = InMemoryKvIndex()
+    src = [KvEventSourceConfig(backend_name=n, transport="event_bus",
+                               reconnect_interval_ms=50) for n in names]
+    managers = []
+    for _ in range(2):  # two "workers"
+        manager = KvEventConsumerManager(src, index, connect_timeout=5.0)
+        add_bus_consumers(manager, src, index, runtime_dir=str(bus.runtime))
+        managers.append(manager)
+    try:
+        wait_until(lst.bus_connected, "the session", 20)
+        for manager in managers:
+            manager.start()
+        consumers = [c for m in managers for c in m.consumers]
+        wait_until(lambda: all(c.connected and c.last_event_id for c in consumers),
+                   "all eight streams", 20)
+        assert metric(lst.metrics(), "continuum_kv_listener_bus_streams_total") == 8
+        assert metric(lst.metrics(), "continuum_kv_listener_bus_sessions_total",
+                      outcome="welcomed") == 1
+        assert all(c.reconnect_count == 0 for c in consumers)
+        assert "PROTOCOL_ERROR" not in lst.proc.log_text()
+    finally:
+        for manager in managers:
+            manager.stop(timeout=10)
+        lst.proc.stop()
+        bus.stop()
