@@ -20,7 +20,6 @@ from typing import Any
 import gevent
 import zmq.green as zmq
 from gevent.event import Event
-
 from prometheus_client import CollectorRegistry
 
 from continuum.errors import ConfigError, ConfigIssue

@@ -123,6 +123,14 @@ class _Link:
             view = view[size:]
 
 
+def _status(headers: Any) -> int:
+    """``:status`` of a response's headers (str with ``header_encoding``, else bytes)."""
+    for name, value in headers or ():
+        if name in (":status", b":status"):
+            return int(value)
+    return 0
+
+
 class BusClient:
     """The push-mode client of one listener.
 
@@ -244,9 +252,10 @@ class BusClient:
                     link.sock.sendall(out)
             for event in events:
                 if isinstance(event, h2.events.ResponseReceived):
+                    code = _status(event.headers)
                     if event.stream_id == 1:
-                        status = int(dict(event.headers).get(":status", "0"))
-                    elif dict(event.headers).get(":status") != "200":
+                        status = code
+                    elif code != 200:
                         self._kill_pusher(link, event.stream_id)
                 elif isinstance(event, h2.events.DataReceived):
                     link.call(link.conn.acknowledge_received_data,

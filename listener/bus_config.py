@@ -13,7 +13,13 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from continuum.config.addresses import check_url
-from continuum.config.fields import Issues, check_secret_source, join, secret_from_file_or_env, setting
+from continuum.config.fields import (
+    Issues,
+    check_secret_source,
+    join,
+    secret_from_file_or_env,
+    setting,
+)
 
 CLIENT_ID = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 

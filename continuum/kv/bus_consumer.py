@@ -66,7 +66,8 @@ class BusSourceConsumer(SourceConsumer):
             return open_transport(self.endpoint, self.last_event_id, self.connect_timeout,
                                   self.read_timeout, token)
         except StreamOpenError as exc:
-            if exc.fields.get("status") == 503:  # 504 (subscribe_timeout) backs off like any failure
+            # 503 is no_session; 504 (subscribe_timeout) backs off like any failure
+            if exc.fields.get("status") == 503:
                 self._no_session = True
                 self.no_session += 1
             raise

@@ -14,6 +14,7 @@ event, from one session.
 * The process writes ``bus-local.json`` (loopback URL and token, mode 0600) into the
   runtime directory (``$CONTINUUM_RUNTIME_DIR``); workers read it at every connect, so a
   restarted bus on a new port is found again.
+* It exits when its parent (the master) is gone, even after a SIGKILL of the master.
 * Hot reload: it watches the config file and the workers' reload generation file like a
   worker does, and applies ``dynamo.event_bus.brokers`` (ending the sessions they no
   longer allow with ``forbidden``); ``listen`` and ``tls`` need a restart.
@@ -124,7 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     watched = [config_path, Path(args.runtime_dir) / GENERATION_FILE]
     seen = [_signature(p) for p in watched]
     interval = config.server.watch_interval_seconds
+    parent = os.getppid()
     while not stop.wait(interval):
+        if os.getppid() != parent:  # the gunicorn master is gone (even by SIGKILL)
+            log.warning("parent process %d gone: stopping", parent)
+            break
         now = [_signature(p) for p in watched]
         if now == seen:
             continue

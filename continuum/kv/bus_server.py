@@ -45,7 +45,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import unquote
 
-import gevent
 import h2.config
 import h2.connection
 import h2.errors
@@ -226,7 +225,7 @@ class BusConnection:
 
     def _event(self, event: Any) -> None:
         if isinstance(event, h2.events.RequestReceived):
-            self._request(event.stream_id, dict(event.headers))
+            self._request(event.stream_id, _text_headers(event.headers))
         elif isinstance(event, h2.events.DataReceived):
             self._data(event.stream_id, event.data, event.flow_controlled_length)
         elif isinstance(event, h2.events.StreamEnded):
@@ -359,6 +358,12 @@ class BusConnection:
             self.call(self.conn.close_connection)
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+def _text_headers(headers: Any) -> dict[str, str]:
+    """Request headers as text (h2 gives str with ``header_encoding``; bytes otherwise)."""
+    return {(k.decode() if isinstance(k, bytes) else k): (v.decode("latin-1") if isinstance(
+        v, bytes) else v) for k, v in headers or ()}
 
 
 def _error(kind: str, message: str) -> dict[str, Any]:

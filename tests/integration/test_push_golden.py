@@ -131,7 +131,7 @@ def test_listener_pull_and_push_bytes_equal_the_golden_fixture(tmp_path: Path) -
 class _GoldenHandler(http.server.BaseHTTPRequestHandler):
     done: threading.Event
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
