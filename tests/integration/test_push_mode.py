@@ -134,6 +134,10 @@ def test_sessions_refusals_and_allowlist_shrink_under_gunicorn(
         assert refusals["unauthenticated"] >= 2  # wrong token, wrong SAN (each retries)
         assert refusals["wrong_role"] >= 1 and refusals["unlisted_backend"] >= 1
         assert metric(text, "continuum_event_bus_sessions", role="kv_listener") == 2
+        # every stream starts with the listener's snapshot: bytes were relayed to each
+        for backend in ("vllm-1", "vllm-2"):
+            assert metric(text, "continuum_event_bus_relayed_bytes_total",
+                          backend=backend) > 0
         # two workers, one session each for two listeners: two streams per backend
         assert metric(text, "continuum_event_bus_subscribes_total", backend="vllm-1",
                       outcome="opened") >= 2
