@@ -180,3 +180,70 @@ def test_router_parses_the_golden_fixture_alike_on_pull_and_push(tmp_path: Path)
         done.set()
         server.shutdown()
         server.server_close()
+
+
+def test_a_consumer_that_stops_reading_gets_buffer_overflow_through_the_bus(
+        tmp_path: Path) -> None:
+    """Backpressure end to end: a reader of the bus that stops reading stalls its relay,
+    the bus stops returning HTTP/2 credit, the listener's subscriber queue fills and the
+    listener ends that stream with buffer_overflow (nothing dropped silently)."""
+    import socket
+
+    hub = EventHub(["vllm-1"], epoch=EPOCH, subscriber_queue=2, history_size=10)
+    pki = Pki(tmp_path)
+    bus_port = free_port()
+    (tmp_path / "token").write_text("slow-token")
+    bus = BusProcess(tmp_path, router_config(pki, bus_port, [
+        {"id": "kv-g", "role": "kv_listener", "token_hash": token_hash("slow-token"),
+         "backends": ["vllm-1"]}]))
+    client = BusClient(BusClientConfig(url=f"https://127.0.0.1:{bus_port}", client_id="kv-g",
+                                       ca_file=pki.ca_file,
+                                       credential_file=str(tmp_path / "token")), hub, 60.0)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        client.start()
+        wait_until(lambda: client.connected, "the bus session", 20)
+        found = read_bus_file(str(bus.runtime))
+        assert found is not None
+        url, token = found
+        port = int(url.rsplit(":", 1)[1])
+        opened = threading.Event()
+
+        def connect() -> None:
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(f"GET /events/vllm-1 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                         f"{token}\r\n\r\n".encode())
+            opened.set()
+
+        threading.Thread(target=connect, daemon=True).start()
+        wait_until(lambda: opened.is_set() and hub.subscribers("vllm-1") == 1,
+                   "the pushed subscription", 20)
+        published = 0
+        while hub.counters("vllm-1").overflows == 0 and published < 200_000:
+            for _ in range(500):  # bounded: the reader reads nothing meanwhile
+                published += 1
+                hub.publish("vllm-1", PrefixEvent(CACHE_CREATED, p(published), 16))
+            gevent.sleep(0.01)  # let the pusher send until flow control stops it
+        assert hub.counters("vllm-1").overflows == 1, published
+        tail: list[bytes] = []
+
+        def drain() -> None:
+            sock.settimeout(20)
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+                if b"event: buffer_overflow" in data[-4096:]:
+                    break
+            tail.append(data)
+
+        reader = threading.Thread(target=drain, daemon=True)
+        reader.start()
+        wait_until(lambda: not reader.is_alive(), "the stream's end", 30)
+        assert tail and b"event: buffer_overflow" in tail[0][-4096:]
+        assert b"id: " + f"{EPOCH}-1\n".encode() in tail[0]  # from the first event on
+    finally:
+        sock.close()
+        client.stop(0)
+        hub.close()
+        bus.stop()
