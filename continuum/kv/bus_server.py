@@ -40,6 +40,7 @@ import logging
 import secrets
 import socket
 import ssl
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -206,8 +207,13 @@ class BusConnection:
             self.conn.increment_flow_control_window(CONNECTION_WINDOW)
             self._flush()
         self.sock.settimeout(HELLO_TIMEOUT)  # until the hello is admitted
+        deadline = time.monotonic() + HELLO_TIMEOUT  # in total, not per read
         try:
             while not self.closed:
+                if self.session is None and time.monotonic() > deadline:
+                    log.warning("event bus: no admitted hello within %.0f s; closing",
+                                HELLO_TIMEOUT)
+                    return
                 data = self.sock.recv(READ_SIZE)
                 if not data:
                     return
