@@ -16,7 +16,7 @@ per listener carries its session and every stream it pushes:
   bytes of its ``GET /events/<backend>?last_event_id=…``. Only the connection that was
   sent that subscribe may open it.
 
-**Worker side** (``127.0.0.1``, a random port and a random token, both written to
+**Worker side** (:mod:`continuum.kv.bus_local`; ``127.0.0.1``, a random port and a random token, both written to
 ``bus-local.json`` in the runtime directory, mode 0600). ``GET /events/<backend>`` with the
 consumer's ``Last-Event-ID`` picks a session (:meth:`BusRegistry.pick`), sends it
 ``subscribe`` and relays the pushed bytes unchanged as the response body; the worker's
@@ -34,15 +34,13 @@ is bounded by the window (:data:`STREAM_WINDOW`).
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import logging
 import secrets
 import socket
 import ssl
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
@@ -56,10 +54,11 @@ from gevent.event import Event
 from gevent.lock import Semaphore
 from gevent.pywsgi import WSGIServer
 from gevent.server import StreamServer
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from continuum.config.event_bus import EventBusConfig
-from continuum.kv.bus import REFUSALS, BusRefused, BusRegistry, Hello, Session
+from continuum.kv.bus import BusRefused, BusRegistry, Hello, Session
+from continuum.kv.bus_local import BusMetrics, LocalRelay, Relay, error_body
 
 log = logging.getLogger(__name__)
 # hpack logs every header it encodes at DEBUG, the bearer token included: never below INFO
@@ -76,57 +75,6 @@ MAX_LINE = 64 * 1024
 READ_SIZE = 64 * 1024
 #: Seconds a new connection gets for the TLS handshake and its hello.
 HELLO_TIMEOUT = 10.0
-NO_SESSION, SUBSCRIBE_TIMEOUT = "no_session", "subscribe_timeout"
-
-
-class BusMetrics:
-    """The bus process's metrics (multiprocess files: every worker's ``/metrics`` has them).
-
-    ``sessions`` is the live sessions by role; ``refused`` counts sessions refused by
-    reason (unauthenticated, wrong_role, unlisted_backend, bad_hello, tls); ``forbidden``
-    counts sessions a hot reload ended; ``subscribes`` counts consumer requests by backend
-    and outcome (opened, no_session, subscribe_timeout); ``bytes`` counts relayed bytes.
-    """
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.sessions = Gauge("continuum_event_bus_sessions", "Live listener sessions on the "
-                              "event bus", ["role"], multiprocess_mode="livesum",
-                              registry=registry)
-        self.refused = Counter("continuum_event_bus_sessions_refused_total", "Sessions the "
-                               "event bus refused, by reason", ["reason"], registry=registry)
-        self.forbidden = Counter("continuum_event_bus_sessions_forbidden_total", "Sessions "
-                                 "ended with forbidden by a hot reload", registry=registry)
-        self.subscribes = Counter("continuum_event_bus_subscribes_total", "Consumer stream "
-                                  "requests by backend and outcome", ["backend", "outcome"],
-                                  registry=registry)
-        self.bytes = Counter("continuum_event_bus_relayed_bytes_total", "Pushed SSE bytes "
-                             "relayed to consumers", ["backend"], registry=registry)
-        self.sessions.labels("kv_listener").set(0)
-        for reason in (*REFUSALS, "tls"):
-            self.refused.labels(reason)
-
-
-class Relay:
-    """One pushed stream on its way from a listener's session to a worker's consumer."""
-
-    def __init__(self, sid: str, backend: str, session: Session) -> None:
-        self.sid = sid
-        self.backend = backend
-        self.session = session
-        self.h2_stream: int | None = None
-        self.chunks: deque[tuple[bytes, int]] = deque()
-        self.wake = Event()
-        self.opened = Event()
-        self.ended = False
-
-    def push(self, data: bytes, flow: int) -> None:
-        self.chunks.append((data, flow))
-        self.wake.set()
-
-    def end(self) -> None:
-        self.ended = True
-        self.opened.set()
-        self.wake.set()
 
 
 class BusConnection:
@@ -255,7 +203,7 @@ class BusConnection:
         method, path = headers.get(":method"), headers.get(":path", "")
         auth = headers.get("authorization", "")
         if method != "POST":
-            self.respond(stream, 405, _error("method_not_allowed", "POST only"))
+            self.respond(stream, 405, error_body("method_not_allowed", "POST only"))
         elif path == SESSION_PATH and self.session_stream is None:
             self.session_stream = stream
             self.bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else None
@@ -263,7 +211,7 @@ class BusConnection:
             sid = unquote(path[len(STREAMS_PATH):])
             relay = self.server.pending.get(sid)
             if relay is None or relay.session is not self.session:
-                self.respond(stream, 404, _error("not_found", f"no subscribe {sid!r} for "
+                self.respond(stream, 404, error_body("not_found", f"no subscribe {sid!r} for "
                                                  "this session"))
                 return
             del self.server.pending[sid]
@@ -272,7 +220,7 @@ class BusConnection:
             self.respond(stream, 200, end=False, content_type="text/plain")
             relay.opened.set()
         else:
-            self.respond(stream, 404, _error("not_found", f"no such endpoint {path!r} "
+            self.respond(stream, 404, error_body("not_found", f"no such endpoint {path!r} "
                                              "(one session per connection)"))
 
     def _data(self, stream: int, data: bytes, flow: int) -> None:
@@ -326,7 +274,7 @@ class BusConnection:
         log.warning("event bus: session refused (%d %s): %s", exc.status, exc.reason,
                     exc.message)
         if self.session_stream is not None:
-            self.respond(self.session_stream, exc.status, _error(exc.reason, exc.message))
+            self.respond(self.session_stream, exc.status, error_body(exc.reason, exc.message))
         self.closed = True
 
     def _control(self, line: bytes) -> None:
@@ -372,10 +320,6 @@ def _text_headers(headers: Any) -> dict[str, str]:
         v, bytes) else v) for k, v in headers or ()}
 
 
-def _error(kind: str, message: str) -> dict[str, Any]:
-    return {"error": {"type": kind, "message": message}}
-
-
 def _cert_names(sock: Any) -> frozenset[str]:
     cert = sock.getpeercert() or {}
     return frozenset(value for kind, value in cert.get("subjectAltName", ()) if kind == "DNS")
@@ -400,7 +344,9 @@ class EventBus:
         self.ssl_context = self._ssl_context(config)
         host, _, port = config.listen.rpartition(":")
         self.tls_server = StreamServer((host.strip("[]"), int(port)), self._accept)
-        self.local_server = WSGIServer(("127.0.0.1", 0), self._local_app, log=None)
+        self.local = LocalRelay(self.registry, self.metrics, self.pending,
+                                config.subscribe_timeout, self.local_token)
+        self.local_server = WSGIServer(("127.0.0.1", 0), self.local.app, log=None)
         self.connections: set[BusConnection] = set()
 
     @staticmethod
@@ -477,73 +423,3 @@ class EventBus:
             self.connections.discard(connection)
 
     # -- worker side --------------------------------------------------------------------
-
-    def _local_app(self, environ: dict[str, Any], start_response: Any) -> Any:
-        path: str = environ.get("PATH_INFO", "")
-        sent = environ.get("HTTP_AUTHORIZATION", "")
-        if not hmac.compare_digest(sent.encode(), f"Bearer {self.local_token}".encode()):
-            return _plain(start_response, "401 Unauthorized", _error("unauthorized", "token"))
-        if path == "/health":
-            return _plain(start_response, "200 OK", {"announced": self.registry.announced(),
-                                                     "sessions": len(self.registry.sessions)})
-        if not path.startswith("/events/"):
-            return _plain(start_response, "404 Not Found", _error("not_found", path))
-        backend = path[len("/events/"):]
-        last_id = environ.get("HTTP_LAST_EVENT_ID") or None
-        session = self.registry.pick(backend)
-        if session is None:
-            self.metrics.subscribes.labels(backend, NO_SESSION).inc()
-            return _plain(start_response, "503 Service Unavailable",
-                          _error(NO_SESSION, f"no listener session announces {backend!r}"),
-                          [("X-Continuum-Bus", NO_SESSION)])
-        sid = secrets.token_hex(8)
-        relay = Relay(sid, backend, session)
-        self.pending[sid] = relay
-        link: BusConnection = session.link
-        try:
-            link.send_line({"type": "subscribe", "stream": sid, "source": backend,
-                            "last_event_id": last_id})
-        except (OSError, ConnectionError, h2.exceptions.ProtocolError):
-            relay.end()
-        if not relay.opened.wait(self.config.subscribe_timeout) or relay.h2_stream is None:
-            self.pending.pop(sid, None)
-            self.metrics.subscribes.labels(backend, SUBSCRIBE_TIMEOUT).inc()
-            return _plain(start_response, "504 Gateway Timeout",
-                          _error(SUBSCRIBE_TIMEOUT, f"the listener did not open {backend!r}"),
-                          [("X-Continuum-Bus", SUBSCRIBE_TIMEOUT)])
-        self.metrics.subscribes.labels(backend, "opened").inc()
-        start_response("200 OK", [("Content-Type", "text/event-stream"),
-                                  ("Cache-Control", "no-cache"), ("Connection", "close"),
-                                  ("X-Continuum-Bus-Session", session.id)])
-        return self._relay(relay, link)
-
-    def _relay(self, relay: Relay, link: BusConnection) -> Iterator[bytes]:
-        bytes_out = self.metrics.bytes.labels(relay.backend)
-        stream = relay.h2_stream
-        assert stream is not None
-        try:
-            while True:
-                while relay.chunks:
-                    data, flow = relay.chunks.popleft()
-                    yield data  # written to the worker's socket before the credit returns
-                    bytes_out.inc(len(data))
-                    link.ack(stream, flow)
-                if relay.ended:
-                    return
-                relay.wake.clear()
-                relay.wake.wait()
-        finally:
-            if not relay.ended:  # the worker went away: stop the listener's pusher
-                link.relays.pop(stream, None)
-                relay.end()
-                link.reset(stream)
-                with contextlib.suppress(OSError, ConnectionError, h2.exceptions.ProtocolError):
-                    link.send_line({"type": "unsubscribe", "stream": relay.sid})
-
-
-def _plain(start_response: Any, status: str, body: dict[str, Any],
-           headers: list[tuple[str, str]] | None = None) -> list[bytes]:
-    data = json.dumps(body).encode()
-    start_response(status, [("Content-Type", "application/json"),
-                            ("Content-Length", str(len(data))), *(headers or [])])
-    return [data]
