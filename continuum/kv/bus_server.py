@@ -18,8 +18,8 @@ per listener carries its session and every stream it pushes:
 
 **Worker side** (:mod:`continuum.kv.bus_local`; ``127.0.0.1``, a random port and a random
 token, both written to ``bus-local.json`` in the runtime directory, mode 0600).
-``GET /events/<backend>`` with the consumer's ``Last-Event-ID`` picks a session (:meth:`BusRegistry.pick`), sends it
-``subscribe`` and relays the pushed bytes unchanged as the response body; the worker's
+``GET /events/<backend>`` with the consumer's ``Last-Event-ID`` picks a session
+(:meth:`BusRegistry.pick`), sends it ``subscribe`` and relays the pushed bytes unchanged as the response body; the worker's
 ordinary SSE consumer (the pull-mode parser) reads them. No session announces the backend:
 503 with ``X-Continuum-Bus: no_session``. The listener does not open the stream within
 ``subscribe_timeout``: 504 with ``X-Continuum-Bus: subscribe_timeout``.
