@@ -16,13 +16,14 @@ per listener carries its session and every stream it pushes:
   bytes of its ``GET /events/<backend>?last_event_id=…``. Only the connection that was
   sent that subscribe may open it.
 
-**Worker side** (:mod:`continuum.kv.bus_local`; ``127.0.0.1``, a random port and a random
-token, both written to ``bus-local.json`` in the runtime directory, mode 0600).
+**Worker side** (:mod:`continuum.kv.bus_local`): ``127.0.0.1``, a random port and a
+random token, both written to ``bus-local.json`` in the runtime directory (mode 0600).
 ``GET /events/<backend>`` with the consumer's ``Last-Event-ID`` picks a session
-(:meth:`BusRegistry.pick`), sends it ``subscribe`` and relays the pushed bytes unchanged as the response body; the worker's
-ordinary SSE consumer (the pull-mode parser) reads them. No session announces the backend:
-503 with ``X-Continuum-Bus: no_session``. The listener does not open the stream within
-``subscribe_timeout``: 504 with ``X-Continuum-Bus: subscribe_timeout``.
+(:meth:`BusRegistry.pick`), sends it ``subscribe`` and relays the pushed bytes unchanged
+as the response body; the worker's ordinary SSE consumer (the pull-mode parser) reads
+them. No session announces the backend: 503 with ``X-Continuum-Bus: no_session``. The
+listener does not open the stream within ``subscribe_timeout``: 504 with
+``X-Continuum-Bus: subscribe_timeout``.
 
 **Backpressure.** The bus acknowledges a stream's HTTP/2 data (returns flow-control
 credit) only after writing it to the worker's socket, so a slow worker stalls its own
