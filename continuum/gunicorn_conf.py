@@ -77,11 +77,29 @@ def on_starting(server: Any) -> None:
 
 def when_ready(server: Any) -> None:
     """Disable Nagle on the listening sockets; accepted sockets inherit it on Linux, so the
-    first streamed chunk is never held back waiting for an ACK."""
+    first streamed chunk is never held back waiting for an ACK. Start the event-bus process
+    when ``dynamo.event_bus.enabled`` (before the first worker: one per host, see
+    :mod:`continuum.kv.bus_process`)."""
     for listener in server.LISTENERS:
         sock = getattr(listener, "sock", None)
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    _start_event_bus(server)
+
+
+_BUS: list[Any] = []
+
+
+def _start_event_bus(server: Any) -> None:
+    path = os.environ.get(CONFIG_ENV)
+    if not path or not load_config(path).dynamo.event_bus.enabled:
+        return
+    from continuum.kv.bus_process import BusSupervisor
+
+    supervisor = BusSupervisor(path, os.environ[RUNTIME_DIR_ENV])
+    supervisor.start()
+    _BUS.append(supervisor)
+    server.log.info("event bus process started (dynamo.event_bus.enabled)")
 
 
 def child_exit(server: Any, worker: Any) -> None:
@@ -92,6 +110,8 @@ def child_exit(server: Any, worker: Any) -> None:
 
 
 def on_exit(server: Any) -> None:
-    """Remove the directories this config created."""
+    """Stop the event bus; remove the directories this config created."""
+    for supervisor in _BUS:
+        supervisor.stop()
     for path in _OWN_DIRS:
         shutil.rmtree(path, ignore_errors=True)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
@@ -20,6 +19,7 @@ from continuum.caching.response_cache import BYPASS, HIT, MISS, ResponseCache
 from continuum.config import restart_required
 from continuum.config.fields import keep_restart_fields, walk
 from continuum.errors import ContinuumError, RequestError, UpstreamConnectError
+from continuum.kv.bus_consumer import add_bus_consumers, rebuild_consumers
 from continuum.kv.chain_scorer import ChainOverlapScorer
 from continuum.kv.consumer import KvEventConsumerManager
 from continuum.kv.scorer import KvOverlapScorer
@@ -43,7 +43,7 @@ from continuum.routing.usage import UsageStream, asks_for_usage, read_body, with
 
 if TYPE_CHECKING:
     from continuum.caching.semantic import Probe, SemanticCache
-    from continuum.config import RouterConfig
+    from continuum.config import KvEventSourceConfig, RouterConfig
     from continuum.interfaces import BackendScorer, CacheStore, KvCacheIndex, SelectionStrategy
     from continuum.request import RequestContext
 
@@ -182,6 +182,7 @@ class RouterService:
         self.kv_consumers = KvEventConsumerManager(
             kv.event_sources, self.kv_index, self.metrics.registry,
             tokens={s.backend_name: kv.source_token(s) for s in kv.event_sources})
+        add_bus_consumers(self.kv_consumers, kv.event_sources, self.kv_index)
 
     def _build_scorers(self, config: RouterConfig) -> None:
         """The configured ``scorers``, loaded from ``continuum.scorers`` by name, in order.
@@ -587,7 +588,11 @@ class RouterService:
                 continue
             if old_leaves.get(path, value) != value:
                 report.applied.append(path)
-        new = dataclasses.replace(keep_restart_fields(old, new), backends=backends)
+        sources = self._reload_kv_sources(old, new, report)
+        new = replace(keep_restart_fields(old, new), backends=backends)
+        if sources is not None:
+            new = replace(new, kv_cache_index=replace(new.kv_cache_index,
+                                                      event_sources=sources))
         self.config = new
         if new.selection_strategy != old.selection_strategy:
             self.pipeline.strategy = self._make_strategy(new)
@@ -638,6 +643,27 @@ class RouterService:
         log.info("backends reloaded: %s (added or changed ones are unprobed until a "
                  "health check passes)", ", ".join(touched))
         return [f"backends.{name}" for name in touched]
+
+    def _reload_kv_sources(self, old: RouterConfig, new: RouterConfig,
+                           report: ReloadReport) -> tuple[KvEventSourceConfig, ...] | None:
+        """Changed ``kv_cache_index.event_sources``: restart every consumer, pull and push
+        sources together (:func:`~continuum.kv.bus_consumer.rebuild_consumers`); the new
+        sources, or None when nothing changed or the index itself needs a restart."""
+        kv_old, kv_new = old.kv_cache_index, new.kv_cache_index
+        if (self.kv_consumers is None or self.kv_index is None or kv_old.event_sources ==
+                kv_new.event_sources or replace(kv_old, event_sources=()) !=
+                replace(kv_new, event_sources=(), cache_salt=kv_old.cache_salt)):
+            return None
+        self.kv_consumers = rebuild_consumers(
+            self.kv_consumers, kv_new.event_sources, self.kv_index,
+            {s.backend_name: kv_new.source_token(s) for s in kv_new.event_sources},
+            self.metrics.registry)
+        self._salted_backends = frozenset(s.backend_name for s in kv_new.event_sources)
+        prefix = "kv_cache_index.event_sources"
+        report.restart_required[:] = [p for p in report.restart_required
+                                      if not p.startswith(prefix)]
+        report.applied.append(prefix)
+        return kv_new.event_sources
 
     def _reload_response_cache(self, new: RouterConfig) -> None:
         """The store adjusts itself or builds its replacement (new connection settings:

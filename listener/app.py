@@ -20,8 +20,11 @@ from typing import Any
 import gevent
 import zmq.green as zmq
 from gevent.event import Event
+from prometheus_client import CollectorRegistry
 
 from continuum.errors import ConfigError, ConfigIssue
+from listener.bus_client import BusClient
+from listener.bus_metrics import BusCollector
 from listener.config import ListenerConfig, SourceConfig
 from listener.hub import EventHub
 from listener.model import Emit, SourceProcessor
@@ -97,6 +100,10 @@ class Listener:
         token = auth.resolved()
         if token is None and (auth.token_file or auth.token_env):  # gone since the check
             errors.append(ConfigIssue("events_auth", "the token could not be read"))
+        bus = config.event_bus
+        if bus is not None and (bus.credential_file or bus.credential_env) and \
+                bus.resolved_credential() is None:
+            errors.append(ConfigIssue("event_bus", "the credential could not be read"))
         if errors:
             raise ConfigError(errors)
         self.config = config
@@ -119,7 +126,13 @@ class Listener:
         except BaseException:
             self.context.destroy(linger=0)
             raise
-        self.app = create_app(self.hub, self.sources, keepalive=keepalive, token=token)
+        registry = CollectorRegistry(auto_describe=False)
+        self.bus: BusClient | None = None
+        if config.event_bus is not None:  # push mode, beside the local SSE server
+            self.bus = BusClient(config.event_bus, self.hub, keepalive)
+            registry.register(BusCollector(self.bus))
+        self.app = create_app(self.hub, self.sources, keepalive=keepalive, token=token,
+                              registry=registry)
         self.server = make_server(self.app, config.listen)
         self._started = False
 
@@ -135,6 +148,8 @@ class Listener:
         self._started = True
         for source in self.sources:
             source.start()
+        if self.bus is not None:
+            self.bus.start()
         log.info("continuum-kv-listener: serving %s/events/<backend> for %s (epoch %s)",
                  self.url, ", ".join(self.hub.backends) or "no sources", self.hub.epoch)
 
@@ -145,7 +160,11 @@ class Listener:
             close = getattr(source.processor, "close", None)
             if close is not None:
                 close()
-        self.hub.close()
+        if self.bus is not None:
+            self.bus.drain()  # the router stops choosing this session ...
+        self.hub.close()  # ... and every stream, pulled or pushed, ends with draining
+        if self.bus is not None:
+            self.bus.stop()
         if self._started:
             self.server.stop(timeout=drain)
             self._started = False

@@ -22,6 +22,7 @@ from continuum.config.fields import (
 )
 from continuum.config.loader import read_yaml
 from continuum.errors import ConfigError, ConfigIssue
+from listener.bus_config import BusClientConfig
 
 SOURCE_NAME = r"[A-Za-z0-9_-]{1,64}"
 ENGINES = ("vllm", "sglang", "trtllm")
@@ -220,6 +221,8 @@ class ListenerConfig:
     cache_salt: SaltConfig = setting(default_factory=SaltConfig,
                                      doc="router-issued salt verification")
     sources: tuple[SourceConfig, ...] = setting(default_factory=tuple, doc="engines")
+    event_bus: BusClientConfig | None = setting(
+        None, doc="push mode: also push every source's stream to the router's event bus")
 
     def check(self, path: str, issues: Issues) -> None:
         check_host_port("listen", self.listen, issues, lowest_port=0)  # 0: any free port

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from continuum.config.addresses import check_host_port, check_url
+from continuum.config.event_bus import DynamoConfig, check_event_bus_sources
 from continuum.config.fields import (
     Issues,
     check_secret_source,
@@ -389,7 +390,8 @@ class KvEventSourceConfig:
         None, doc="http(s):// SSE or ws(s):// URL of the listener's /events/<backend>",
         restart=True, credentials=True,
     )
-    transport: str = setting("sse", doc="sse (pull from the listener)",
+    transport: str = setting("sse", doc="sse (pull from the listener's endpoint) or "
+                             "event_bus (the listener pushes to dynamo.event_bus; no endpoint)",
                              choices=("sse", "event_bus"), restart=True)
     reconnect_interval_ms: int = setting(
         5000, doc="first reconnect delay; doubles up to max(this, 60 s)", min=10,
@@ -411,9 +413,10 @@ class KvEventSourceConfig:
         check_secret_source(path, issues, "token", inline=self.token, file=self.token_file,
                             env_name=self.token_env)
         if self.transport == "event_bus":
-            issues.error(join(path, "transport"),
-                         "push mode (event_bus) is not supported by this router yet; pull "
-                         "the listener's SSE stream with endpoint: instead")
+            if self.endpoint is not None:
+                issues.error(join(path, "endpoint"), "must be omitted with transport: "
+                             "event_bus (the listener pushes to dynamo.event_bus)",
+                             self.endpoint)
             return
         if self.endpoint is None:
             issues.error(join(path, "endpoint"), "is required with transport: sse")
@@ -686,6 +689,8 @@ class RouterConfig:
     admin: AdminConfig = setting(default_factory=AdminConfig, doc="admin API")
     gemini_context_cache: GeminiContextCacheConfig = setting(
         default_factory=GeminiContextCacheConfig, doc="Gemini cachedContents manager")
+    dynamo: DynamoConfig = setting(default_factory=DynamoConfig,
+                                   doc="push-mode event bus (docs/push-mode.md)")
 
     def check(self, path: str, issues: Issues) -> None:
         seen: dict[str, int] = {}
@@ -708,6 +713,7 @@ class RouterConfig:
                 issues.warn(f"kv_cache_index.event_sources[{i}].backend_name",
                             "no backend of this name; its events will never be used",
                             source.backend_name)
+        check_event_bus_sources(self, issues)
         if kv.enabled and self.prefix_routing.enabled:
             scoring = kv.scoring
             if scoring.gpu_tier_weight < scoring.min_overlap_threshold:

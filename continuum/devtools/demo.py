@@ -57,6 +57,7 @@ from continuum.devtools.fleet import (
     wait_router_index_ready,
 )
 from continuum.devtools.procs import ChildExited, Children, wait_until
+from continuum.devtools.push import PushSetup
 
 if TYPE_CHECKING:
     import requests
@@ -229,13 +230,17 @@ def event_sources(listener: str, count: int) -> list[dict[str, Any]]:
 
 def router_config(
     scenario: Scenario, engines: Sequence[str], listener: str | None = None,
+    push: PushSetup | None = None,
 ) -> dict[str, Any]:
     """The router config of ``scenario`` in front of ``engines`` (``server.bind`` unset);
-    ``listener`` is the KV listener's URL for a ``kv_events`` scenario."""
+    ``listener`` is the KV listener's URL for a ``kv_events`` scenario, ``push`` makes its
+    sources ``transport: event_bus`` (``--push``)."""
     backends = [{"name": name, "url": url, "models": [MODEL]}
                 for name, url in zip(backend_names(len(engines)), engines, strict=True)]
     config = merge({**DEFAULT_ROUTER_CONFIG, "backends": backends}, scenario.overrides)
-    if scenario.kv_events and listener is not None:
+    if scenario.kv_events and push is not None:
+        config = merge(config, push.router_overrides(backend_names(len(engines))))
+    elif scenario.kv_events and listener is not None:
         config = merge(config, {"kv_cache_index": {
             "event_sources": event_sources(listener, len(engines))}})
     return merge(config, {"admin": {"token": secrets.token_hex(16)}})
@@ -285,7 +290,8 @@ def run_scenario(
         if scenario.direct:
             target = fleet.single[0]
         else:
-            config = router_config(scenario, fleet.engines, fleet.listener)
+            config = router_config(scenario, fleet.engines, fleet.listener,
+                                   getattr(args, "push_setup", None))
             router, target = start_router(children, http, config, scenario.name)
             token = config["admin"]["token"]
             if scenario.kv_events:
@@ -403,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"sessions in flight at once (default 64; {LOAD_CONCURRENCY} with "
                    "--scenario load)")
     p.add_argument("--quick", action="store_true", help="a smaller workload (CI)")
+    p.add_argument("--push", action="store_true",
+                   help="push mode: the listener connects out to the router's event bus "
+                   "(TLS + HTTP/2, certificates made with openssl) instead of being pulled")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--keep-logs", action="store_true",
                    help="keep the work directory with every process's log and config")
@@ -480,8 +489,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with signals_to_main(), requests.Session() as http:
             http.trust_env = False
+            args.push_setup = PushSetup.create(workdir) if args.push else None
             fleet = start_fleet(children, http, shape, any(s.kv_events for s in scenarios),
-                                progress)
+                                progress, event_bus=args.push_setup.listener_section()
+                                if args.push_setup else None)
             progress(f"workload {workload.name!r} seed {args.seed}: "
                      f"{len(workload.sessions)} sessions, {workload.requests} requests")
             for scenario in scenarios:
@@ -517,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     doc = {
         "run_id": run_id, "run_env": RUN_ENV, "pids": children.pids, "seed": args.seed,
-        "quick": args.quick, "scenario": args.scenario, "engines": shape.engines,
+        "quick": args.quick, "push": args.push, "scenario": args.scenario, "engines": shape.engines,
         "fleet_shape": asdict(shape),
         "workload": {"name": workload.name, "sessions": len(workload.sessions),
                      "requests": workload.requests},

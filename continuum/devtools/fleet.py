@@ -180,12 +180,14 @@ def _resets(http: requests.Session, url: str) -> bool:
 
 def listener_config(
     backends: Sequence[str], engines: Sequence[str], zmq_base: int,
+    event_bus: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The listener config: one vLLM source per engine, bound at ``zmq_base + i``, blocks
     attributed through the engine's ``/detokenize``; HTTP on a free port (logged)."""
     return {
         "listen": "127.0.0.1:0",
         "log_level": "info",
+        **({"event_bus": event_bus} if event_bus else {}),
         "sources": [
             {
                 "backend_name": backend,
@@ -204,13 +206,14 @@ def listener_config(
 def start_listener(
     children: Children, http: requests.Session, backends: Sequence[str],
     engines: Sequence[str], zmq_base: int, timeout: float = 30.0,
+    event_bus: dict[str, Any] | None = None,
 ) -> tuple[Child, str]:
     """Start ``continuum-kv-listener`` for ``engines``; return it and its URL once every
     source has an engine connected and has applied one of its batches (a PUB socket drops
     what it publishes before the subscription arrives, so the engines' caches are reset
     until each source counts a batch)."""
     path = children.workdir / "kv-listener.yaml"
-    path.write_text(yaml.safe_dump(listener_config(backends, engines, zmq_base),
+    path.write_text(yaml.safe_dump(listener_config(backends, engines, zmq_base, event_bus),
                                    sort_keys=False))
     log = "kv-listener.log"
     proc = children.spawn([sys.executable, "-m", "listener.cli", "--config", str(path)], log)
@@ -376,7 +379,7 @@ def wait_router_index_ready(
 
 def start_fleet(
     children: Children, http: requests.Session, shape: FleetShape, kv_events: bool,
-    progress: Callable[[str], None],
+    progress: Callable[[str], None], event_bus: dict[str, Any] | None = None,
 ) -> Fleet:
     """The engines, the single big engine and, with ``kv_events``, the KV listener."""
     zmq_base = free_port_block(shape.engines) if kv_events else None
@@ -391,5 +394,5 @@ def start_fleet(
     if zmq_base is not None:
         progress("starting the KV listener (engines publish KV events over ZMQ)")
         _, fleet.listener = start_listener(children, http, backend_names(shape.engines),
-                                           engines, zmq_base)
+                                           engines, zmq_base, event_bus=event_bus)
     return fleet

@@ -67,6 +67,7 @@ from continuum.kv.stream import (
     Clock,
     Spawn,
     SystemClock,
+    Transport,
     default_spawn,
     open_transport,
 )
@@ -307,7 +308,7 @@ class SourceConsumer:
             if self.state == STOPPED:
                 break
             reset = self._delivered > 0 or reason in CONTROL_EVENTS
-            delay, current = self.backoff.delay(current, reset, retry_ms)
+            delay, current = self._next_delay(reason, reset, retry_ms, current)
             log.log(logging.INFO if reset else logging.WARNING,
                     "KV event stream %s ended (%s); reconnecting in %d ms", self.backend,
                     reason, delay)
@@ -324,8 +325,7 @@ class SourceConsumer:
         self._delivered = 0
         transport = None
         try:
-            transport = open_transport(self.endpoint, self.last_event_id,
-                                       self.connect_timeout, self.read_timeout, self._token)
+            transport = self._open()
             with self._lock:
                 stopping = self.state == STOPPED
                 self._closer = None if stopping else transport.shutdown
@@ -353,6 +353,18 @@ class SourceConsumer:
             if transport is not None:
                 self.buffer_high_water = max(self.buffer_high_water, transport.high_water)
                 transport.close()
+
+    def _open(self) -> Transport:
+        """Connect to the stream, resuming after ``last_event_id`` (a hook: push mode's
+        consumer finds the bus first)."""
+        return open_transport(self.endpoint, self.last_event_id, self.connect_timeout,
+                              self.read_timeout, self._token)
+
+    def _next_delay(self, reason: str, reset: bool, retry_ms: int | None,
+                    current: int) -> tuple[int, int]:
+        """``(this delay, the next one)`` after a connection ended (a hook: push mode
+        retries ``no_session`` at the plain interval and ``draining`` at once)."""
+        return self.backoff.delay(current, reset, retry_ms)
 
     def handle(self, sse_event: str | None, data: str | dict[str, Any] | None,
                record_id: str | None) -> str | None:
@@ -454,9 +466,10 @@ class KvEventConsumerManager:
                  tokens: Mapping[str, str | None] | None = None) -> None:
         self.metrics = KvConsumerMetrics.for_registry(registry or CollectorRegistry())
         self.spawn = spawn
+        self.clock: Clock = clock or SystemClock()
         tokens = tokens or {}
         self.consumers = [
-            SourceConsumer(source, index, self.metrics, clock or SystemClock(),
+            SourceConsumer(source, index, self.metrics, self.clock,
                            connect_timeout=connect_timeout, read_timeout=read_timeout,
                            token=tokens.get(source.backend_name))
             for source in sources if source.endpoint

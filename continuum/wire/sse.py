@@ -300,6 +300,8 @@ class SseTransport:
         raw: Any = self._response.raw
         try:
             raw.shutdown()  # urllib3 >= 2.3
+        except OSError:  # the loop closed the connection meanwhile: nothing left to wake
+            pass
         except (AttributeError, ValueError, RuntimeError):
             sock = getattr(getattr(raw, "connection", None), "sock", None)
             if sock is not None:
