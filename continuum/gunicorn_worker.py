@@ -126,7 +126,11 @@ class _CoalescingSocket:
         if pending is not None:
             self._pending = None
             data = pending + data
-        self._sock.sendall(data)
+        # One send first: gevent's sendall asks the kernel for the buffer size each call.
+        sock = self._sock
+        sent = sock.send(data)
+        if sent < len(data):
+            sock.sendall(memoryview(data)[sent:])
 
     def _flush_from_hub(self) -> None:
         """Send what is held back without blocking (the hub must not wait): what the
