@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import re
 import sys
-from random import getrandbits
 from dataclasses import dataclass
+from random import getrandbits
 from typing import TYPE_CHECKING, Any
 
 from continuum.errors import RequestError
@@ -339,5 +339,5 @@ def parse_request(
         top_p=None if top_p is None else float(top_p),
         max_tokens=max_tokens,
         tenant=tenant,
-        request_id=request_id or uuid.uuid4().hex,
+        request_id=request_id or new_request_id(),
     )
