@@ -14,6 +14,13 @@ with a JSON error body and is closed. The body's own deadline is the application
 
 ``continuum.gunicorn_conf`` selects this worker (``worker_class``), and puts it back when
 ``-k gevent`` on the command line asked for gunicorn's plain one.
+
+It also saves a send per answer: gunicorn writes a response head and its body with two
+``sendall`` calls (two trips through the loopback TCP stack, about a tenth of the router's
+CPU per small request). :class:`_CoalescingSocket` holds the head back until the body's
+first write, which takes it along, or until the request's greenlet next waits for
+something (a stream whose first piece is not there yet), whichever comes first: the head
+is never delayed past the moment the worker would otherwise sit idle.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from types import TracebackType
 from typing import Any
 
 import gevent
+from gevent import get_hub
 from gevent.socket import wait_read
 from gunicorn.workers.ggevent import GeventWorker as _GunicornGeventWorker
 
@@ -95,6 +103,69 @@ def _answer_timeout(sock: Any, message: str) -> None:
         sock.sendall(head + body)
 
 
+class _CoalescingSocket:
+    """The client socket as gunicorn's response writer sees it: its first ``sendall`` (the
+    response head, or an interim 103) is held back and sent with the next one (the body),
+    or from the hub as soon as the request's greenlet blocks, or when the request is done
+    (:meth:`flush`); everything else goes straight to the socket, in order."""
+
+    __slots__ = ("_first", "_pending", "_sock")
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._pending: bytes | None = None
+        self._first = True
+
+    def sendall(self, data: bytes) -> None:
+        if self._first:
+            self._first = False
+            self._pending = bytes(data)
+            get_hub().loop.run_callback(self._flush_from_hub)
+            return
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            data = pending + data
+        # One send first: gevent's sendall asks the kernel for the buffer size each call.
+        sock = self._sock
+        sent = sock.send(data)
+        if sent < len(data):
+            sock.sendall(memoryview(data)[sent:])
+
+    def _flush_from_hub(self) -> None:
+        """Send what is held back without blocking (the hub must not wait): what the
+        socket does not take now stays held for the next write or :meth:`flush`."""
+        pending = self._pending
+        if not pending:
+            return
+        try:
+            sent = self._sock._sock.send(pending)  # the OS socket: non-blocking
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._pending = None  # the client is gone; gunicorn notices on its next write
+            return
+        self._pending = pending[sent:] or None
+
+    def flush(self) -> None:
+        """Send anything still held back (the request is over)."""
+        pending, self._pending = self._pending, None
+        if pending:
+            with contextlib.suppress(OSError):
+                self._sock.sendall(pending)
+
+    def sendfile(self, *args: Any, **kwargs: Any) -> Any:
+        self.flush()
+        return self._sock.sendfile(*args, **kwargs)
+
+    def shutdown(self, how: int) -> None:
+        self.flush()
+        self._sock.shutdown(how)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
 class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
     """gunicorn's gevent worker, with ``server.client_header_timeout_seconds``."""
 
@@ -115,9 +186,11 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> Any:
         """Serve one request; then note whether the next one has already begun arriving."""
         conn = self._connections.get(gevent.getcurrent())
+        out = _CoalescingSocket(sock)
         try:
-            return super().handle_request(listener_name, req, sock, addr)
+            return super().handle_request(listener_name, req, out, addr)
         finally:
+            out.flush()
             if conn is not None:
                 conn.requests += 1
                 buf = getattr(getattr(req, "unreader", None), "buf", None)

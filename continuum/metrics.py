@@ -116,6 +116,30 @@ def multiprocess_enabled() -> bool:
     return bool(os.environ.get(MULTIPROC_ENV))
 
 
+def _cache_pid_in_values() -> None:
+    """In multiprocess mode, every ``inc``/``set``/``observe`` of prometheus-client calls
+    ``os.getpid()`` to notice a fork: a syscall per sample, about 16 per proxied request.
+    The value class takes the process identifier as a parameter; ours is the pid cached at
+    import and refreshed in every forked child (``os.register_at_fork``), so it is as
+    exact. It must be installed before any metric value exists in the process (values
+    built earlier would keep a second map of the same file): this module is imported
+    before any metric is built, and the gunicorn master builds none."""
+    if not multiprocess_enabled():
+        return
+    from prometheus_client import values
+
+    pid = [os.getpid()]
+
+    def refresh() -> None:
+        pid[0] = os.getpid()
+
+    os.register_at_fork(after_in_child=refresh)
+    values.ValueClass = values.MultiProcessValue(lambda: pid[0])  # type: ignore[no-untyped-call]
+
+
+_cache_pid_in_values()
+
+
 class RouterMetrics:
     """Every router metric, registered in one registry per app."""
 

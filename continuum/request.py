@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import re
 import sys
-import uuid
 from dataclasses import dataclass
+from random import getrandbits
 from typing import TYPE_CHECKING, Any
 
 from continuum.errors import RequestError
@@ -114,7 +114,14 @@ def new_request_id(supplied: str | None = None) -> str:
     ``A-Z a-z 0-9 . _ : -``, starting with a letter or digit — else a fresh random one."""
     if supplied and _REQUEST_ID.fullmatch(supplied):
         return supplied
-    return uuid.uuid4().hex
+    # A version-4 UUID's 32 hex digits, like uuid.uuid4().hex, without its os.urandom
+    # syscall: an id must be unique, not secret (random reseeds in every forked worker).
+    return f"{getrandbits(128) & _UUID4_CLEAR | _UUID4_SET:032x}"
+
+
+#: The version (4) and variant (10xx) bits of a random UUID.
+_UUID4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))
+_UUID4_SET = (0x4000 << 64) | (0x8000 << 48)
 
 
 # --- nesting depth -------------------------------------------------------------------------
@@ -372,6 +379,6 @@ def parse_request(
         top_p=None if top_p is None else float(top_p),
         max_tokens=max_tokens,
         tenant=tenant,
-        request_id=request_id or uuid.uuid4().hex,
+        request_id=request_id or new_request_id(),
         key_body=key_body,
     )

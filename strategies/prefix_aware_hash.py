@@ -71,6 +71,9 @@ class PrefixAwareHash(ConsistentHash):
         self.metrics = metrics
         self.decisions = {PREFIX_HASH: 0, OVERFLOW: 0, FALLBACK: 0}
         self.prefixes = DistinctCounter()
+        #: (decision, backend) -> the two counters' children (labels are bounded: three
+        #: decisions times the configured backends).
+        self._counters: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     def reconfigure(self, config: RouterConfig) -> list[str]:
         """Apply ``prefix_routing`` live: a new ``virtual_nodes`` rebuilds the rings
@@ -94,14 +97,14 @@ class PrefixAwareHash(ConsistentHash):
             return super().select(candidates, ctx), FALLBACK, None
         ring = self.ring(candidates)
         bound = load_bound(candidates, self.settings.load_factor_epsilon)
-        owner: Backend | None = None
-        for index in ring.walk_indices_at(ring.lookup_probes(key)):
+        start = ring.lookup_probes(key)
+        owner = candidates[ring.owners[start]]
+        if owner.in_flight < bound:  # the common case, without the walk
+            return owner, PREFIX_HASH, bound
+        for index in ring.walk_indices_at(start):  # the owner first: it is full
             backend = candidates[index]
-            if owner is None:
-                owner = backend
             if backend.in_flight < bound:
                 return backend, (PREFIX_HASH if backend is owner else OVERFLOW), bound
-        assert owner is not None
         return owner, PREFIX_HASH, bound
 
     def select(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend:
@@ -112,8 +115,13 @@ class PrefixAwareHash(ConsistentHash):
             self.prefixes.add(ctx.prefix_key)
         metrics = self.metrics
         if metrics is not None:
-            metrics.child(metrics.prefix_requests, label).inc()
-            metrics.child(metrics.prefix_distribution, backend.name).inc()
+            counters = self._counters.get((label, backend.name))
+            if counters is None:
+                counters = self._counters[(label, backend.name)] = (
+                    metrics.child(metrics.prefix_requests, label),
+                    metrics.child(metrics.prefix_distribution, backend.name))
+            counters[0].inc()
+            counters[1].inc()
         return backend
 
     def explain(self, candidates: Sequence[Backend], ctx: RequestContext) -> dict[str, Any]:

@@ -9,12 +9,15 @@ them. A ring is immutable once built; strategies cache one per candidate-name tu
 from __future__ import annotations
 
 import hashlib
+import struct
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 
 #: Virtual nodes per backend; 150 keeps each backend's share within a few percent.
 DEFAULT_VIRTUAL_NODES = 150
 _RING = 1 << 64
+#: Big-endian 64-bit word unpackers for the usual digest sizes (SHA-256: 4 probes).
+_WORDS = {n: struct.Struct(f">{n}Q").unpack for n in (1, 2, 4)}
 
 
 def stable_hash(data: bytes) -> int:
@@ -109,8 +112,11 @@ class HashRing:
             raise LookupError("the hash ring is empty")
         best_index = 0
         best_distance = _RING
-        for offset in range(0, len(digest) - 7, 8):
-            probe = int.from_bytes(digest[offset:offset + 8], "big")
+        words = len(digest) // 8
+        unpack = _WORDS.get(words)
+        probes = unpack(digest[:words * 8]) if unpack is not None else \
+            struct.unpack(f">{words}Q", digest[:words * 8])
+        for probe in probes:
             index = bisect_right(positions, probe)
             if index == total:
                 index = 0

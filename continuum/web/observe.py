@@ -17,9 +17,11 @@ tenant name into log storage.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -38,7 +40,12 @@ TEXT, JSON_FORMAT, OFF = "text", "json", "off"
 
 def tenant_hash(tenant: str | None) -> str | None:
     """The tenant id as logged: 12 hex digits of its SHA-256."""
-    return None if tenant is None else hashlib.sha256(tenant.encode()).hexdigest()[:12]
+    return None if tenant is None else _tenant_digest(tenant)
+
+
+@functools.lru_cache(maxsize=1024)  # tenants are the configured client keys': few
+def _tenant_digest(tenant: str) -> str:
+    return hashlib.sha256(tenant.encode()).hexdigest()[:12]
 
 
 def _ms(start: float, end: float | None) -> float | None:
@@ -65,11 +72,17 @@ def access_fields(record: RequestRecord) -> dict[str, Any]:
     }
 
 
+#: A text value containing one of these is written as a JSON string.
+_NEEDS_QUOTES = re.compile(r'[ "=\\]').search
+
+
 def _text_value(value: Any) -> str:
     if value is None:
         return "-"
+    if type(value) is int:
+        return str(value)
     text = str(value)
-    return json.dumps(text) if not text or any(c in text for c in ' "=\\') else text
+    return json.dumps(text) if not text or _NEEDS_QUOTES(text) else text
 
 
 def format_access(record: RequestRecord, fmt: str) -> str:

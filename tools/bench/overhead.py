@@ -1,8 +1,24 @@
 """Router overhead benchmark: the router in front of a fast upstream vs the upstream direct.
 
-Run (well under a minute with the defaults on 2 CPUs)::
+Run::
 
-    python -m tools.bench.overhead [--json] [--requests-c1 5000] [--requests-c32 10000]
+    python -m tools.bench.overhead [--repeat 3] [--json] [--check]     # the goal suite, ~2-4 min
+    python -m tools.bench.overhead --suite single [--strategy PrefixAwareHash] ...
+
+The default ``--suite goals`` runs four router setups one after the other, each with its own
+upstream: ``rr`` (RoundRobin) and ``pah`` (PrefixAwareHash with ``prefix_routing.enabled``),
+non-streaming at concurrency 1 and 32 and streaming (8 records) at concurrency 1, each
+against the upstream direct too; ``pah-long``, 200-record streams with 1 ms between
+records (a token stream), at concurrency 1 and 32, reported as router CPU per relayed
+record; ``pah-2w``, two workers, non-streaming at concurrency 32. With ``--repeat N`` every
+phase runs N times and the best value of each column is kept (the machine is shared: the
+quietest run is the truest). The summary prints each goal of issue 18 with ok/MISSED:
+PrefixAwareHash - RoundRobin <= 10 us CPU per request; <= 0.15 ms router CPU per request at
+c=32 (PrefixAwareHash); added p50 <= 0.3 ms at c=1; <= 20 us (c=32) and <= 40 us (c=1) of
+router CPU per relayed chunk; added TTFC <= 0.5 ms; 2 workers >= 1.8x the req/s of one.
+
+``--suite single`` is one setup (``--strategy``, ``--workers``, ``--chunks``) at
+``--concurrency``, as below; ``--py-spy`` works there.
 
 It starts ``tools.bench.upstream`` and the router (``gunicorn -c python:continuum.gunicorn_conf
 'continuum.app:get_app()'``, gevent worker, one worker by default) as child processes on free
@@ -286,6 +302,10 @@ class Phase:
     mode: str
     stream: bool
     concurrency: int
+    #: The suite configuration the phase ran in ("" outside ``--suite goals``).
+    config: str = ""
+    #: SSE records per streamed answer.
+    chunks: int = 0
     requests: int = 0
     errors: int = 0
     seconds: float = 0.0
@@ -531,6 +551,183 @@ def print_report(phases: list[Phase], rows: list[dict[str, Any]], checks: list[d
         print(f"  {name}: {text}")
 
 
+# --------------------------------------------------------------------------- goal suite
+
+#: The issue's goals (issue 18).
+GOAL_PAH_EXTRA_US = 10.0       # PrefixAwareHash minus RoundRobin, router CPU per request
+GOAL_PAH_CPU_C32_MS = 0.15     # non-streaming, c=32, PrefixAwareHash
+GOAL_PAH_ADDED_P50_MS = 0.3    # non-streaming, c=1, PrefixAwareHash
+GOAL_CHUNK_C32_US = 20.0       # 200-chunk streams, router CPU per relayed chunk, c=32
+GOAL_CHUNK_C1_US = 40.0        # the same at c=1
+GOAL_TTFC_MS = 0.5             # added time to first chunk, c=1
+GOAL_SCALE = 1.8               # req/s of 2 workers over 1 (non-streaming, c=32)
+
+PREFIX_ROUTING = {"selection_strategy": "PrefixAwareHash", "prefix_routing": {"enabled": True}}
+
+
+@dataclass
+class SuiteConfig:
+    """One router setup of the goal suite and the phases measured against it."""
+
+    name: str
+    extra: dict[str, Any]
+    workers: int
+    chunks: int
+    #: (stream, concurrency, requests, with a direct phase alongside)
+    phases: list[tuple[bool, int, int, bool]]
+    chunk_delay_ms: float = 0.0
+
+
+def suite_configs(args: argparse.Namespace) -> list[SuiteConfig]:
+    n1, n32, s1, l1, l32 = (args.requests_c1, args.requests_c32, args.stream_requests_c1,
+                            args.long_requests_c1, args.long_requests_c32)
+    short = [(False, 1, n1, True), (False, 32, n32, True), (True, 1, s1, True)]
+    return [
+        SuiteConfig("rr", {}, 1, args.chunks, short),
+        SuiteConfig("pah", PREFIX_ROUTING, 1, args.chunks, short),
+        SuiteConfig("pah-long", PREFIX_ROUTING, 1, args.long_chunks,
+                    [(True, 1, l1, False), (True, 32, l32, False)],
+                    args.long_chunk_delay_ms),
+        SuiteConfig("pah-2w", PREFIX_ROUTING, 2, args.chunks, [(False, 32, n32, False)]),
+    ]
+
+
+def best_of(runs: list[Phase]) -> Phase:
+    """The fieldwise best of repeated runs of one phase: the least CPU, latency and TTFC
+    and the most req/s (on a shared machine the quietest run is the truest one)."""
+    best = Phase(**{**asdict(runs[0]), "statuses": dict(runs[0].statuses)})
+    for p in runs[1:]:
+        best.rps = max(best.rps, p.rps)
+        best.requests += p.requests
+        best.errors += p.errors
+        for name in ("p50_ms", "p99_ms", "mean_ms", "ttfc_p50_ms", "ttfc_p99_ms",
+                     "router_cpu_ms_per_req", "upstream_cpu_ms_per_req",
+                     "client_cpu_ms_per_req", "others_cpu_pct"):
+            a, b = getattr(best, name), getattr(p, name)
+            if b is not None and (a is None or b < a):
+                setattr(best, name, b)
+    return best
+
+
+def run_suite(args: argparse.Namespace, tmp: Path, children: list[Child]) -> list[Phase]:
+    """Every configuration of the suite, each with its own upstream and router, every
+    phase ``--repeat`` times (alternating direct and router), best run kept."""
+    phases: list[Phase] = []
+    for cfg in suite_configs(args):
+        if args.only and cfg.name not in args.only:
+            continue
+        sub = tmp / cfg.name
+        sub.mkdir()
+        delay = cfg.chunk_delay_ms if cfg.name == "pah-long" else args.chunk_delay_ms
+        upstream, up_port = start_upstream(sub, cfg.chunks, delay)
+        children.append(upstream)
+        router, router_port = start_router(sub, up_port, cfg.workers, args.router_src,
+                                           cfg.extra)
+        children.append(router)
+        try:
+            for stream, conc, count, direct in cfg.phases:
+                targets = ([("direct", up_port, None)] if direct else []) + \
+                    [("router", router_port, router)]
+                runs: dict[str, list[Phase]] = {}
+                for _ in range(args.repeat):
+                    for mode, port, rt in targets:
+                        phase = run_phase(mode, port, stream, conc, count, args.warmup,
+                                          args.max_seconds, rt, upstream)
+                        runs.setdefault(mode, []).append(phase)
+                        print(f"  done: {cfg.name:<8} {mode:<6} stream="
+                              f"{'yes' if stream else 'no ':<3} c={conc:<3} "
+                              f"{phase.requests} requests in {phase.seconds:.1f}s, router cpu "
+                              f"{_f(phase.router_cpu_ms_per_req)} ms/rq",
+                              file=sys.stderr, flush=True)
+                for mode, _port, _rt in targets:
+                    best = best_of(runs[mode])
+                    best.config, best.chunks = cfg.name, cfg.chunks
+                    phases.append(best)
+        finally:
+            for child in (router, upstream):
+                child.stop()
+                children.remove(child)
+    return phases
+
+
+def suite_goals(phases: list[Phase]) -> list[dict[str, Any]]:
+    """Each goal of the issue with its measured value, unit and verdict (missing phases
+    are left out)."""
+    by = {(p.config, p.mode, p.stream, p.concurrency): p for p in phases}
+
+    def get(config: str, mode: str, stream: bool, conc: int) -> Phase | None:
+        return by.get((config, mode, stream, conc))
+
+    out: list[dict[str, Any]] = []
+
+    def add(goal: str, value: float | None, limit: float, unit: str,
+            higher_is_better: bool = False) -> None:
+        if value is None:
+            return
+        met = value >= limit if higher_is_better else value <= limit
+        out.append({"goal": goal, "value": value, "limit": limit, "unit": unit, "met": met})
+
+    for conc in (32, 1):
+        rr, pah = get("rr", "router", False, conc), get("pah", "router", False, conc)
+        if rr and pah and rr.router_cpu_ms_per_req is not None \
+                and pah.router_cpu_ms_per_req is not None:
+            add(f"PrefixAwareHash - RoundRobin router CPU/request, non-streaming c={conc}",
+                (pah.router_cpu_ms_per_req - rr.router_cpu_ms_per_req) * 1e3,
+                GOAL_PAH_EXTRA_US, "us")
+    pah32 = get("pah", "router", False, 32)
+    if pah32:
+        add("router CPU/request, PrefixAwareHash, non-streaming c=32",
+            pah32.router_cpu_ms_per_req, GOAL_PAH_CPU_C32_MS, "ms")
+    for config in ("pah", "rr"):
+        r, d = get(config, "router", False, 1), get(config, "direct", False, 1)
+        if r and d:
+            add(f"added p50, {config}, non-streaming c=1", r.p50_ms - d.p50_ms,
+                GOAL_PAH_ADDED_P50_MS, "ms")
+    for conc, limit in ((32, GOAL_CHUNK_C32_US), (1, GOAL_CHUNK_C1_US)):
+        p = get("pah-long", "router", True, conc)
+        if p and p.router_cpu_ms_per_req is not None and p.chunks:
+            add(f"router CPU per relayed chunk, {p.chunks}-chunk streams, c={conc}",
+                p.router_cpu_ms_per_req / p.chunks * 1e3, limit, "us")
+    for config in ("pah", "rr"):
+        r, d = get(config, "router", True, 1), get(config, "direct", True, 1)
+        if r and d and r.ttfc_p50_ms is not None and d.ttfc_p50_ms is not None:
+            add(f"added TTFC p50, {config}, streaming c=1", r.ttfc_p50_ms - d.ttfc_p50_ms,
+                GOAL_TTFC_MS, "ms")
+    one, two = get("pah", "router", False, 32), get("pah-2w", "router", False, 32)
+    if one and two:
+        add("req/s 2 workers / 1 worker, PrefixAwareHash, non-streaming c=32",
+            two.rps / one.rps, GOAL_SCALE, "x", higher_is_better=True)
+    return out
+
+
+def print_suite(phases: list[Phase], checks: list[dict[str, Any]], info: dict[str, Any]) -> None:
+    print(f"# continuum router overhead, goal suite  ({info['cpus']} CPUs, python "
+          f"{info['python']}, best of {info['repeat']} run(s) per phase)")
+    print()
+    head = (f"{'config':<9}{'mode':<7}{'stream':>7}{'chunks':>7}{'conc':>6}{'reqs':>7}"
+            f"{'err':>5}{'req/s':>9}{'p50 ms':>9}{'ttfc50':>9}{'router':>10}{'per chunk':>10}"
+            f"{'others':>8}")
+    print(head)
+    print(f"{'':<9}{'':<7}{'':>7}{'':>7}{'':>6}{'':>7}{'':>5}{'':>9}{'':>9}{'ms':>9}"
+          f"{'cpu ms/rq':>10}{'cpu us':>10}{'cpu %':>8}")
+    print("-" * len(head))
+    for p in phases:
+        per_chunk = (p.router_cpu_ms_per_req / p.chunks * 1e3
+                     if p.stream and p.router_cpu_ms_per_req is not None and p.chunks else None)
+        print(f"{p.config:<9}{p.mode:<7}{'yes' if p.stream else 'no':>7}"
+              f"{p.chunks if p.stream else '':>7}{p.concurrency:>6}{p.requests:>7}"
+              f"{p.errors:>5}{p.rps:>9.0f}{p.p50_ms:>9.3f}{_f(p.ttfc_p50_ms):>9}"
+              f"{_f(p.router_cpu_ms_per_req):>10}{_f(per_chunk, 1):>10}"
+              f"{_f(p.others_cpu_pct, 0):>8}")
+    print()
+    print("# goals (issue 18)")
+    for g in checks:
+        digits = 1 if g["unit"] in ("us", "x") else 3
+        cmp = ">=" if g["unit"] == "x" else "<="
+        print(f"  [{'ok' if g['met'] else 'MISSED'}] {g['goal']}: "
+              f"{g['value']:.{digits}f} {g['unit']} ({cmp} {g['limit']} {g['unit']})")
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -539,6 +736,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m tools.bench.overhead",
         description="router vs direct: added latency, TTFC and router CPU per request",
     )
+    parser.add_argument("--suite", choices=["goals", "single"], default="goals",
+                        help="goals: RoundRobin, PrefixAwareHash, 200-chunk streams and 2 "
+                             "workers, checked against the issue's goals; single: one router "
+                             "config (--strategy, --workers, --chunks) at --concurrency")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="goals suite: run every phase this many times, keep the best")
+    parser.add_argument("--only", nargs="+", choices=["rr", "pah", "pah-long", "pah-2w"],
+                        help="goals suite: only these configurations")
+    parser.add_argument("--strategy", choices=["RoundRobin", "PrefixAwareHash"],
+                        default="RoundRobin",
+                        help="single: the router's strategy (PrefixAwareHash turns "
+                             "prefix_routing on)")
+    parser.add_argument("--stream-requests-c1", type=int, default=2000,
+                        help="goals suite: streamed requests per phase at concurrency 1")
+    parser.add_argument("--long-chunks", type=int, default=200,
+                        help="goals suite: SSE records per long stream")
+    parser.add_argument("--long-chunk-delay-ms", type=float, default=1.0,
+                        help="goals suite: pause between the long streams' records, as a "
+                             "token stream has (0: back to back, mostly read in batches)")
+    parser.add_argument("--long-requests-c1", type=int, default=50,
+                        help="goals suite: long streams per phase at concurrency 1")
+    parser.add_argument("--long-requests-c32", type=int, default=320,
+                        help="goals suite: long streams per phase at concurrency 32")
     parser.add_argument("--requests-c1", type=int, default=5000,
                         help="measured requests per phase at concurrency 1")
     parser.add_argument("--requests-c32", type=int, default=10000,
@@ -564,7 +784,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep the temp dir with the child processes' logs")
     args = parser.parse_args(argv)
-    if args.requests_c1 < 1 or args.requests_c32 < 1 or min(args.concurrency) < 1:
+    if args.requests_c1 < 1 or args.requests_c32 < 1 or min(args.concurrency) < 1 \
+            or args.repeat < 1 or args.long_chunks < 1:
         parser.error("request counts and concurrency must be positive")
     return args
 
@@ -575,10 +796,13 @@ def main(argv: list[str] | None = None) -> int:
     children: list[Child] = []
     streams = {"both": [False, True], "yes": [True], "no": [False]}[args.stream]
     phases: list[Phase] = []
+    if args.suite == "goals":
+        return main_suite(args, tmp)
     try:
         upstream, up_port = start_upstream(tmp, args.chunks, args.chunk_delay_ms)
         children.append(upstream)
-        router, router_port = start_router(tmp, up_port, args.workers, args.router_src)
+        extra = PREFIX_ROUTING if args.strategy == "PrefixAwareHash" else None
+        router, router_port = start_router(tmp, up_port, args.workers, args.router_src, extra)
         children.append(router)
         if args.py_spy:
             spy = start_py_spy(args.py_spy, children_of(router.pid)[0], tmp)
@@ -620,6 +844,36 @@ def main(argv: list[str] | None = None) -> int:
                           "added": rows, "goals": checks}, indent=2))
     else:
         print_report(phases, rows, checks, info)
+    if args.check and not all(g["met"] for g in checks):
+        return 1
+    return 0
+
+
+def main_suite(args: argparse.Namespace, tmp: Path) -> int:
+    children: list[Child] = []
+    try:
+        phases = run_suite(args, tmp, children)
+    except (BenchError, RuntimeError, OSError) as exc:
+        print(f"benchmark failed: {exc}", file=sys.stderr)
+        for child in children:
+            print(f"--- {child.name} log (tail)\n{child.log_tail()}", file=sys.stderr)
+        return 2
+    finally:
+        for child in reversed(children):
+            child.stop()
+        if args.keep_logs:
+            print(f"logs kept in {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    checks = suite_goals(phases)
+    info = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "repeat": args.repeat,
+            "chunks": args.chunks, "long_chunks": args.long_chunks,
+            "router_src": args.router_src}
+    if args.json:
+        print(json.dumps({"info": info, "phases": [asdict(p) for p in phases],
+                          "goals": checks}, indent=2))
+    else:
+        print_suite(phases, checks, info)
     if args.check and not all(g["met"] for g in checks):
         return 1
     return 0
