@@ -17,6 +17,7 @@ from continuum.caching.gemini_context import GeminiContextCache
 from continuum.caching.response_cache import BYPASS, HIT, MISS, ResponseCache
 from continuum.config import restart_required
 from continuum.config.fields import keep_restart_fields, walk
+from continuum.hostshm import open_segment
 from continuum.errors import ContinuumError, RequestError, UpstreamConnectError
 from continuum.kv.chain_scorer import ChainOverlapScorer
 from continuum.kv.consumer import KvEventConsumerManager
@@ -37,6 +38,7 @@ from continuum.routing.forwarder import (
 from continuum.routing.gemini_dispatch import GeminiGateway, GeminiMetrics
 from continuum.routing.health import HealthMonitor
 from continuum.routing.selection import SelectionPipeline
+from continuum.routing.shared_load import HostLoad
 from continuum.routing.usage import UsageStream, asks_for_usage, read_body, with_stream_usage
 
 if TYPE_CHECKING:
@@ -104,6 +106,10 @@ class RouterService:
                     success_window=config.pool.success_window)
             for b in config.backends
         )
+        # Scale-out (docs/scale-out.md): the host segment the workers share, if any.
+        self.host = open_segment()
+        self.host_load = HostLoad(self.pool, self.host) \
+            if self.host is not None and config.fleet.share_in_flight else None
         self.health = HealthMonitor(self.pool, config.health_check, metrics)
         self.pipeline = SelectionPipeline(self._make_strategy(config))
         self.forwarder = Forwarder(
@@ -216,6 +222,8 @@ class RouterService:
     def start(self) -> None:
         """Start background greenlets (health checks, store upkeep). Call in the worker."""
         self.health.start()
+        if self.host_load is not None:
+            self.host_load.start()
         self.resources.start()
         self.response_cache.store.start()
         if self.kv_index is not None:
@@ -258,6 +266,10 @@ class RouterService:
             self.gemini_context.close()
         self.forwarder.close()
         self.resources.close()  # whatever a plugin did not hand back
+        if self.host_load is not None:
+            self.host_load.stop()
+        if self.host is not None:
+            self.host.release()
 
     def admit(
         self,

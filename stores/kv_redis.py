@@ -86,6 +86,7 @@ from stores.kv_memory import (
     transition_table,
 )
 from stores.redis_link import lease_link
+from continuum.redis_topology import hash_tagged
 from stores.redis_store import SCAN_COUNT, UNREACHABLE, glob_escape
 
 if TYPE_CHECKING:
@@ -274,6 +275,10 @@ class RedisKvIndex(KvCacheIndex):
             raise ValueError("RedisKvIndex needs a non-empty key_prefix")
         self._link = link
         self._release = release
+        if link.cluster:
+            # The Lua chain query, the MULTI writes and the batched UNLINKs touch several
+            # keys at once: in Redis Cluster every key of the index shares one hash slot.
+            key_prefix = hash_tagged(key_prefix)
         self.key_prefix = key_prefix
         self.entry_ttl_seconds = entry_ttl_seconds
         self._ttl = max(1, math.ceil(entry_ttl_seconds))
@@ -622,6 +627,9 @@ class RedisKvIndex(KvCacheIndex):
                 return removed
 
     def _scan_step(self, cursor: int, client: redis.Redis) -> Any:
+        if self._link.cluster:  # every key is in the tag's slot: SCAN its master
+            client = client.get_redis_connection(  # type: ignore[attr-defined]
+                client.get_node_from_key(self.key_prefix))  # type: ignore[attr-defined]
         return client.scan(cursor, match=self._pattern, count=SCAN_COUNT)
 
     def _unlink_batch(self, keys: list[bytes], client: redis.Redis) -> int:

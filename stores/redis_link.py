@@ -36,8 +36,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
+from redis.exceptions import ClusterDownError, TryAgainError
 
 from continuum.errors import StoreError
+from continuum.redis_topology import disconnect, is_cluster, make_client, pool_stats
 
 if TYPE_CHECKING:
     from continuum.config import RedisConfig
@@ -56,18 +58,10 @@ class RedisLink:
     def __init__(self, config: RedisConfig, metrics: RouterMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics
-        kwargs: dict[str, Any] = {
-            "max_connections": config.pool_size,
-            "socket_connect_timeout": config.connect_timeout_ms / 1000,
-            "socket_timeout": config.command_timeout_ms / 1000,
-            "timeout": config.command_timeout_ms / 1000,
-            "health_check_interval": 30,
-        }
-        url = config.url
-        if config.tls and url.startswith("redis://"):
-            url = "rediss://" + url[len("redis://"):]
-        self.pool = redis.BlockingConnectionPool.from_url(url, **kwargs)
-        self.client = redis.Redis(connection_pool=self.pool)
+        # standalone, cluster (RedisCluster) or sentinel (Sentinel.master_for): see
+        # continuum.redis_topology; all three offer the same commands.
+        self.client: Any = make_client(config)
+        self.cluster = is_cluster(self.client)
         self.fallback_active = False
         self.errors = {"connection": 0, "timeout": 0, "protocol": 0, "other": 0}
         self._listeners: list[weakref.WeakMethod[Listener]] = []
@@ -97,7 +91,7 @@ class RedisLink:
         started = time.perf_counter()
         try:
             return command(self.client)
-        except redis.TimeoutError as exc:
+        except (redis.TimeoutError, ClusterDownError, TryAgainError) as exc:
             self._failed("timeout", exc, operation)
             raise StoreError(f"Redis {operation} timed out", store="redis",
                              kind="timeout") from None
@@ -135,7 +129,7 @@ class RedisLink:
         self.fallback_active = active
         if not active:
             # Connections from before the outage are dead; start clean.
-            self.pool.disconnect(inuse_connections=False)
+            self._reset_connections()
         self._publish_state()
         for ref in self._listeners:
             listener = ref()
@@ -145,6 +139,17 @@ class RedisLink:
                 listener(active)
             except Exception:  # one listener must not stop the others
                 log.exception("Redis fallback listener failed")
+
+    def _reset_connections(self) -> None:
+        if self.cluster:
+            # Forget the slot map too: after a failover the old master may be gone.
+            self.client.close()
+            try:
+                self.client.nodes_manager.initialize()
+            except Exception as exc:  # still partly down: the next command retries
+                log.debug("Redis cluster slot refresh failed: %s", exc)
+        else:
+            self.client.connection_pool.disconnect(inuse_connections=False)
 
     def _publish_state(self) -> None:
         if self.metrics is not None:
@@ -181,13 +186,11 @@ class RedisLink:
         if self._greenlet is not None:
             self._greenlet.kill(block=False)
             self._greenlet = None
-        self.pool.disconnect()
+        disconnect(self.client)
 
     def connection_stats(self) -> dict[str, int]:
-        """Connections in use and idle in the pool."""
-        in_use = len(getattr(self.pool, "_in_use_connections", ()))
-        created = len(getattr(self.pool, "_connections", ()))
-        return {"active": in_use, "idle": max(created - in_use, 0)}
+        """Connections in use and idle in the pool (summed over a cluster's nodes)."""
+        return pool_stats(self.client)
 
 
 def lease_link(
