@@ -36,6 +36,10 @@ def _host_port(node: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _node(node: str) -> ClusterNode:
+    return ClusterNode(*_host_port(node))  # type: ignore[no-untyped-call]
+
+
 def _url_parts(config: RedisConfig) -> dict[str, Any]:
     parts = urlsplit(config.url)
     out: dict[str, Any] = {}
@@ -69,14 +73,15 @@ def make_client(config: RedisConfig, **overrides: Any) -> Any:
         seeds = list(config.nodes) or [f"{urlsplit(config.url).hostname}:"
                                        f"{urlsplit(config.url).port or 6379}"]
         return RedisCluster(
-            startup_nodes=[ClusterNode(*_host_port(n)) for n in seeds],
+            startup_nodes=[_node(n) for n in seeds],
             max_connections=config.pool_size,
             # After a failover the old master is gone: re-learn the slots at once.
             reinitialize_steps=1,
             **parts, **timeouts)
     if config.mode == "sentinel":
         parts = _url_parts(config)
-        sentinel = Sentinel([_host_port(n) for n in config.nodes],
+        sentinel: Any = Sentinel(  # type: ignore[no-untyped-call]
+            [_host_port(n) for n in config.nodes],
                             socket_connect_timeout=timeouts["socket_connect_timeout"],
                             socket_timeout=timeouts["socket_timeout"])
         return sentinel.master_for(config.sentinel_master, max_connections=config.pool_size,
@@ -129,8 +134,12 @@ def pool_stats(client: Any) -> dict[str, int]:
         if is_cluster(client) else [client.connection_pool]
     in_use = created = 0
     for pool in pools:
-        in_use += len(getattr(pool, "_in_use_connections", ()))
-        created += len(getattr(pool, "_connections", ()) or getattr(pool, "_available_connections", ()))
+        busy = len(getattr(pool, "_in_use_connections", ()))
+        in_use += busy
+        if hasattr(pool, "_available_connections"):  # ConnectionPool: idle ones listed apart
+            created += busy + len(pool._available_connections)
+        else:  # BlockingConnectionPool: every connection it made
+            created += len(getattr(pool, "_connections", ()))
     return {"active": in_use, "idle": max(created - in_use, 0)}
 
 

@@ -17,8 +17,8 @@ from continuum.caching.gemini_context import GeminiContextCache
 from continuum.caching.response_cache import BYPASS, HIT, MISS, ResponseCache
 from continuum.config import restart_required
 from continuum.config.fields import keep_restart_fields, walk
-from continuum.hostshm import open_segment
 from continuum.errors import ContinuumError, RequestError, UpstreamConnectError
+from continuum.hostshm import open_segment
 from continuum.kv.chain_scorer import ChainOverlapScorer
 from continuum.kv.consumer import KvEventConsumerManager
 from continuum.kv.scorer import KvOverlapScorer

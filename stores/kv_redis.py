@@ -72,6 +72,7 @@ from continuum.interfaces import (
     KvCacheIndex,
     KvHolding,
 )
+from continuum.redis_topology import hash_tagged
 from stores.kv_memory import (
     DEMOTE,
     EMPTY,
@@ -86,7 +87,6 @@ from stores.kv_memory import (
     transition_table,
 )
 from stores.redis_link import lease_link
-from continuum.redis_topology import hash_tagged
 from stores.redis_store import SCAN_COUNT, UNREACHABLE, glob_escape
 
 if TYPE_CHECKING:

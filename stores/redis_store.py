@@ -27,9 +27,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from continuum.redis_topology import scan_nodes
 from continuum.errors import StoreError
 from continuum.interfaces import CacheStore, CacheStoreStats
+from continuum.redis_topology import scan_nodes
 from stores.memory import InMemoryCacheStore
 from stores.redis_link import lease_link
 

@@ -13,8 +13,10 @@ import shutil
 import subprocess
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import redis
 
@@ -25,10 +27,14 @@ from continuum.devtools.redis_server import RedisServer
 NODE_TIMEOUT_MS = 1000
 
 
+def _client(port: int, **kwargs: Any) -> Any:
+    """A plain client to the server on ``port`` (typed Any: redis-py's stubs are partial)."""
+    return redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1, **kwargs)
+
+
 def _ping(port: int) -> bool:
     try:
-        return bool(redis.Redis(port=port, socket_timeout=0.5,
-                                socket_connect_timeout=0.5).ping())
+        return bool(_client(port).ping())
     except redis.RedisError:
         return False
 
@@ -64,7 +70,7 @@ class ClusterSet:
         return [f"127.0.0.1:{s.port}" for s in self.servers]
 
     def _info(self, server: RedisServer) -> dict[str, str]:
-        client = redis.Redis(port=server.port, socket_timeout=1, decode_responses=True)
+        client = _client(server.port, decode_responses=True)
         try:
             raw = client.execute_command("CLUSTER INFO")
         finally:
@@ -90,15 +96,13 @@ class ClusterSet:
         """The running servers that are masters now."""
         out = []
         for server in self.servers:
-            if server.running:
-                role = redis.Redis(port=server.port, socket_timeout=1).execute_command("ROLE")
-                if role[0] in (b"master", "master"):
-                    out.append(server)
+            if server.running and _role(server.port) == "master":
+                out.append(server)
         return out
 
     def master_of(self, key: str) -> RedisServer:
         """The running master that serves ``key`` now."""
-        client = redis.RedisCluster(host="127.0.0.1", port=self.masters()[0].port)
+        client: Any = redis.RedisCluster(host="127.0.0.1", port=self.masters()[0].port)
         try:
             node = client.get_node_from_key(key)
         finally:
@@ -108,7 +112,8 @@ class ClusterSet:
     def kill(self, server: RedisServer, timeout: float = 30) -> None:
         """Stop ``server`` (by PID) and wait until its replica has taken over."""
         replicas = [s for s in self.servers if s.running and s is not server
-                    and _role_of(s.port)[0] == "slave" and int(_role_of(s.port)[2]) == server.port]
+                    and _role_of(s.port)[0] == "slave"
+                    and int(_role_of(s.port)[2]) == server.port]
         server.stop()
 
         def promoted() -> bool:
@@ -159,7 +164,7 @@ class SentinelSet:
                                             name=f"sentinel-{i}"))
                 self.sentinel_ports.append(port)
             for port in self.sentinel_ports:
-                wait_until(lambda p=port: _ping(p), f"sentinel on {port}", 15,
+                wait_until(partial(_ping, port), f"sentinel on {port}", 15,
                            children=self.sentinels, interval=0.05)
             wait_until(self._replica_known, "the sentinels to see the replica", 30,
                        interval=0.1)
@@ -174,7 +179,7 @@ class SentinelSet:
 
     def _replica_known(self) -> bool:
         for port in self.sentinel_ports:
-            replicas = redis.Redis(port=port, socket_timeout=1).sentinel_slaves(
+            replicas = _client(port).sentinel_slaves(
                 self.master_name)
             if not replicas:
                 return False
@@ -182,8 +187,8 @@ class SentinelSet:
 
     def master_port(self) -> int:
         """The port of the master the sentinels name now."""
-        host, port = redis.Redis(port=self.sentinel_ports[0], socket_timeout=1) \
-            .sentinel_get_master_addr_by_name(self.master_name)
+        _host, port = _client(self.sentinel_ports[0]).sentinel_get_master_addr_by_name(
+            self.master_name)
         return int(port)
 
     def kill_master(self, timeout: float = 40) -> None:
@@ -199,7 +204,7 @@ class SentinelSet:
         # Right after a failover the sentinels flag their new link "disconnected" for a
         # moment, and clients refuse such a master: wait until every sentinel vouches.
         for port in self.sentinel_ports:
-            state = redis.Redis(port=port, socket_timeout=1).sentinel_master(self.master_name)
+            state = _client(port).sentinel_master(self.master_name)
             if "disconnected" in str(state.get("flags", "")):
                 return False
         return True
@@ -223,7 +228,7 @@ class SentinelSet:
 
 def _role_of(port: int) -> list[str]:
     """``ROLE`` of the server on ``port``, its first three fields as strings."""
-    client = redis.Redis(port=port, socket_timeout=1)
+    client = _client(port)
     try:
         reply = client.execute_command("ROLE")
     finally:
