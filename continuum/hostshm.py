@@ -9,7 +9,8 @@ creates it in ``on_starting``, a worker that finds none creates it under the loc
   generation it applied, see :mod:`continuum.web.fleet`);
 * the **fleet-action generation**, bumped by the worker that received an admin action;
 * a **backend table**: the column of each backend name;
-* a **load table**: ``in_flight[worker slot][backend column]``, see
+* a **load table**: ``in_flight[backend column][worker slot]`` (a backend's counts are
+  contiguous, so the sum is one ``struct.unpack_from``), see
   :mod:`continuum.routing.shared_load`.
 
 Writes: a worker writes only its own slot's row, with aligned 8-byte stores (which readers
@@ -28,6 +29,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+import struct
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,6 +54,7 @@ _WORKERS_AT = _HEADER_WORDS
 _NAMES_AT = _WORKERS_AT + MAX_WORKERS * WORKER_FIELDS  # in words; names are bytes
 _LOAD_AT = _NAMES_AT + MAX_BACKENDS * NAME_BYTES // 8
 SIZE = (_LOAD_AT + MAX_WORKERS * MAX_BACKENDS) * 8
+_UNPACK = [struct.Struct(f"<{n}q").unpack_from for n in range(MAX_WORKERS + 1)]
 
 
 def runtime_dir() -> Path | None:
@@ -132,8 +135,8 @@ class HostSegment:
         words = self.words
         for field in range(WORKER_FIELDS):
             words[self._worker(slot, field)] = 0
-        row = _LOAD_AT + slot * MAX_BACKENDS
-        words[row:row + MAX_BACKENDS] = memoryview(bytes(MAX_BACKENDS * 8)).cast("q")
+        for col in range(MAX_BACKENDS):
+            words[_LOAD_AT + col * MAX_WORKERS + slot] = 0
 
     def sweep(self) -> int:
         """Wipe the slots of workers that died; how many were wiped."""
@@ -211,13 +214,13 @@ class HostSegment:
 
     def cell(self, col: int) -> int:
         """Word index of this worker's in-flight count for column ``col``."""
-        return _LOAD_AT + self.slot * MAX_BACKENDS + col
+        return _LOAD_AT + col * MAX_WORKERS + self.slot
 
     def host_total(self, col: int) -> int:
-        """Sum of column ``col`` over every worker row in use."""
-        start = _LOAD_AT + col
-        used = self.words[_HDR_SLOTS_USED]
-        return sum(self.words[start:start + used * MAX_BACKENDS:MAX_BACKENDS])
+        """Sum of backend ``col``'s counts over every worker slot in use (one
+        ``unpack_from`` of the contiguous counts: the hot path's read)."""
+        at = (_LOAD_AT + col * MAX_WORKERS) * 8
+        return sum(_UNPACK[self.words[_HDR_SLOTS_USED]](self._map, at))
 
     def close(self) -> None:
         """Unmap (the slot is kept: call :meth:`release` first to give it back)."""

@@ -146,3 +146,39 @@ def test_reload_and_kv_clear_reach_every_worker(upstreams, router_factory) -> No
     finally:
         for conn in conns:
             conn.close()
+
+
+def test_in_flight_counts_are_the_hosts(upstreams, router_factory) -> None:
+    """Requests held open through one worker count in every worker's load view."""
+    up = upstreams("a")
+    router = router_factory({**_config(up), "response_cache": {"enabled": False}}, workers=2)
+    first, second = _one_per_worker(router.url, 2)
+    held: list[Conn] = []
+    try:
+        for _ in range(200):  # three more connections on the first worker
+            conn = Conn(router.url)
+            if conn.pid == first.pid:
+                held.append(conn)
+            else:
+                conn.close()
+            if len(held) == 3:
+                break
+        assert len(held) == 3
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                           "x_test": {"hang": 3}}).encode()
+        for conn in held:
+            conn.http.request("POST", "/v1/chat/completions", body=body,
+                              headers={"Content-Type": "application/json"})
+
+        def seen_by(conn: Conn) -> int:
+            doc = conn.get("/admin/backends")
+            return next(b["in_flight"] for b in doc["backends"] if b["name"] == "a")
+
+        wait_until(lambda: seen_by(second) == 3, "the other worker to see 3 in flight", 3)
+        assert seen_by(first) == 3
+        for conn in held:
+            assert conn.http.getresponse().read()
+        wait_until(lambda: seen_by(second) == 0, "the load to drop to 0", 5)
+    finally:
+        for conn in [first, second, *held]:
+            conn.close()
