@@ -21,6 +21,7 @@ from continuum.errors import ContinuumError, RequestError, UpstreamConnectError
 from continuum.hostshm import open_segment
 from continuum.kv.chain_scorer import ChainOverlapScorer
 from continuum.kv.consumer import KvEventConsumerManager
+from continuum.kv.lease import leased_consumers
 from continuum.kv.scorer import KvOverlapScorer
 from continuum.metrics import CACHE, RequestRecord, RouterMetrics
 from continuum.prefix import request_prefix_key
@@ -181,7 +182,8 @@ class RouterService:
         self.kv_index = index_cls.from_config(config, **self._collaborators())
         self.kv_consumers = KvEventConsumerManager(
             kv.event_sources, self.kv_index, self.metrics.registry,
-            tokens={s.backend_name: kv.source_token(s) for s in kv.event_sources})
+            tokens={s.backend_name: kv.source_token(s) for s in kv.event_sources},
+            lease=leased_consumers(config, self.host))  # one consumer per host/fleet
 
     def _build_scorers(self, config: RouterConfig) -> None:
         """The configured ``scorers``, loaded from ``continuum.scorers`` by name, in order.
