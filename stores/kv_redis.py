@@ -626,13 +626,19 @@ class RedisKvIndex(KvCacheIndex):
             if cursor == 0:
                 return removed
 
+    def _slot_master(self, client: Any) -> Any:
+        """The client of the master holding the index (Redis Cluster: every key is in
+        the hash tag's slot), else ``client``."""
+        if not self._link.cluster:
+            return client
+        return client.get_redis_connection(client.get_node_from_key(self.key_prefix))
+
     def _scan_step(self, cursor: int, client: redis.Redis) -> Any:
-        if self._link.cluster:  # every key is in the tag's slot: SCAN its master
-            client = client.get_redis_connection(  # type: ignore[attr-defined]
-                client.get_node_from_key(self.key_prefix))  # type: ignore[attr-defined]
+        client = self._slot_master(client)
         return client.scan(cursor, match=self._pattern, count=SCAN_COUNT)
 
     def _unlink_batch(self, keys: list[bytes], client: redis.Redis) -> int:
+        client = self._slot_master(client)
         prefix_len = len(self._prefix_bytes)
         pipe = client.pipeline(transaction=False)
         for key in keys:

@@ -9,7 +9,9 @@ a few seconds, and every process is stopped by its PID.
 
 from __future__ import annotations
 
+import random
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -32,6 +34,22 @@ def _client(port: int, **kwargs: Any) -> Any:
     return redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1, **kwargs)
 
 
+def cluster_port(attempts: int = 200) -> int:
+    """A free port for a cluster node: at most 55535 and with its cluster bus port
+    (+10000) free too."""
+    rng = random.SystemRandom()
+    for _ in range(attempts):
+        port = rng.randrange(20000, 45000)
+        try:
+            for candidate in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
 def _ping(port: int) -> bool:
     try:
         return bool(_client(port).ping())
@@ -49,7 +67,7 @@ class ClusterSet:
             raise RuntimeError("redis-cli is not installed (not found on PATH)")
         try:
             for _ in range(masters * (1 + replicas)):
-                self.servers.append(RedisServer(args=(
+                self.servers.append(RedisServer(cluster_port(), args=(
                     "--cluster-enabled", "yes", "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
                     "--cluster-require-full-coverage", "no")))
             done = subprocess.run(
