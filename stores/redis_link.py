@@ -1,5 +1,10 @@
 """One Redis/Valkey connection pool per worker, with the fallback state machine.
 
+The client is standalone, Redis Cluster or Sentinel by ``response_cache.redis.mode``
+(:mod:`continuum.redis_topology`); ``cluster`` tells users which keys must share a slot.
+A cluster's ``CLUSTERDOWN``/``TRYAGAIN`` (slots without a master during a failover) count
+as timeouts, so they enter fallback like an unreachable server.
+
 The response cache (Tier 3) and the KV index (Tier 4) share the same :class:`RedisLink`,
 so they reuse one pool and one credential set and agree on whether Redis is up: both lease
 it from the worker's :class:`~continuum.resources.WorkerResources` with :func:`lease_link`,

@@ -246,9 +246,9 @@ class RedisCacheStore(CacheStore):
     def clear(self) -> int:
         """Remove every key under ``key_prefix``; return how many were removed.
 
-        Walks the keyspace with ``SCAN MATCH <prefix>* COUNT 500`` and ``UNLINK``\\ s each
-        batch, so Redis is never blocked for long and keys outside the prefix are never
-        touched (never ``FLUSHDB``). During an outage only the fallback is cleared.
+        Walks the keyspace with ``SCAN MATCH <prefix>* COUNT 500`` (on every master of a
+        Redis Cluster, unlinking key by key there) and ``UNLINK``\\ s each batch, so Redis
+        is never blocked for long and keys outside the prefix are never touched (never ``FLUSHDB``). During an outage only the fallback is cleared.
 
         Raises:
             StoreError: Redis answered with an error.
