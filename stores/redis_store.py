@@ -248,7 +248,8 @@ class RedisCacheStore(CacheStore):
 
         Walks the keyspace with ``SCAN MATCH <prefix>* COUNT 500`` (on every master of a
         Redis Cluster, unlinking key by key there) and ``UNLINK``\\ s each batch, so Redis
-        is never blocked for long and keys outside the prefix are never touched (never ``FLUSHDB``). During an outage only the fallback is cleared.
+        is never blocked for long and keys outside the prefix are never touched (never
+        ``FLUSHDB``). During an outage only the fallback is cleared.
 
         Raises:
             StoreError: Redis answered with an error.
