@@ -297,7 +297,8 @@ def run_scenario(
             target = fleet.single[0]
         else:
             config = router_config(scenario, fleet.engines, fleet.listener)
-            config = scale_config(config, args.workers or 1, redis_url, scenario.name)
+            config = scale_config(config, args.workers or 1, redis_url, scenario.name,
+                                  sharing=not args.no_sharing)
             for i in range(args.routers or 1):
                 name = scenario.name if i == 0 else f"{scenario.name} r{i + 1}"
                 proc, url = start_router(children, http, config, name)
@@ -476,6 +477,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "starts, and the table gets the scale-out columns (docs/scale-out.md)")
     p.add_argument("--routers", type=int, default=None,
                    help="router instances, taking requests in turn (default 1)")
+    p.add_argument("--no-sharing", action="store_true",
+                   help="with --workers/--routers: workers keep their in-flight counts to "
+                   "themselves and every worker consumes every KV event stream (the state "
+                   "before docs/scale-out.md, for comparison)")
     p.add_argument("--quick", action="store_true", help="a smaller workload (CI)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--keep-logs", action="store_true",

@@ -33,10 +33,13 @@ SUBSCRIBERS_METRIC = "continuum_kv_listener_subscribers"
 
 
 def scale_config(config: dict[str, Any], workers: int, redis_url: str | None,
-                 scenario: str) -> dict[str, Any]:
+                 scenario: str, *, sharing: bool = True) -> dict[str, Any]:
     """``config`` with ``workers`` workers and, with ``redis_url``, its response cache and
-    KV index on that Redis under prefixes unique to ``scenario``."""
+    KV index on that Redis under prefixes unique to ``scenario``; ``sharing=False`` turns
+    off the shared in-flight counts and the KV event lease (the before of the comparison)."""
     config = merge(config, {"server": {"workers": workers}})
+    if not sharing:
+        config = merge(config, {"fleet": {"share_in_flight": False, "kv_event_lease": False}})
     if redis_url is None:
         return config
     tag = slug(scenario)
