@@ -127,11 +127,12 @@ def disconnect(client: Any) -> None:
         client.connection_pool.disconnect()
 
 
-def pool_stats(client: Any) -> dict[str, int]:
-    """Connections in use and idle, summed over the nodes."""
-    pools = [client.get_redis_connection(n).connection_pool
-             for n in client.get_nodes() if n.redis_connection is not None] \
-        if is_cluster(client) else [client.connection_pool]
+def pool_stats(client_or_pool: Any) -> dict[str, int]:
+    """Connections in use and idle of a connection pool, or summed over a cluster
+    client's nodes."""
+    pools = [client_or_pool.get_redis_connection(n).connection_pool
+             for n in client_or_pool.get_nodes() if n.redis_connection is not None] \
+        if is_cluster(client_or_pool) else [client_or_pool]
     in_use = created = 0
     for pool in pools:
         busy = len(getattr(pool, "_in_use_connections", ()))

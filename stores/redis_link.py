@@ -44,7 +44,7 @@ import redis
 from redis.exceptions import ClusterDownError, TryAgainError
 
 from continuum.errors import StoreError
-from continuum.redis_topology import disconnect, is_cluster, make_client, pool_stats
+from continuum.redis_topology import is_cluster, make_client, pool_stats
 
 if TYPE_CHECKING:
     from continuum.config import RedisConfig
@@ -67,6 +67,9 @@ class RedisLink:
         # continuum.redis_topology; all three offer the same commands.
         self.client: Any = make_client(config)
         self.cluster = is_cluster(self.client)
+        #: The connection pool (standalone, sentinel); a cluster keeps one per node.
+        self.pool: Any = None if self.cluster else self.client.connection_pool
+        self._cluster_client: Any = self.client if self.cluster else None
         self.fallback_active = False
         self.errors = {"connection": 0, "timeout": 0, "protocol": 0, "other": 0}
         self._listeners: list[weakref.WeakMethod[Listener]] = []
@@ -146,15 +149,15 @@ class RedisLink:
                 log.exception("Redis fallback listener failed")
 
     def _reset_connections(self) -> None:
-        if self.cluster:
+        if self._cluster_client is not None:
             # Forget the slot map too: after a failover the old master may be gone.
-            self.client.close()
+            self._cluster_client.close()
             try:
-                self.client.nodes_manager.initialize()
+                self._cluster_client.nodes_manager.initialize()
             except Exception as exc:  # still partly down: the next command retries
                 log.debug("Redis cluster slot refresh failed: %s", exc)
         else:
-            self.client.connection_pool.disconnect(inuse_connections=False)
+            self.pool.disconnect(inuse_connections=False)
 
     def _publish_state(self) -> None:
         if self.metrics is not None:
@@ -191,11 +194,14 @@ class RedisLink:
         if self._greenlet is not None:
             self._greenlet.kill(block=False)
             self._greenlet = None
-        disconnect(self.client)
+        if self._cluster_client is not None:
+            self._cluster_client.close()
+        else:
+            self.pool.disconnect()
 
     def connection_stats(self) -> dict[str, int]:
         """Connections in use and idle in the pool (summed over a cluster's nodes)."""
-        return pool_stats(self.client)
+        return pool_stats(self._cluster_client or self.pool)
 
 
 def lease_link(
