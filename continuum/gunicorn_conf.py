@@ -68,7 +68,7 @@ def on_starting(server: Any) -> None:
     from continuum.hostshm import create
 
     try:
-        create(os.environ[RUNTIME_DIR_ENV])
+        create(os.environ[RUNTIME_DIR_ENV], fresh=True)
     except OSError as exc:
         server.log.warning("host segment not created in $%s: %s", RUNTIME_DIR_ENV, exc)
 

@@ -229,19 +229,25 @@ class HostSegment:
             self._map.close()
 
 
-def create(directory: str | os.PathLike[str], *, _locked: bool = False) -> Path:
-    """Create ``host.shm`` in ``directory`` unless a valid one is there (gunicorn's
-    ``on_starting`` calls this in the master, so every worker maps the same file)."""
+def create(directory: str | os.PathLike[str], *, fresh: bool = False,
+           _locked: bool = False) -> Path:
+    """Create ``host.shm`` in ``directory`` unless a valid one is there; ``fresh``: always
+    a new one, and no fleet actions left from before (gunicorn's ``on_starting`` does this
+    in the master, so every worker maps the same new file: a PID of a previous run, now
+    another process's, must not keep counts alive)."""
     directory = Path(directory)
     path = directory / SEGMENT_FILE
     if not _locked:
         seg_lock = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(seg_lock, fcntl.LOCK_EX)
     try:
+        if fresh:
+            for stale in (directory / "fleet").glob("*.json"):
+                stale.unlink(missing_ok=True)
         try:
             with path.open("rb") as fh:
                 head = fh.read(8)
-            if len(head) == 8 and int.from_bytes(head, "little") == MAGIC \
+            if not fresh and len(head) == 8 and int.from_bytes(head, "little") == MAGIC \
                     and path.stat().st_size == SIZE:
                 return path
         except FileNotFoundError:

@@ -82,3 +82,19 @@ def test_backend_columns_are_shared_by_name(tmp_path: Path) -> None:
     assert one.column("x") == two.column("x") != one.column("y")
     assert one.column("y") == two.column("y")
     one.release()
+
+
+def test_fresh_segment_forgets_the_previous_run(tmp_path: Path) -> None:
+    old = HostSegment(tmp_path)
+    old.words[old.cell(old.column("b"))] = 5
+    old.bump_generation()
+    (tmp_path / "fleet").mkdir()
+    (tmp_path / "fleet" / "1.json").write_text("{}")
+    host_id = old.host_id
+    old.close()
+    create(tmp_path, fresh=True)  # the master at start-up
+    new = HostSegment(tmp_path)
+    assert new.generation == 0 and new.host_total(new.column("b")) == 0
+    assert new.host_id != host_id and not list((tmp_path / "fleet").glob("*.json"))
+    create(tmp_path)  # a worker finding a valid segment keeps it
+    assert HostSegment(tmp_path).host_id == new.host_id
