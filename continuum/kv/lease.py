@@ -37,6 +37,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -157,10 +158,19 @@ class HostRelay:
         self.relayed = self.received = self.dropped = 0
         self._sock: socket.socket | None = None
         self._out: socket.socket | None = None
+        self._peer_paths: list[str] = []
+        self._peers_until = 0.0
 
-    def _peers(self) -> list[Path]:
-        return [self.segment.directory / f"kv-relay-{pid}.sock"
+    def _peers(self) -> list[str]:
+        # The worker table changes when a worker starts or dies: looked at once a second,
+        # not for every record.
+        now = time.monotonic()
+        if now >= self._peers_until:
+            self._peer_paths = [
+                str(self.segment.directory / f"kv-relay-{pid}.sock")
                 for _slot, pid, _gen in self.segment.live_workers() if pid != os.getpid()]
+            self._peers_until = now + 1.0
+        return self._peer_paths
 
     def send(self, backend: str, sse_event: str | None, data: Any,
              record_id: str | None) -> None:
@@ -171,13 +181,13 @@ class HostRelay:
         message = json.dumps([backend, sse_event, data, record_id]).encode()
         for peer in self._peers():
             try:
-                self._out.sendto(message, str(peer))
+                self._out.sendto(message, peer)
                 self.relayed += 1
             except FileNotFoundError:
                 continue  # that worker relays nothing yet (booting) or has gone
             except OSError as exc:  # buffer full, datagram too big: the record is lost there
                 self.dropped += 1
-                log.debug("KV relay to %s failed: %s", peer.name, exc)
+                log.debug("KV relay to %s failed: %s", peer, exc)
 
     def serve(self, manager: KvEventConsumerManager) -> None:
         """Receive relayed records and apply them to this worker's index (a greenlet)."""
