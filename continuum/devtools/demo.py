@@ -477,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "starts, and the table gets the scale-out columns (docs/scale-out.md)")
     p.add_argument("--routers", type=int, default=None,
                    help="router instances, taking requests in turn (default 1)")
+    p.add_argument("--redis", action="store_true",
+                   help="put the response cache and KV index on a redis-server the demo "
+                   "starts even with one worker and one router")
     p.add_argument("--no-sharing", action="store_true",
                    help="with --workers/--routers: workers keep their in-flight counts to "
                    "themselves and every worker consumes every KV event stream (the state "
@@ -564,7 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     redis_server = None
     args.redis_url = None
     try:
-        if (args.workers or 1) > 1 or (args.routers or 1) > 1:
+        if (args.workers or 1) > 1 or (args.routers or 1) > 1 or args.redis:
             from continuum.devtools.redis_server import RedisServer
 
             redis_server = RedisServer()
