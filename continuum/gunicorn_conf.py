@@ -63,6 +63,15 @@ def on_starting(server: Any) -> None:
 
     from continuum.gunicorn_worker import WORKER_CLASS, GeventWorker
 
+    # The host segment the workers share (in-flight counts, fleet actions): made once here
+    # so every worker maps the same file (continuum.hostshm).
+    from continuum.hostshm import create
+
+    try:
+        create(os.environ[RUNTIME_DIR_ENV], fresh=True)
+    except OSError as exc:
+        server.log.warning("host segment not created in $%s: %s", RUNTIME_DIR_ENV, exc)
+
     used = server.worker_class
     if used is PlainGeventWorker:
         server.cfg.set("worker_class", WORKER_CLASS)

@@ -19,9 +19,11 @@ from continuum.caching.response_cache import BYPASS, HIT, MISS, ResponseCache
 from continuum.config import restart_required
 from continuum.config.fields import keep_restart_fields, walk
 from continuum.errors import ContinuumError, RequestError, UpstreamConnectError
+from continuum.hostshm import open_segment
 from continuum.kv.bus_consumer import add_bus_consumers, rebuild_consumers
 from continuum.kv.chain_scorer import ChainOverlapScorer
 from continuum.kv.consumer import KvEventConsumerManager
+from continuum.kv.lease import leased_consumers
 from continuum.kv.scorer import KvOverlapScorer
 from continuum.metrics import CACHE, RequestRecord, RouterMetrics
 from continuum.prefix import request_prefix_key
@@ -39,6 +41,7 @@ from continuum.routing.forwarder import (
 from continuum.routing.gemini_dispatch import GeminiGateway, GeminiMetrics
 from continuum.routing.health import HealthMonitor
 from continuum.routing.selection import SelectionPipeline
+from continuum.routing.shared_load import HostLoad
 from continuum.routing.usage import UsageStream, asks_for_usage, read_body, with_stream_usage
 
 if TYPE_CHECKING:
@@ -110,6 +113,10 @@ class RouterService:
                     success_window=config.pool.success_window)
             for b in config.backends
         )
+        # Scale-out (docs/scale-out.md): the host segment the workers share, if any.
+        self.host = open_segment()
+        self.host_load = HostLoad(self.pool, self.host) \
+            if self.host is not None and config.fleet.share_in_flight else None
         self.health = HealthMonitor(self.pool, config.health_check, metrics)
         self.pipeline = SelectionPipeline(self._make_strategy(config))
         self.forwarder = Forwarder(
@@ -181,7 +188,8 @@ class RouterService:
         self.kv_index = index_cls.from_config(config, **self._collaborators())
         self.kv_consumers = KvEventConsumerManager(
             kv.event_sources, self.kv_index, self.metrics.registry,
-            tokens={s.backend_name: kv.source_token(s) for s in kv.event_sources})
+            tokens={s.backend_name: kv.source_token(s) for s in kv.event_sources},
+            lease=leased_consumers(config, self.host))  # one consumer per host/fleet
         add_bus_consumers(self.kv_consumers, kv.event_sources, self.kv_index)
 
     def _build_scorers(self, config: RouterConfig) -> None:
@@ -223,6 +231,8 @@ class RouterService:
     def start(self) -> None:
         """Start background greenlets (health checks, store upkeep). Call in the worker."""
         self.health.start()
+        if self.host_load is not None:
+            self.host_load.start()
         self.resources.start()
         self.response_cache.store.start()
         if self.kv_index is not None:
@@ -265,6 +275,10 @@ class RouterService:
             self.gemini_context.close()
         self.forwarder.close()
         self.resources.close()  # whatever a plugin did not hand back
+        if self.host_load is not None:
+            self.host_load.stop()
+        if self.host is not None:
+            self.host.release()
 
     def admit(
         self,

@@ -72,6 +72,7 @@ from continuum.interfaces import (
     KvCacheIndex,
     KvHolding,
 )
+from continuum.redis_topology import hash_tagged
 from stores.kv_memory import (
     DEMOTE,
     EMPTY,
@@ -274,6 +275,10 @@ class RedisKvIndex(KvCacheIndex):
             raise ValueError("RedisKvIndex needs a non-empty key_prefix")
         self._link = link
         self._release = release
+        if link.cluster:
+            # The Lua chain query, the MULTI writes and the batched UNLINKs touch several
+            # keys at once: in Redis Cluster every key of the index shares one hash slot.
+            key_prefix = hash_tagged(key_prefix)
         self.key_prefix = key_prefix
         self.entry_ttl_seconds = entry_ttl_seconds
         self._ttl = max(1, math.ceil(entry_ttl_seconds))
@@ -621,10 +626,19 @@ class RedisKvIndex(KvCacheIndex):
             if cursor == 0:
                 return removed
 
+    def _slot_master(self, client: Any) -> Any:
+        """The client of the master holding the index (Redis Cluster: every key is in
+        the hash tag's slot), else ``client``."""
+        if not self._link.cluster:
+            return client
+        return client.get_redis_connection(client.get_node_from_key(self.key_prefix))
+
     def _scan_step(self, cursor: int, client: redis.Redis) -> Any:
+        client = self._slot_master(client)
         return client.scan(cursor, match=self._pattern, count=SCAN_COUNT)
 
     def _unlink_batch(self, keys: list[bytes], client: redis.Redis) -> int:
+        client = self._slot_master(client)
         prefix_len = len(self._prefix_bytes)
         pipe = client.pipeline(transaction=False)
         for key in keys:

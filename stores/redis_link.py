@@ -1,5 +1,10 @@
 """One Redis/Valkey connection pool per worker, with the fallback state machine.
 
+The client is standalone, Redis Cluster or Sentinel by ``response_cache.redis.mode``
+(:mod:`continuum.redis_topology`); ``cluster`` tells users which keys must share a slot.
+A cluster's ``CLUSTERDOWN``/``TRYAGAIN`` (slots without a master during a failover) count
+as timeouts, so they enter fallback like an unreachable server.
+
 The response cache (Tier 3) and the KV index (Tier 4) share the same :class:`RedisLink`,
 so they reuse one pool and one credential set and agree on whether Redis is up: both lease
 it from the worker's :class:`~continuum.resources.WorkerResources` with :func:`lease_link`,
@@ -36,8 +41,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
+from redis.exceptions import ClusterDownError, TryAgainError
 
 from continuum.errors import StoreError
+from continuum.redis_topology import is_cluster, make_client, pool_stats
 
 if TYPE_CHECKING:
     from continuum.config import RedisConfig
@@ -56,18 +63,13 @@ class RedisLink:
     def __init__(self, config: RedisConfig, metrics: RouterMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics
-        kwargs: dict[str, Any] = {
-            "max_connections": config.pool_size,
-            "socket_connect_timeout": config.connect_timeout_ms / 1000,
-            "socket_timeout": config.command_timeout_ms / 1000,
-            "timeout": config.command_timeout_ms / 1000,
-            "health_check_interval": 30,
-        }
-        url = config.url
-        if config.tls and url.startswith("redis://"):
-            url = "rediss://" + url[len("redis://"):]
-        self.pool = redis.BlockingConnectionPool.from_url(url, **kwargs)
-        self.client = redis.Redis(connection_pool=self.pool)
+        # standalone, cluster (RedisCluster) or sentinel (Sentinel.master_for): see
+        # continuum.redis_topology; all three offer the same commands.
+        self.client: Any = make_client(config)
+        self.cluster = is_cluster(self.client)
+        #: The connection pool (standalone, sentinel); a cluster keeps one per node.
+        self.pool: Any = None if self.cluster else self.client.connection_pool
+        self._cluster_client: Any = self.client if self.cluster else None
         self.fallback_active = False
         self.errors = {"connection": 0, "timeout": 0, "protocol": 0, "other": 0}
         self._listeners: list[weakref.WeakMethod[Listener]] = []
@@ -97,7 +99,7 @@ class RedisLink:
         started = time.perf_counter()
         try:
             return command(self.client)
-        except redis.TimeoutError as exc:
+        except (redis.TimeoutError, ClusterDownError, TryAgainError) as exc:
             self._failed("timeout", exc, operation)
             raise StoreError(f"Redis {operation} timed out", store="redis",
                              kind="timeout") from None
@@ -135,7 +137,7 @@ class RedisLink:
         self.fallback_active = active
         if not active:
             # Connections from before the outage are dead; start clean.
-            self.pool.disconnect(inuse_connections=False)
+            self._reset_connections()
         self._publish_state()
         for ref in self._listeners:
             listener = ref()
@@ -145,6 +147,17 @@ class RedisLink:
                 listener(active)
             except Exception:  # one listener must not stop the others
                 log.exception("Redis fallback listener failed")
+
+    def _reset_connections(self) -> None:
+        if self._cluster_client is not None:
+            # Forget the slot map too: after a failover the old master may be gone.
+            self._cluster_client.close()
+            try:
+                self._cluster_client.nodes_manager.initialize()
+            except Exception as exc:  # still partly down: the next command retries
+                log.debug("Redis cluster slot refresh failed: %s", exc)
+        else:
+            self.pool.disconnect(inuse_connections=False)
 
     def _publish_state(self) -> None:
         if self.metrics is not None:
@@ -181,13 +194,14 @@ class RedisLink:
         if self._greenlet is not None:
             self._greenlet.kill(block=False)
             self._greenlet = None
-        self.pool.disconnect()
+        if self._cluster_client is not None:
+            self._cluster_client.close()
+        else:
+            self.pool.disconnect()
 
     def connection_stats(self) -> dict[str, int]:
-        """Connections in use and idle in the pool."""
-        in_use = len(getattr(self.pool, "_in_use_connections", ()))
-        created = len(getattr(self.pool, "_connections", ()))
-        return {"active": in_use, "idle": max(created - in_use, 0)}
+        """Connections in use and idle in the pool (summed over a cluster's nodes)."""
+        return pool_stats(self._cluster_client or self.pool)
 
 
 def lease_link(

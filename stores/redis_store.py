@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from continuum.errors import StoreError
 from continuum.interfaces import CacheStore, CacheStoreStats
+from continuum.redis_topology import scan_nodes
 from stores.memory import InMemoryCacheStore
 from stores.redis_link import lease_link
 
@@ -58,12 +59,18 @@ def _as_bytes(key: bytes | str) -> bytes:
     return key if isinstance(key, bytes) else key.encode()
 
 
-def _scan_step(cursor: int, pattern: str, client: redis.Redis) -> Any:
-    return client.scan(cursor, match=pattern, count=SCAN_COUNT)
+def _scan_step(cursor: int, pattern: str, node: Any, _client: redis.Redis) -> Any:
+    return node.scan(cursor, match=pattern, count=SCAN_COUNT)
 
 
-def _unlink_all(keys: list[bytes | str], client: redis.Redis) -> Any:
-    return client.unlink(*keys)
+def _unlink_all(keys: list[bytes | str], node: Any, cluster: bool, _client: redis.Redis) -> Any:
+    if not cluster:
+        return node.unlink(*keys)
+    # A cluster refuses one command over keys of several slots: one UNLINK per key.
+    pipe = node.pipeline(transaction=False)
+    for key in keys:
+        pipe.unlink(key)
+    return sum(int(n) for n in pipe.execute())
 
 
 class RedisCacheStore(CacheStore):
@@ -239,9 +246,10 @@ class RedisCacheStore(CacheStore):
     def clear(self) -> int:
         """Remove every key under ``key_prefix``; return how many were removed.
 
-        Walks the keyspace with ``SCAN MATCH <prefix>* COUNT 500`` and ``UNLINK``\\ s each
-        batch, so Redis is never blocked for long and keys outside the prefix are never
-        touched (never ``FLUSHDB``). During an outage only the fallback is cleared.
+        Walks the keyspace with ``SCAN MATCH <prefix>* COUNT 500`` (on every master of a
+        Redis Cluster, unlinking key by key there) and ``UNLINK``\\ s each batch, so Redis
+        is never blocked for long and keys outside the prefix are never touched (never
+        ``FLUSHDB``). During an outage only the fallback is cleared.
 
         Raises:
             StoreError: Redis answered with an error.
@@ -294,19 +302,25 @@ class RedisCacheStore(CacheStore):
         return value
 
     def _clear_redis(self) -> int:
+        # SCAN walks one server's keyspace: with Redis Cluster, every master in turn.
         removed = 0
-        cursor = 0
+        cluster = self._link.cluster
         prefix = self._prefix_bytes
-        while True:
-            cursor, keys = self._run("scan", partial(_scan_step, cursor, self._pattern))
-            # MATCH is exact for an escaped prefix; the check is a second line of defence
-            # against ever unlinking a key that is not ours.
-            mine = [k for k in keys
-                    if isinstance(k, (bytes, str)) and _as_bytes(k).startswith(prefix)]
-            if mine:
-                removed += int(self._run("clear", partial(_unlink_all, mine)))
-            if cursor == 0:
-                return removed
+        for node in self._run("nodes", lambda c: list(scan_nodes(c))):
+            cursor = 0
+            while True:
+                cursor, keys = self._run("scan", partial(_scan_step, cursor, self._pattern,
+                                                         node))
+                # MATCH is exact for an escaped prefix; the check is a second line of
+                # defence against ever unlinking a key that is not ours.
+                mine = [k for k in keys
+                        if isinstance(k, (bytes, str)) and _as_bytes(k).startswith(prefix)]
+                if mine:
+                    removed += int(self._run("clear", partial(_unlink_all, mine, node,
+                                                              cluster)))
+                if cursor == 0:
+                    break
+        return removed
 
     def _on_link_transition(self, fallback_active: bool) -> None:
         if not self._closed:

@@ -235,8 +235,30 @@ class RedisConfig:
     probe_interval_seconds: float = setting(
         30.0, doc="how often a Redis in fallback is probed", min=0.1, max=3600, duration=True,
     )
+    mode: str = setting(
+        "standalone", doc="standalone (the url), cluster (Redis Cluster, seeded by nodes or "
+        "the url) or sentinel (the master named sentinel_master, found by the nodes)",
+        choices=("standalone", "cluster", "sentinel"),
+    )
+    nodes: tuple[str, ...] = setting(
+        default_factory=tuple, doc="host:port list: cluster seed nodes, or the sentinels",
+    )
+    sentinel_master: str = setting(
+        "mymaster", doc="the master name the sentinels monitor (mode: sentinel)",
+    )
 
     def check(self, path: str, issues: Issues) -> None:
+        for i, node in enumerate(self.nodes):
+            check_host_port(join(path, f"nodes[{i}]"), node, issues)
+        if self.mode == "sentinel" and not self.nodes:
+            issues.error(join(path, "nodes"), "mode: sentinel needs the sentinels' "
+                         "host:port addresses", list(self.nodes))
+        if self.mode == "sentinel" and not self.sentinel_master:
+            issues.error(join(path, "sentinel_master"), "must not be empty with mode: "
+                         "sentinel", self.sentinel_master)
+        if self.mode != "standalone" and self.url.startswith("unix:"):
+            issues.error(join(path, "url"), f"mode: {self.mode} needs a TCP redis:// URL",
+                         self.url)
         what = "a redis://, rediss:// or unix:// URL"
         check_url(join(path, "url"), self.url, issues, ("redis", "rediss", "unix"), what,
                   host_required=not self.url.startswith("unix:"))
@@ -656,6 +678,33 @@ DEFAULT_SCORERS: tuple[str, ...] = ("KvOverlap",)
 
 
 @dataclass(frozen=True)
+class FleetConfig:
+    """``fleet``: how the gunicorn workers of one router, and several routers, act as one
+    (docs/scale-out.md)."""
+
+    share_in_flight: bool = setting(
+        True, doc="share in-flight counts between the workers of a host "
+        "($CONTINUUM_RUNTIME_DIR/host.shm) so load bounds see the host's load", restart=True,
+    )
+    redis_channel: bool = setting(
+        True, doc="with a Redis response cache or KV index, spread admin actions to every "
+        "router over Redis pub/sub", restart=True,
+    )
+    ack_timeout_seconds: float = setting(
+        2.0, doc="how long an admin action waits for the other workers and routers to "
+        "report it applied", min=0.0, max=60, duration=True,
+    )
+    kv_event_lease: bool = setting(
+        True, doc="one worker per host (per fleet with the Redis index) consumes each KV "
+        "event source, under a lease", restart=True,
+    )
+    lease_ttl_ms: int = setting(
+        3000, doc="the KV event-source lease's TTL; the holder renews it every third",
+        min=300, max=600000, restart=True,
+    )
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """The whole router config file."""
 
@@ -691,6 +740,8 @@ class RouterConfig:
         default_factory=GeminiContextCacheConfig, doc="Gemini cachedContents manager")
     dynamo: DynamoConfig = setting(default_factory=DynamoConfig,
                                    doc="push-mode event bus (docs/push-mode.md)")
+    fleet: FleetConfig = setting(
+        default_factory=FleetConfig, doc="workers and routers acting as one (scale-out)")
 
     def check(self, path: str, issues: Issues) -> None:
         seen: dict[str, int] = {}

@@ -58,6 +58,13 @@ from continuum.devtools.fleet import (
 )
 from continuum.devtools.procs import ChildExited, Children, wait_until
 from continuum.devtools.push import PushSetup
+from continuum.devtools.scaleout import (
+    cache_counts,
+    redis_commands,
+    router_memory_mib,
+    scale_config,
+    subscribers,
+)
 
 if TYPE_CHECKING:
     import requests
@@ -276,6 +283,10 @@ def run_scenario(
     from continuum.sim.replay import replay
 
     router = None
+    routers: list[Any] = []
+    targets: list[str] = []
+    scale: dict[str, Any] | None = None
+    redis_url = getattr(args, "redis_url", None)
     engines = fleet.single if scenario.direct else fleet.engines
     kv: dict[str, Any] | None = None
     start: dict[str, Any] = {}
@@ -292,16 +303,35 @@ def run_scenario(
         else:
             config = router_config(scenario, fleet.engines, fleet.listener,
                                    getattr(args, "push_setup", None))
-            router, target = start_router(children, http, config, scenario.name)
+            config = scale_config(config, args.workers or 1, redis_url, scenario.name,
+                                  sharing=not args.no_sharing)
+            for i in range(args.routers or 1):
+                name = scenario.name if i == 0 else f"{scenario.name} r{i + 1}"
+                proc, url = start_router(children, http, config, name)
+                routers.append(proc)
+                targets.append(url)
+            router, target = routers[0], targets[0]
             token = config["admin"]["token"]
-            if scenario.kv_events:
+            if scenario.kv_events and redis_url is not None:
+                # One consumer per backend for the whole fleet (the Redis index's lease):
+                # ready once the listener has one subscription per backend.
+                names = backend_names(len(fleet.engines))
+                wait_until(lambda: all(subscribers(http, fleet.listener or "").get(n, 0) >= 1
+                                       for n in names),
+                           "the fleet's lease holders to subscribe", 15, children=routers,
+                           tail=0)
+                start = kv_index_stats(http, target, token)
+            elif scenario.kv_events:
                 start = wait_router_index_ready(http, target, token, proc=router)
         if warmup is not None:
-            done = replay(target, warmup, concurrency=1, max_seconds=60, timeout=30)
+            done = replay(targets or target, warmup, concurrency=1, max_seconds=60,
+                          timeout=30)
             if done.summary()["errors"]:
                 log = children.log_tail(f"router-{slug(scenario.name)}.log")
                 raise RuntimeError(f"warm-up failed: {done.error_samples()}\n{log}")
-            if scenario.kv_events:
+            if scenario.kv_events and redis_url is not None:
+                time.sleep(1.0)  # the Redis index counts no entries: give the events time
+            elif scenario.kv_events:
                 wait_until(lambda: kv_index_stats(http, target, token)["index"][
                     "entry_count"] >= len(warmup.sessions), "the warm-up in the KV index", 10,
                     children=[router] if router else [], tail=0)
@@ -309,10 +339,27 @@ def run_scenario(
         if scenario.kv_events:
             measured_from = kv_index_stats(http, target, token)["routing_decisions"]
         before = engine_stats(http, engines)
-        result = replay(target, workload, concurrency=args.concurrency,
+        redis_before = redis_commands(redis_url)
+        result = replay(targets or target, workload, concurrency=args.concurrency,
                         max_seconds=args.duration, timeout=args.request_timeout)
         after = engine_stats(http, engines)
-        metrics = http.get(target + "/metrics", timeout=5).text if router else ""
+        texts = [http.get(t + "/metrics", timeout=5).text for t in targets]
+        metrics = texts[0] if texts else ""
+        if routers:
+            hits, misses = cache_counts(texts)
+            requests_done = max(result.summary()["ok"] + result.summary()["errors"], 1)
+            scale = {
+                "workers": args.workers or 1, "routers": len(routers),
+                "response_cache_hits": hits,
+                "response_cache_hit_rate": round(hits / (hits + misses), 4)
+                if hits + misses else None,
+                "listener_connections": subscribers(http, fleet.listener)
+                if fleet.listener is not None and scenario.kv_events else None,
+                "redis_ops_per_request": round(
+                    (redis_commands(redis_url) - redis_before) / requests_done, 2)
+                if redis_url else None,
+                "router_memory_mib": router_memory_mib(routers),
+            }
         if router is not None and scenario.kv_events:
             end = kv_index_stats(http, target, token)
             kv = {
@@ -325,8 +372,8 @@ def run_scenario(
                                       for k, v in end["routing_decisions"].items()},
             }
     finally:
-        if router is not None:
-            children.stop(router)
+        for proc in routers:
+            children.stop(proc)
     pairs = list(zip(after, before, strict=True))
     prompt = sum(a["prompt_tokens"] - b["prompt_tokens"] for a, b in pairs)
     cached = sum(a["cached_prompt_tokens"] - b["cached_prompt_tokens"] for a, b in pairs)
@@ -340,7 +387,9 @@ def run_scenario(
         "engine_cached_prompt_tokens": cached,
         "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
         "engine_requests": [a["requests"] - b["requests"] for a, b in pairs],
-        "router_cache_hits": int(metric_sum(metrics, CACHE_HIT_METRIC, result="hit")),
+        "router_cache_hits": scale["response_cache_hits"] if scale else
+        int(metric_sum(metrics, CACHE_HIT_METRIC, result="hit")),
+        "scale_out": scale,
         "kv_aware_share": round(decisions["kv_aware"] / decisions["total"], 4)
         if decisions.get("total") else None,
         "kv_index": kv,
@@ -360,13 +409,33 @@ COLUMNS = (
 )
 
 
-def render_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The result rows as an aligned text table."""
-    cells = [[title for title, _, _ in COLUMNS]]
+#: With ``--workers``/``--routers``: the scale-out measurements (docs/scale-out.md).
+SCALE_COLUMNS = (
+    ("resp-cache hit %", "response_cache_hit_rate", "{:.1%}"),
+    ("listener conns", "listener_connections", "{}"),
+    ("Redis ops/req", "redis_ops_per_request", "{:.1f}"),
+    ("router MiB", "router_memory_mib", "{:.0f}"),
+    ("requests per engine", "engine_requests", "{}"),
+)
+
+
+def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
+    scale = row.get("scale_out") or {}
+    value = row[key] if key in row else scale.get(key)
+    if isinstance(value, dict):  # listener connections: per backend
+        value = "/".join(str(v) for v in value.values()) or None
+    if isinstance(value, list):
+        value = "/".join(str(v) for v in value)
+    return "-" if value is None else fmt.format(value).rstrip("%")
+
+
+def render_table(rows: Sequence[dict[str, Any]], scale_out: bool = False) -> str:
+    """The result rows as an aligned text table (with the scale-out columns)."""
+    columns = COLUMNS + SCALE_COLUMNS if scale_out else COLUMNS
+    cells = [[title for title, _, _ in columns]]
     for row in rows:
-        cells.append(["-" if row[key] is None else fmt.format(row[key]).rstrip("%")
-                      for _, key, fmt in COLUMNS])
-    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+        cells.append([_cell(row, key, fmt) for _, key, fmt in columns])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     lines = [
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                   for i, (c, w) in enumerate(zip(line, widths, strict=True)))
@@ -408,6 +477,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int,
                    help=f"sessions in flight at once (default 64; {LOAD_CONCURRENCY} with "
                    "--scenario load)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="gunicorn workers per router (default 1); with more than one worker "
+                   "or router the response cache and KV index use a redis-server the demo "
+                   "starts, and the table gets the scale-out columns (docs/scale-out.md)")
+    p.add_argument("--routers", type=int, default=None,
+                   help="router instances, taking requests in turn (default 1)")
+    p.add_argument("--redis", action="store_true",
+                   help="put the response cache and KV index on a redis-server the demo "
+                   "starts even with one worker and one router")
+    p.add_argument("--no-sharing", action="store_true",
+                   help="with --workers/--routers: workers keep their in-flight counts to "
+                   "themselves and every worker consumes every KV event stream (the state "
+                   "before docs/scale-out.md, for comparison)")
     p.add_argument("--quick", action="store_true", help="a smaller workload (CI)")
     p.add_argument("--push", action="store_true",
                    help="push mode: the listener connects out to the router's event bus "
@@ -438,7 +520,11 @@ def _print_results(doc: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"\n{doc['engines']} simulated engines; single engine = one engine with their "
           f"combined KV capacity; workload {workload['name']!r} (seed {args.seed}, "
           f"{workload['requests']} requests)\n")
-    print(render_table(doc["scenarios"]))
+    scale_out = args.workers is not None or args.routers is not None
+    if scale_out:
+        print(f"{args.routers or 1} router(s) x {args.workers or 1} worker(s)"
+              + ("; shared tiers on Redis" if doc.get("redis") else "") + "\n")
+    print(render_table(doc["scenarios"], scale_out))
     print("\nprefix hit % = cached prompt tokens / prompt tokens, from the engines' "
           "/sim/stats; KV-aware % = requests the KV scorer routed (the rest fell back to "
           f"the strategy); finished in {doc['wall_seconds']:.1f}s")
@@ -461,9 +547,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.max_num_seqs = LOAD_MAX_NUM_SEQS if load else FleetShape.max_num_seqs
     if args.concurrency is None:
         args.concurrency = LOAD_CONCURRENCY if load else 64
-    if args.engines < 1 or args.concurrency < 1 or args.max_num_seqs < 1:
-        print("continuum-router demo: --engines, --concurrency and --max-num-seqs must be "
-              ">= 1", file=sys.stderr)
+    if args.engines < 1 or args.concurrency < 1 or args.max_num_seqs < 1 \
+            or (args.workers or 1) < 1 or (args.routers or 1) < 1:
+        print("continuum-router demo: --engines, --concurrency, --max-num-seqs, --workers "
+              "and --routers must be >= 1", file=sys.stderr)
         return 2
     began = time.monotonic()
 
@@ -486,7 +573,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     children = demo_children(workdir, run_id)
     rows: list[dict[str, Any]] = []
     listener: dict[str, int] | None = None
+    redis_server = None
+    args.redis_url = None
     try:
+        if (args.workers or 1) > 1 or (args.routers or 1) > 1 or args.redis:
+            from continuum.devtools.redis_server import RedisServer
+
+            redis_server = RedisServer()
+            args.redis_url = redis_server.url
+            progress(f"redis-server on port {redis_server.port} for the shared tiers")
         with signals_to_main(), requests.Session() as http:
             http.trust_env = False
             args.push_setup = PushSetup.create(workdir) if args.push else None
@@ -522,6 +617,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         children.stop_all()
+        if redis_server is not None:
+            redis_server.stop()
         if args.keep_logs:
             print(f"continuum-router demo: logs and configs in {workdir}", file=sys.stderr)
         else:
@@ -533,7 +630,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workload": {"name": workload.name, "sessions": len(workload.sessions),
                      "requests": workload.requests},
         "wall_seconds": round(time.monotonic() - began, 2), "scenarios": rows,
-        "kv_listener": listener,
+        "kv_listener": listener, "workers": args.workers or 1, "routers": args.routers or 1,
+        "redis": args.redis_url is not None,
     }
     _print_results(doc, args)
     return 1 if any(row["errors"] for row in rows) else 0

@@ -71,6 +71,7 @@ class RedisServer:
             another process grab it between choosing and binding).
         executable: the ``redis-server`` binary; by default the one on ``PATH``.
         start: start it now (default); otherwise call :meth:`start`.
+        args: extra ``redis-server`` options.
 
     Raises:
         RuntimeError: no ``redis-server``, or it did not answer in time (the message
@@ -78,11 +79,13 @@ class RedisServer:
     """
 
     def __init__(self, port: int | None = None, *, executable: str | None = None,
-                 start: bool = True) -> None:
+                 start: bool = True, args: tuple[str, ...] = ()) -> None:
         found = executable or redis_available()
         if found is None:
             raise RuntimeError("redis-server is not installed (not found on PATH)")
         self.executable = found
+        #: Extra command-line options (``--cluster-enabled yes``, ``--replicaof h p``).
+        self.args = args
         self._fixed_port = port is not None
         self.port = port if port is not None else free_port()
         self._child: Child | None = None
@@ -141,7 +144,7 @@ class RedisServer:
         child = self._child = Child([
             self.executable, "--port", str(self.port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", str(self._dir),
-            "--logfile", str(log),
+            "--logfile", str(log), *self.args,
         ], name="redis-server")
         try:
             # Ask for the PID: a PONG alone could come from whoever took the port first.

@@ -75,6 +75,7 @@ from continuum.wire.sse import StreamOverflowError
 
 if TYPE_CHECKING:
     from continuum.config import KvEventSourceConfig
+    from continuum.kv.lease import LeasedConsumers
 
 log = logging.getLogger(__name__)
 
@@ -244,8 +245,12 @@ class SourceConsumer:
     def __init__(self, source: KvEventSourceConfig, index: KvCacheIndex, metrics: KvConsumerMetrics,
                  clock: Clock, *, connect_timeout: float, read_timeout: float | None,
                  token: str | None = None) -> None:
+        self.source = source
         self.backend: str = source.backend_name
         self.endpoint: str = source.endpoint or ""
+        #: Called with every record read (the KV lease holder relays them to the host's
+        #: other workers, see continuum.kv.lease); None: nobody listens.
+        self.relay: Callable[[str, str | None, Any, str | None], None] | None = None
         self._token = token  # the listener's bearer token; never in stats or logs
         self.backoff = Backoff(source.reconnect_interval_ms)
         self.index = index
@@ -264,6 +269,12 @@ class SourceConsumer:
         self._wake: threading.Event | None = None
         self._closer: Callable[[], None] | None = None
         self._delivered = 0
+
+    def fresh(self) -> SourceConsumer:
+        """A new idle consumer of the same stream into the same index (after a stop)."""
+        return SourceConsumer(self.source, self.index, self.metrics, self.clock,
+                              connect_timeout=self.connect_timeout,
+                              read_timeout=self.read_timeout, token=self._token)
 
     @property
     def connected(self) -> bool:
@@ -333,6 +344,8 @@ class SourceConsumer:
                 return "stopped", None
             for sse_event, data, record_id in transport.records():
                 signal = self.handle(sse_event, data, record_id)
+                if self.relay is not None and signal is None:
+                    self.relay(self.backend, sse_event, data, record_id)
                 if signal is not None:
                     if signal == BUFFER_OVERFLOW:
                         self._count_dropped()
@@ -457,16 +470,21 @@ class KvEventConsumerManager:
         tokens: The listener's bearer token by backend name (from
             :meth:`~continuum.config.KvCacheIndexConfig.source_token`); none sent when
             absent.
+        lease: run each consumer only while this worker holds its lease (one consumer
+            per host or fleet, :mod:`continuum.kv.lease`); None: every consumer runs.
     """
 
     def __init__(self, sources: Sequence[KvEventSourceConfig], index: KvCacheIndex,
                  registry: CollectorRegistry | None = None, clock: Clock | None = None, *,
                  spawn: Spawn | None = None, connect_timeout: float = 5.0,
                  read_timeout: float | None = None,
-                 tokens: Mapping[str, str | None] | None = None) -> None:
+                 tokens: Mapping[str, str | None] | None = None,
+                 lease: LeasedConsumers | None = None) -> None:
         self.metrics = KvConsumerMetrics.for_registry(registry or CollectorRegistry())
         self.spawn = spawn
         self.clock: Clock = clock or SystemClock()
+        #: With a lease (continuum.kv.lease), a consumer runs only in its lease's holder.
+        self.lease = lease
         tokens = tokens or {}
         self.consumers = [
             SourceConsumer(source, index, self.metrics, self.clock,
@@ -484,10 +502,15 @@ class KvEventConsumerManager:
         if self._handles:
             return
         spawn = self.spawn or default_spawn
+        if self.lease is not None:
+            self._handles = self.lease.start(self, spawn)
+            return
         self._handles = [consumer.start(spawn) for consumer in self.consumers]
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop every consumer and wait up to ``timeout`` seconds for each loop to end."""
+        if self.lease is not None:
+            self.lease.stop()
         for consumer in self.consumers:
             consumer.stop()
         for handle in self._handles:

@@ -1,7 +1,9 @@
 """Backends at run time: in-flight counts, latency EWMA, recent success rate, health.
 
 One :class:`BackendPool` per worker process (see the concurrency notes in the README):
-in-flight counters and statistics are per worker. Under gevent a greenlet switch can only
+statistics are per worker; in-flight counts are too unless the pool shares them through
+the host segment (:mod:`continuum.routing.shared_load`), when ``in_flight`` reads the
+host's total. Under gevent a greenlet switch can only
 happen at I/O, so the plain integer updates here need no lock.
 """
 
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from continuum.config import BackendConfig
+    from continuum.hostshm import HostSegment
 
 
 class Backend:
@@ -36,14 +39,17 @@ class Backend:
 
     __slots__ = (
         "_alpha",
+        "_cell",
+        "_col",
+        "_local",
         "_outcomes",
+        "_shared",
         "_successes",
         "config",
         "configured_models",
         "discovered_models",
         "draining",
         "healthy",
-        "in_flight",
         "latency_ewma",
         "name",
         "probed",
@@ -63,7 +69,9 @@ class Backend:
         self.name = config.name
         self.url = config.url.rstrip("/")
         self.weight = config.weight
-        self.in_flight = 0
+        self._local = 0
+        self._shared: HostSegment | None = None
+        self._col = self._cell = 0
         self.healthy = not unprobed
         self.probed = not unprobed
         self.draining = False
@@ -74,6 +82,48 @@ class Backend:
         self._alpha = ewma_alpha
         self._outcomes: deque[bool] = deque(maxlen=success_window)
         self._successes = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in flight on this backend: this worker's, or with a shared host segment
+        (:mod:`continuum.routing.shared_load`) every worker's of this router host."""
+        shared = self._shared
+        return self._local if shared is None else shared.host_total(self._col)
+
+    @in_flight.setter
+    def in_flight(self, value: int) -> None:
+        # Tests and tools set it; the forwarder uses acquire()/release().
+        shared = self._shared
+        if shared is not None:
+            value = self._local + value - shared.host_total(self._col)
+        self._set_local(value)
+
+    def acquire(self) -> None:
+        """One more request in flight from this worker."""
+        self._set_local(self._local + 1)
+
+    def release(self) -> None:
+        """One request fewer in flight from this worker."""
+        self._set_local(self._local - 1)
+
+    def _set_local(self, value: int) -> None:
+        self._local = value
+        shared = self._shared
+        if shared is not None:
+            shared.words[self._cell] = value
+
+    def share_load(self, segment: HostSegment | None) -> None:
+        """Publish this worker's count in ``segment`` (None: keep it private)."""
+        self._shared = segment
+        if segment is not None:
+            self._col = segment.column(self.name)
+            self._cell = segment.cell(self._col)
+            segment.words[self._cell] = self._local
+
+    @property
+    def local_in_flight(self) -> int:
+        """This worker's own in-flight requests."""
+        return self._local
 
     @property
     def models(self) -> frozenset[str]:

@@ -79,7 +79,7 @@ class Lease:
         #: The status the attempt was recorded with, once released.
         self.status: int | None = None
         self.started = time.perf_counter()
-        backend.in_flight += 1
+        backend.acquire()
         metrics.child(metrics.in_flight, backend.name).inc()
 
     def release(self, status: int, ok: bool | None) -> None:
@@ -94,7 +94,7 @@ class Lease:
         self.released = True
         self.status = status
         backend, metrics = self.backend, self.metrics
-        backend.in_flight -= 1
+        backend.release()
         elapsed = time.perf_counter() - self.started
         if ok is not None:
             backend.record(ok, elapsed if ok else None)

@@ -13,11 +13,12 @@ here opens a socket at import time.
 
 from __future__ import annotations
 
+import itertools
 import json
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -163,7 +164,7 @@ def send_streaming(
 
 
 def replay(
-    base_url: str,
+    base_url: str | Sequence[str],
     workload: Workload,
     *,
     concurrency: int = 32,
@@ -175,7 +176,7 @@ def replay(
 
     Args:
         base_url: server root, e.g. ``http://127.0.0.1:8080`` (``/v1/chat/completions`` is
-            appended).
+            appended); several roots (routers of one fleet) take the requests in turn.
         workload: what to send.
         concurrency: sessions in progress at once (a session waits for a free worker when
             all are busy, so it may start after its arrival offset).
@@ -189,7 +190,9 @@ def replay(
     """
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
-    url = base_url.rstrip("/") + "/v1/chat/completions"
+    roots = [base_url] if isinstance(base_url, str) else list(base_url)
+    urls = [root.rstrip("/") + "/v1/chat/completions" for root in roots]
+    turn = itertools.count()
     pending: queue.Queue[Session] = queue.Queue()
     for session in sorted(workload.sessions, key=lambda s: s.arrival):
         pending.put(session)
@@ -216,6 +219,7 @@ def replay(
             history.append({"role": "user", "content": text})
             record = RequestRecord(session.id, i, session.kind, session.group,
                                    time.monotonic() - began)
+            url = urls[next(turn) % len(urls)]  # client-side round-robin over the roots
             reply = send_streaming(http, url, chat_body(session, history), record, timeout)
             with lock:
                 records.append(record)

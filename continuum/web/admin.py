@@ -25,6 +25,7 @@ from continuum.errors import (
     StoreError,
 )
 from continuum.service import RouterService
+from continuum.web.fleet import fleet_of
 from continuum.web.http import read_body, request_id_of
 from continuum.web.reload import ConfigReloader
 
@@ -80,6 +81,12 @@ class AdminResource:
 
     def __init__(self, service: RouterService) -> None:
         self.service = service
+
+    def _spread(self, doc: dict[str, Any], action: str) -> None:
+        """Add the ``fleet`` section: how many workers and routers applied ``action``."""
+        fleet = fleet_of(self.service)
+        if fleet is not None:
+            doc["fleet"] = fleet.spread(action)
 
     def _send(self, resp: falcon.Response, doc: dict[str, Any], status: int = 200) -> None:
         resp.status = status
@@ -138,12 +145,14 @@ class ConfigReloadResource(AdminResource):
         if self.reloader is None:
             raise _NoConfigFile("this router was not started from a config file")
         try:
-            report = self.reloader.reload(broadcast=True)
+            report = self.reloader.reload(broadcast=fleet_of(self.service) is None)
         except ConfigError as exc:
             self._send(resp, {"success": False, "errors": [
                 issue.render(exc.source) for issue in exc.issues]}, status=400)
             return
-        self._send(resp, {"success": True, **report.as_dict()})
+        doc = {"success": True, **report.as_dict()}
+        self._spread(doc, "reload")
+        self._send(resp, doc)
 
 
 class ResponseCacheStatsResource(AdminResource):
@@ -174,6 +183,7 @@ class ResponseCacheInvalidateResource(AdminResource):
                                "cleared_entries": cleared}
         if self.service.semantic is not None:  # the seed's shape when the path is off
             doc["cleared_semantic_index_entries"] = semantic
+        self._spread(doc, "response_cache_clear")
         self._send(resp, doc)
 
 
@@ -203,7 +213,9 @@ class KvIndexClearResource(AdminResource):
         if cleared is None:
             raise _KvIndexDisabled("the KV cache index is not enabled "
                                    "(kv_cache_index.enabled: false)")
-        self._send(resp, {"success": True, **asdict(cleared)})
+        doc = {"success": True, **asdict(cleared)}
+        self._spread(doc, "kv_index_clear")
+        self._send(resp, doc)
 
 
 class GeminiContextStatsResource(AdminResource):
@@ -222,7 +234,9 @@ class GeminiContextClearResource(AdminResource):
             raise _GeminiContextDisabled(
                 "the Gemini context cache is not enabled (gemini_context_cache.enabled: "
                 "false, or no type: gemini backend)")
-        self._send(resp, {"success": True, "cleared_entries": cleared})
+        doc: dict[str, Any] = {"success": True, "cleared_entries": cleared}
+        self._spread(doc, "gemini_context_clear")
+        self._send(resp, doc)
 
 
 class _NoConfigFile(ContinuumError):

@@ -27,6 +27,7 @@ from continuum.registry import PluginRegistry
 from continuum.routing import anthropic
 from continuum.service import RouterService
 from continuum.web import admin, drain, tracing
+from continuum.web.fleet import FleetBus, fleet_of
 from continuum.web.http import (
     JSON,
     RequestIdHeader,
@@ -191,6 +192,9 @@ def create_app(
     app.req_options.strip_url_path_trailing_slash = True
     app.add_middleware(RequestIdHeader())
     app.add_middleware(Observer(metrics, config.server.access_log))
+    if service.host is not None:  # several workers of one host: act as one (scale-out)
+        service.fleet = FleetBus(service, reloader, service.host, config)  # type: ignore[attr-defined]
+        app.add_middleware(service.fleet)  # type: ignore[attr-defined]
     app.add_error_handler(Exception, handle_unexpected)
     app.add_error_handler(ContinuumError, handle_continuum_error)
     app.set_error_serializer(serialize_http_error)
@@ -246,6 +250,9 @@ def get_app() -> RouterApp:
                      reloader=reloader)
     service.start()
     app.drain.start()
+    fleet = fleet_of(service)
+    if fleet is not None:
+        fleet.start()
     log.info("%s", service.summary())
     if config.server.watch_config:
         reloader.start(config.server.watch_interval_seconds)

@@ -214,3 +214,27 @@ def test_demo_reports_why_a_child_died_instead_of_timing_out() -> None:
     assert "the end of router-roundrobin.log:" in stderr, stderr
     assert "timed out" not in stderr, stderr
 
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_demo_scale_out_two_routers_of_two_workers() -> None:
+    """``--workers 2 --routers 2``: requests spread over both routers, the shared tiers on
+    the demo's redis-server, one listener stream per backend for the whole fleet."""
+    doc = _run_demo("--quick", "--workers", "2", "--routers", "2", "--requests", "40",
+                    "--strategies", "KV index", "PrefixAwareHash + response cache",
+                    timeout=240)
+    assert doc["workers"] == 2 and doc["routers"] == 2 and doc["redis"] is True
+    rows = {row["name"]: row for row in doc["scenarios"]}
+    for row in rows.values():
+        scale = row["scale_out"]
+        assert scale["workers"] == 2 and scale["routers"] == 2, scale
+        assert scale["router_memory_mib"] > 0 and scale["redis_ops_per_request"] > 0, scale
+        assert scale["response_cache_hit_rate"] is not None, scale
+    kv = rows["KV index"]
+    # The Redis index's lease: one consumer per backend for 2 routers x 2 workers.
+    assert set(kv["scale_out"]["listener_connections"].values()) == {1}, kv["scale_out"]
+    # Routed by the shared index (a sample: the decisions of the worker that answered).
+    assert kv["kv_aware_share"] is not None and kv["kv_aware_share"] > 0, kv["kv_index"]
+    assert rows["PrefixAwareHash + response cache"]["scale_out"]["listener_connections"] \
+        is None

@@ -82,7 +82,10 @@ def test_miss_then_hit_plain_and_streamed(upstreams, router_factory) -> None:
     cleared = requests.post(router.url + "/admin/response-cache/invalidate",
                             json={"clear_all": True}, timeout=5).json()
     assert cleared == {"success": True, "action": "clear_all", "cleared_entries": 2,
-                       "worker_pid": cleared["worker_pid"]}
+                       "worker_pid": cleared["worker_pid"],
+                       # the one worker applied it (docs/scale-out.md)
+                       "fleet": {"workers": 1, "workers_applied": 1, "routers": 1,
+                                 "routers_applied": 1, "complete": True}}
     assert _post(router, {"model": "m", "messages": MSG}).headers["X-Cache"] == "MISS"
 
 

@@ -304,8 +304,51 @@ def _redis_chain_query(number: int, repeat: int) -> dict[str, float]:
         return out
 
 
+
+def scaleout(number: int, repeat: int) -> dict[str, float]:
+    """Shared in-flight counts (docs/scale-out.md): the same operations on private counts
+    and on counts shared through the host segment with 4 worker rows in use."""
+    import tempfile
+
+    from continuum import hostshm
+    from continuum.config import parse_config
+    from continuum.hostshm import HostSegment
+    from continuum.testing import make_backends, make_context
+    from strategies.prefix_aware_hash import PrefixAwareHash
+
+    results: dict[str, float] = {}
+    strategy = PrefixAwareHash(parse_config({"prefix_routing": {"enabled": True}}))
+    keys = [hashlib.sha256(str(i).encode()).digest() for i in range(1024)]
+    contexts = [make_context(prefix=k) for k in keys]
+    with tempfile.TemporaryDirectory(prefix="continuum-bench-") as directory:
+        segment = HostSegment(directory)
+        # Four rows in use, as with 4 workers (the others' counts are read, never written).
+        segment.words[hostshm._HDR_SLOTS_USED] = 4
+        for label, shared in (("local", None), ("shared", segment)):
+            backends = make_backends(8)
+            for backend in backends:
+                backend.share_load(shared)
+            one = backends[0]
+            results[f"in_flight_read_{label}"] = measure(lambda one=one: one.in_flight,
+                                                         number, repeat)
+
+            def acquire_release(one: Any = one) -> None:
+                one.acquire()
+                one.release()
+
+            results[f"acquire_release_{label}"] = measure(acquire_release, number, repeat)
+            counter = iter(range(10**12))
+            results[f"prefix_aware_select_{label}"] = measure(
+                lambda backends=backends, counter=counter: strategy.select(
+                    backends, contexts[next(counter) & 1023]), number, repeat)
+            for backend in backends:
+                backend.share_load(None)
+        segment.close()
+    return results
+
+
 GROUPS: dict[str, Callable[[int, int], dict[str, float]]] = {
-    "tier1": tier1, "tier2": tier2, "tier4": tier4, "chain": chain}
+    "tier1": tier1, "tier2": tier2, "tier4": tier4, "chain": chain, "scaleout": scaleout}
 
 
 def main(argv: list[str] | None = None) -> int:

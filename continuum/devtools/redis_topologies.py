@@ -1,0 +1,261 @@
+"""Throwaway Redis Cluster and Sentinel sets on loopback ports, for tests and benchmarks.
+
+:class:`ClusterSet`: ``masters`` ``redis-server --cluster-enabled yes`` processes, each
+with ``replicas`` replicas, joined by ``redis-cli --cluster create``. :class:`SentinelSet`:
+one master, one replica and three ``redis-server --sentinel`` processes watching it as
+``mymaster`` (quorum 2). Both use short failure timeouts so a killed master is replaced in
+a few seconds, and every process is stopped by its PID.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import redis
+
+from continuum.devtools.procs import Child, free_port, wait_until
+from continuum.devtools.redis_server import RedisServer
+
+#: How long a node or master may be silent before it counts as failed (milliseconds).
+NODE_TIMEOUT_MS = 1000
+
+
+def _client(port: int, **kwargs: Any) -> Any:
+    """A plain client to the server on ``port`` (typed Any: redis-py's stubs are partial)."""
+    return redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1, **kwargs)
+
+
+def cluster_port(attempts: int = 200) -> int:
+    """A free port for a cluster node: at most 55535 and with its cluster bus port
+    (+10000) free too."""
+    rng = random.SystemRandom()
+    for _ in range(attempts):
+        port = rng.randrange(20000, 45000)
+        try:
+            for candidate in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def _ping(port: int) -> bool:
+    try:
+        return bool(_client(port).ping())
+    except redis.RedisError:
+        return False
+
+
+class ClusterSet:
+    """A Redis Cluster of ``masters`` masters with ``replicas`` replicas each."""
+
+    def __init__(self, masters: int = 3, replicas: int = 1) -> None:
+        self.servers: list[RedisServer] = []
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RuntimeError("redis-cli is not installed (not found on PATH)")
+        try:
+            for _ in range(masters * (1 + replicas)):
+                self.servers.append(RedisServer(cluster_port(), args=(
+                    "--cluster-enabled", "yes", "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+                    "--cluster-require-full-coverage", "no")))
+            done = subprocess.run(
+                [cli, "--cluster", "create", *self.nodes, "--cluster-replicas", str(replicas),
+                 "--cluster-yes"], capture_output=True, text=True, timeout=60, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed:\n{done.stdout}"
+                                   f"{done.stderr}")
+            wait_until(self.healthy, "the cluster to reach cluster_state:ok", 30,
+                       interval=0.1)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def nodes(self) -> list[str]:
+        """``127.0.0.1:port`` of every node (running or not)."""
+        return [f"127.0.0.1:{s.port}" for s in self.servers]
+
+    def _info(self, server: RedisServer) -> dict[str, str]:
+        client = _client(server.port, decode_responses=True)
+        try:
+            raw = client.execute_command("CLUSTER INFO")
+        finally:
+            client.close()
+        if isinstance(raw, dict):  # redis-py parses the reply
+            return {str(k): str(v) for k, v in raw.items()}
+        return dict(line.split(":", 1) for line in str(raw).split() if ":" in line)
+
+    def healthy(self) -> bool:
+        """Every running node reports ``cluster_state:ok`` with all 16384 slots served."""
+        for server in self.servers:
+            if not server.running:
+                continue
+            try:
+                info = self._info(server)
+            except redis.RedisError:
+                return False
+            if info.get("cluster_state") != "ok" or info.get("cluster_slots_ok") != "16384":
+                return False
+        return True
+
+    def masters(self) -> list[RedisServer]:
+        """The running servers that are masters now."""
+        out = []
+        for server in self.servers:
+            if server.running and _role(server.port) == "master":
+                out.append(server)
+        return out
+
+    def master_of(self, key: str) -> RedisServer:
+        """The running master that serves ``key`` now."""
+        client: Any = redis.RedisCluster(host="127.0.0.1", port=self.masters()[0].port)
+        try:
+            node = client.get_node_from_key(key)
+        finally:
+            client.close()
+        return next(s for s in self.servers if s.port == node.port)
+
+    def kill(self, server: RedisServer, timeout: float = 30) -> None:
+        """Stop ``server`` (by PID) and wait until its replica has taken over."""
+        replicas = [s for s in self.servers if s.running and s is not server
+                    and _role_of(s.port)[0] == "slave"
+                    and int(_role_of(s.port)[2]) == server.port]
+        server.stop()
+
+        def promoted() -> bool:
+            return any(_role_of(r.port)[0] == "master" for r in replicas) and self.healthy()
+
+        wait_until(promoted, "a replica to take over the killed master", timeout,
+                   interval=0.1, retry_on=(OSError, redis.RedisError))
+
+    def stop(self) -> None:
+        """Stop every node."""
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> ClusterSet:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+class SentinelSet:
+    """A master, a replica and three sentinels watching them as ``master_name``."""
+
+    def __init__(self, master_name: str = "mymaster") -> None:
+        self.master_name = master_name
+        self.sentinels: list[Child] = []
+        self.sentinel_ports: list[int] = []
+        self._dir = Path(tempfile.mkdtemp(prefix="continuum-sentinel-"))
+        executable = shutil.which("redis-server")
+        if executable is None:
+            raise RuntimeError("redis-server is not installed (not found on PATH)")
+        try:
+            self.master = RedisServer()
+            self.replica = RedisServer(args=("--replicaof", "127.0.0.1",
+                                             str(self.master.port)))
+            for i in range(3):
+                port = free_port()
+                conf = self._dir / f"sentinel-{i}.conf"
+                conf.write_text(
+                    f"port {port}\nbind 127.0.0.1\ndir {self._dir}\n"
+                    f"sentinel monitor {master_name} 127.0.0.1 {self.master.port} 2\n"
+                    f"sentinel down-after-milliseconds {master_name} {NODE_TIMEOUT_MS}\n"
+                    f"sentinel failover-timeout {master_name} 5000\n"
+                    f"sentinel parallel-syncs {master_name} 1\n")
+                self.sentinels.append(Child([executable, str(conf), "--sentinel"],
+                                            self._dir / f"sentinel-{i}.log",
+                                            name=f"sentinel-{i}"))
+                self.sentinel_ports.append(port)
+            for port in self.sentinel_ports:
+                wait_until(partial(_ping, port), f"sentinel on {port}", 15,
+                           children=self.sentinels, interval=0.05)
+            wait_until(self._replica_known, "the sentinels to see the replica", 30,
+                       interval=0.1)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def nodes(self) -> list[str]:
+        """``127.0.0.1:port`` of each sentinel."""
+        return [f"127.0.0.1:{p}" for p in self.sentinel_ports]
+
+    def _replica_known(self) -> bool:
+        for port in self.sentinel_ports:
+            replicas = _client(port).sentinel_slaves(
+                self.master_name)
+            if not replicas:
+                return False
+        return True
+
+    def master_port(self) -> int:
+        """The port of the master the sentinels name now."""
+        _host, port = _client(self.sentinel_ports[0]).sentinel_get_master_addr_by_name(
+            self.master_name)
+        return int(port)
+
+    def kill_master(self, timeout: float = 40) -> None:
+        """Stop the master (by PID) and wait until the sentinels have promoted the replica."""
+        self.master.stop()
+        deadline = time.monotonic() + timeout
+        wait_until(lambda: self.master_port() == self.replica.port
+                   and _role(self.replica.port) == "master" and self._master_usable(),
+                   "the sentinels to promote the replica", max(deadline - time.monotonic(), 1),
+                   interval=0.1, retry_on=(OSError, redis.RedisError))
+
+    def _master_usable(self) -> bool:
+        # Right after a failover the sentinels flag their new link "disconnected" for a
+        # moment, and clients refuse such a master: wait until every sentinel vouches.
+        for port in self.sentinel_ports:
+            state = _client(port).sentinel_master(self.master_name)
+            if "disconnected" in str(state.get("flags", "")):
+                return False
+        return True
+
+    def stop(self) -> None:
+        """Stop the sentinels and the servers."""
+        for child in reversed(self.sentinels):
+            child.stop()
+        for server in (getattr(self, "replica", None), getattr(self, "master", None)):
+            if server is not None:
+                server.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> SentinelSet:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def _role_of(port: int) -> list[str]:
+    """``ROLE`` of the server on ``port``, its first three fields as strings."""
+    client = _client(port)
+    try:
+        reply = client.execute_command("ROLE")
+    finally:
+        client.close()
+    return [x.decode() if isinstance(x, bytes) else str(x) for x in reply[:3]]
+
+
+def _role(port: int) -> str:
+    return _role_of(port)[0]
+
+
+__all__ = ["NODE_TIMEOUT_MS", "ClusterSet", "SentinelSet"]

@@ -1,0 +1,289 @@
+"""One shared-memory segment per router host: what the gunicorn workers of one router share.
+
+Several gunicorn workers run one router; each is its own process with its own state. The few
+numbers they must agree on live in one small file mapped into every worker
+(``$CONTINUUM_RUNTIME_DIR/host.shm``, set by :mod:`continuum.gunicorn_conf`; the master
+creates it in ``on_starting``, a worker that finds none creates it under the lock):
+
+* a **worker table**: one slot per live worker (its PID and the last fleet-action
+  generation it applied, see :mod:`continuum.web.fleet`);
+* the **fleet-action generation**, bumped by the worker that received an admin action;
+* a **backend table**: the column of each backend name;
+* a **load table**: ``in_flight[backend column][worker slot]`` (a backend's counts are
+  contiguous, so the sum is one ``struct.unpack_from``), see
+  :mod:`continuum.routing.shared_load`.
+
+Writes: a worker writes only its own slot's row, with aligned 8-byte stores (which readers
+never see torn on the platforms gunicorn runs on), so the hot path takes no lock. Claiming a
+slot or a column, and bumping the generation, happen under ``flock`` on ``host.lock``.
+A slot whose PID is gone (a killed worker) is wiped and reused by the next claimer, and
+:meth:`HostSegment.sweep` wipes it sooner (every worker runs it now and then), so a dead
+worker's in-flight count stops counting.
+
+Standard library only: ``mmap``, ``fcntl``, ``struct``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import struct
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+RUNTIME_DIR_ENV = "CONTINUUM_RUNTIME_DIR"
+SEGMENT_FILE = "host.shm"
+LOCK_FILE = "host.lock"
+
+MAGIC = 0x434F4E54484F5354  # "CONTHOST"
+MAX_WORKERS = 128
+MAX_BACKENDS = 256
+NAME_BYTES = 64
+WORKER_FIELDS = 4  # pid, applied generation, spare, spare
+
+# Layout in 8-byte words.
+_HDR_MAGIC = 0
+_HDR_GENERATION = 1
+_HDR_SLOTS_USED = 2  # highest claimed slot + 1 (readers sum rows below it)
+_HDR_HOST_ID = 3     # 2 words: a random id naming this router instance
+_HEADER_WORDS = 8
+_WORKERS_AT = _HEADER_WORDS
+_NAMES_AT = _WORKERS_AT + MAX_WORKERS * WORKER_FIELDS  # in words; names are bytes
+_LOAD_AT = _NAMES_AT + MAX_BACKENDS * NAME_BYTES // 8
+SIZE = (_LOAD_AT + MAX_WORKERS * MAX_BACKENDS) * 8
+_UNPACK = [struct.Struct(f"<{n}q").unpack_from for n in range(MAX_WORKERS + 1)]
+
+
+def runtime_dir() -> Path | None:
+    """``$CONTINUUM_RUNTIME_DIR``, or None outside ``continuum-router serve``/gunicorn."""
+    value = os.environ.get(RUNTIME_DIR_ENV)
+    return Path(value) if value else None
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class HostSegment:
+    """This worker's view of the host segment in ``directory``, with its own slot.
+
+    Raises:
+        OSError: the directory is not writable.
+        RuntimeError: every worker slot or backend column is taken.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, pid: int | None = None) -> None:
+        self.directory = Path(directory)
+        self.path = self.directory / SEGMENT_FILE
+        self.lock_path = self.directory / LOCK_FILE
+        self.pid = pid if pid is not None else os.getpid()
+        with self.locked():
+            create(self.directory, _locked=True)
+            fd = os.open(self.path, os.O_RDWR)
+            try:
+                self._map = mmap.mmap(fd, SIZE)
+            finally:
+                os.close(fd)
+            self.words = memoryview(self._map).cast("q")
+            self.slot = self._claim_slot()
+        self.host_id = self.words[_HDR_HOST_ID:_HDR_HOST_ID + 2].tobytes().hex()
+        self._columns: dict[str, int] = {}
+
+    # --- locking -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the host lock (``flock`` on ``host.lock``): claims and generation bumps."""
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing drops the lock
+
+    # --- worker slots ------------------------------------------------------------------
+
+    def _worker(self, slot: int, field: int) -> int:
+        return _WORKERS_AT + slot * WORKER_FIELDS + field
+
+    def _claim_slot(self) -> int:
+        words = self.words
+        for slot in range(MAX_WORKERS):
+            pid = words[self._worker(slot, 0)]
+            if pid == self.pid or not _alive(pid):
+                self._wipe(slot)
+                words[self._worker(slot, 0)] = self.pid
+                # A new worker starts with fresh state: nothing from before is pending.
+                words[self._worker(slot, 1)] = words[_HDR_GENERATION]
+                if slot + 1 > words[_HDR_SLOTS_USED]:
+                    words[_HDR_SLOTS_USED] = slot + 1
+                return slot
+        raise RuntimeError(f"{self.path}: all {MAX_WORKERS} worker slots are taken")
+
+    def _wipe(self, slot: int) -> None:
+        words = self.words
+        for field in range(WORKER_FIELDS):
+            words[self._worker(slot, field)] = 0
+        for col in range(MAX_BACKENDS):
+            words[_LOAD_AT + col * MAX_WORKERS + slot] = 0
+
+    def sweep(self) -> int:
+        """Wipe the slots of workers that died; how many were wiped."""
+        wiped = 0
+        words = self.words
+        for slot in range(words[_HDR_SLOTS_USED]):
+            pid = words[self._worker(slot, 0)]
+            if pid and pid != self.pid and not _alive(pid):
+                with self.locked():
+                    if words[self._worker(slot, 0)] == pid:
+                        self._wipe(slot)
+                        wiped += 1
+        return wiped
+
+    def live_workers(self) -> list[tuple[int, int, int]]:
+        """(slot, pid, applied generation) of every claimed slot whose process lives."""
+        out = []
+        words = self.words
+        for slot in range(words[_HDR_SLOTS_USED]):
+            pid = words[self._worker(slot, 0)]
+            if pid and _alive(pid):
+                out.append((slot, pid, words[self._worker(slot, 1)]))
+        return out
+
+    def release(self) -> None:
+        """Give this worker's slot back (worker exit); its load row is wiped."""
+        with self.locked():
+            if self.words[self._worker(self.slot, 0)] == self.pid:
+                self._wipe(self.slot)
+
+    # --- fleet-action generation -------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        """The host's fleet-action generation (one aligned read)."""
+        return self.words[_HDR_GENERATION]
+
+    def bump_generation(self) -> int:
+        """Add one to the generation (call under :meth:`locked`); the new value."""
+        value = self.words[_HDR_GENERATION] + 1
+        self.words[_HDR_GENERATION] = value
+        return value
+
+    @property
+    def applied(self) -> int:
+        """The generation this worker has applied."""
+        return self.words[self._worker(self.slot, 1)]
+
+    @applied.setter
+    def applied(self, value: int) -> None:
+        self.words[self._worker(self.slot, 1)] = value
+
+    # --- backend columns and load ------------------------------------------------------
+
+    def column(self, name: str) -> int:
+        """The load-table column of backend ``name`` (claimed under the lock if new)."""
+        col = self._columns.get(name)
+        if col is not None:
+            return col
+        raw = name.encode()[:NAME_BYTES - 1]
+        base = _NAMES_AT * 8
+        with self.locked():
+            for col in range(MAX_BACKENDS):
+                at = base + col * NAME_BYTES
+                stored = self._map[at:at + NAME_BYTES].rstrip(b"\0")
+                if stored == raw:
+                    break
+                if not stored:
+                    self._map[at:at + len(raw)] = raw
+                    break
+            else:
+                raise RuntimeError(f"{self.path}: all {MAX_BACKENDS} backend columns are taken")
+        self._columns[name] = col
+        return col
+
+    def cell(self, col: int) -> int:
+        """Word index of this worker's in-flight count for column ``col``."""
+        return _LOAD_AT + col * MAX_WORKERS + self.slot
+
+    def host_total(self, col: int) -> int:
+        """Sum of backend ``col``'s counts over every worker slot in use (one
+        ``unpack_from`` of the contiguous counts: the hot path's read)."""
+        at = (_LOAD_AT + col * MAX_WORKERS) * 8
+        return sum(_UNPACK[self.words[_HDR_SLOTS_USED]](self._map, at))
+
+    def close(self) -> None:
+        """Unmap (the slot is kept: call :meth:`release` first to give it back)."""
+        with contextlib.suppress(BufferError, ValueError):
+            self.words.release()
+            self._map.close()
+
+
+def create(directory: str | os.PathLike[str], *, fresh: bool = False,
+           _locked: bool = False) -> Path:
+    """Create ``host.shm`` in ``directory`` unless a valid one is there; ``fresh``: always
+    a new one, and no fleet actions left from before (gunicorn's ``on_starting`` does this
+    in the master, so every worker maps the same new file: a PID of a previous run, now
+    another process's, must not keep counts alive)."""
+    directory = Path(directory)
+    path = directory / SEGMENT_FILE
+    if not _locked:
+        seg_lock = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(seg_lock, fcntl.LOCK_EX)
+    try:
+        if fresh:
+            for stale in (directory / "fleet").glob("*.json"):
+                stale.unlink(missing_ok=True)
+        try:
+            with path.open("rb") as fh:
+                head = fh.read(8)
+            if not fresh and len(head) == 8 and int.from_bytes(head, "little") == MAGIC \
+                    and path.stat().st_size == SIZE:
+                return path
+        except FileNotFoundError:
+            pass
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        with tmp.open("wb") as fh:
+            fh.truncate(SIZE)
+            fh.seek(0)
+            fh.write(MAGIC.to_bytes(8, "little"))
+            fh.seek(_HDR_HOST_ID * 8)
+            fh.write(uuid.uuid4().bytes)
+        os.chmod(tmp, 0o600)
+        tmp.replace(path)
+        return path
+    finally:
+        if not _locked:
+            os.close(seg_lock)
+
+
+
+
+def open_segment() -> HostSegment | None:
+    """This worker's :class:`HostSegment` in ``$CONTINUUM_RUNTIME_DIR``; None when the
+    variable is unset (a router run in-process, by tests or tools) or the directory is not
+    usable (logged: the worker then keeps its state to itself)."""
+    directory = runtime_dir()
+    if directory is None:
+        return None
+    try:
+        return HostSegment(directory)
+    except (OSError, RuntimeError) as exc:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "host segment in %s unusable (%s): workers do not share state", directory, exc)
+        return None
+
+
+__all__ = ["MAX_BACKENDS", "MAX_WORKERS", "HostSegment", "create", "open_segment", "runtime_dir"]

@@ -1,0 +1,337 @@
+"""Fleet-wide admin actions: every worker of the host, and every router sharing Redis.
+
+An admin action (``/admin/response-cache/invalidate``, ``/admin/kv-index/clear``,
+``/admin/gemini-context-cache/clear``, ``/admin/config/reload``) reaches one gunicorn
+worker. That worker applies it, then spreads it:
+
+* **to the workers of its host**: it writes the action to
+  ``$CONTINUUM_RUNTIME_DIR/fleet/<generation>.json`` and bumps the generation in the host
+  segment (:mod:`continuum.hostshm`), under the host lock. Every worker compares that
+  generation with the one it applied **before each request** (one shared-memory read), and
+  a poll greenlet does the same every ``POLL_SECONDS``; a worker behind applies the
+  actions it missed, in order, and records its generation in its slot. So once the action
+  is published no worker of the host answers a request from the state before it.
+* **to the other routers** (``fleet.redis_channel`` with a Redis response cache or KV
+  index): it ``PUBLISH``es the action on ``<key_prefix>.fleet`` (the response cache's
+  ``key_prefix`` without its last colon, so a clear never removes these keys); every worker
+  of every router subscribes, applies what it has not applied yet, and acknowledges with
+  ``SADD`` on ``<channel>:ack:<id>``. Workers announce themselves every few seconds in the
+  ``<channel>:members`` sorted set, so the sender knows whom to wait for.
+
+The sender waits up to ``fleet.ack_timeout_seconds`` for every live worker of the host and
+every member router to report the action applied, and its reply says how many did:
+``{"fleet": {"workers": 4, "workers_applied": 4, "routers": 2, "routers_applied": 2}}``.
+
+Applying an action elsewhere is the same call as here (``clear_response_cache`` and so on):
+a shared store (Redis) is cleared once per worker, which costs a few empty ``SCAN``\\ s and
+keeps the code one path. Every action carries an id; a worker applies each id once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import falcon
+
+    from continuum.config import RouterConfig
+    from continuum.hostshm import HostSegment
+    from continuum.service import RouterService
+    from continuum.web.reload import ConfigReloader
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.05
+MEMBER_SECONDS = 5.0  # how often a worker renews its fleet membership
+MEMBER_TTL = 3 * MEMBER_SECONDS
+KEEP_FILES = 64  # spool files kept for workers that fall behind
+_SEEN_IDS = 512
+
+ACTIONS = ("response_cache_clear", "kv_index_clear", "gemini_context_clear", "reload")
+
+
+class FleetBus:
+    """Spreads this worker's admin actions and applies everyone else's."""
+
+    def __init__(self, service: RouterService, reloader: ConfigReloader | None,
+                 segment: HostSegment | None, config: RouterConfig) -> None:
+        self.service = service
+        self.reloader = reloader
+        self.segment = segment
+        self.timeout = config.fleet.ack_timeout_seconds
+        self.spool: Path | None = None
+        self._seen_generation = 0
+        if segment is not None:
+            self.spool = segment.directory / "fleet"
+            self.spool.mkdir(exist_ok=True)
+            self._seen_generation = segment.applied
+        self._applied: OrderedDict[str, None] = OrderedDict()
+        self._lock: Any = None
+        self._greenlets: list[Any] = []
+        self.redis: Any = None
+        self.channel = ""
+        self.member = f"{segment.host_id if segment else uuid.uuid4().hex}:{os.getpid()}"
+        cache = config.response_cache
+        uses_redis = (cache.enabled and cache.backend == "redis") or (
+            config.kv_cache_index.enabled and config.kv_cache_index.backend == "redis")
+        if config.fleet.redis_channel and uses_redis:
+            from continuum.redis_topology import make_client
+
+            self.redis = make_client(cache.redis)
+            # Beside the cache's keys, not under its prefix: a clear must not remove them.
+            self.channel = cache.redis.key_prefix.rstrip(":") + ".fleet"
+        self.applied_remote = 0
+
+    # --- falcon middleware: catch up before every request -------------------------------
+
+    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        segment = self.segment
+        if segment is not None and segment.generation != self._seen_generation:
+            self.catch_up()
+
+    # --- applying ------------------------------------------------------------------------
+
+    def _apply(self, action: str, payload: dict[str, Any]) -> dict[str, Any]:
+        service = self.service
+        if action == "response_cache_clear":
+            cleared, semantic = service.clear_response_cache()
+            return {"cleared_entries": cleared, "cleared_semantic_index_entries": semantic}
+        if action == "kv_index_clear":
+            done = service.clear_kv_index()
+            return {} if done is None else {"cleared_entries": done.cleared_entries}
+        if action == "gemini_context_clear":
+            return {"cleared_entries": service.clear_gemini_context()}
+        if action == "reload":
+            if self.reloader is None:
+                return {}
+            return self.reloader.reload().as_dict()
+        raise ValueError(f"unknown fleet action {action!r}")
+
+    def _apply_once(self, action_id: str, action: str, payload: dict[str, Any]) -> None:
+        if action_id in self._applied:
+            return
+        self._remember(action_id)
+        try:
+            self._apply(action, payload)
+            self.applied_remote += 1
+        except Exception:  # one failed action must not stop the next
+            log.exception("fleet action %s (%s) failed in this worker", action, action_id)
+
+    def _remember(self, action_id: str) -> None:
+        self._applied[action_id] = None
+        while len(self._applied) > _SEEN_IDS:
+            self._applied.popitem(last=False)
+
+    def _mutex(self) -> Any:
+        if self._lock is None:
+            from gevent.lock import RLock
+
+            self._lock = RLock()
+        return self._lock
+
+    def catch_up(self) -> int:
+        """Apply the host's actions this worker has not applied; the generation reached."""
+        segment, spool = self.segment, self.spool
+        if segment is None or spool is None:
+            return 0
+        with self._mutex():
+            current = segment.generation
+            for generation in range(self._seen_generation + 1, current + 1):
+                try:
+                    doc = json.loads((spool / f"{generation}.json").read_text())
+                except (OSError, ValueError):
+                    log.warning("fleet action %d is gone from %s; skipped", generation, spool)
+                    continue
+                self._apply_once(doc["id"], doc["action"], doc.get("payload") or {})
+            self._seen_generation = current
+            segment.applied = current
+            return current
+
+    # --- sending -------------------------------------------------------------------------
+
+    def spread(self, action: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Spread ``action``, already applied in this worker, to the host's other workers
+        and the other routers; wait for them; the ``fleet`` section of the reply."""
+        if action not in ACTIONS:
+            raise ValueError(f"unknown fleet action {action!r}")
+        payload = payload or {}
+        action_id = uuid.uuid4().hex
+        self._remember(action_id)
+        generation = self._publish_host(action_id, action, payload)
+        expected = self._publish_redis(action_id, action, payload)
+        return self._wait(action_id, generation, expected)
+
+    def _publish_host(self, action_id: str, action: str, payload: dict[str, Any]) -> int:
+        segment, spool = self.segment, self.spool
+        if segment is None or spool is None:
+            return 0
+        doc = json.dumps({"id": action_id, "action": action, "payload": payload,
+                          "origin": self.member}).encode()
+        with segment.locked():
+            generation = segment.generation + 1
+            tmp = spool / f".{generation}.{os.getpid()}"
+            tmp.write_bytes(doc)
+            tmp.replace(spool / f"{generation}.json")
+            segment.bump_generation()
+            stale = spool / f"{generation - KEEP_FILES}.json"
+            stale.unlink(missing_ok=True)
+        with self._mutex():
+            # Everything up to ours is applied here (catch_up above, ours just now).
+            if self._seen_generation == generation - 1:
+                self._seen_generation = generation
+                segment.applied = generation
+        self.catch_up()
+        return generation
+
+    def _publish_redis(self, action_id: str, action: str, payload: dict[str, Any]) -> set[str]:
+        """PUBLISH the action; the members expected to acknowledge it."""
+        if self.redis is None:
+            return set()
+        doc = json.dumps({"id": action_id, "action": action, "payload": payload,
+                          "origin": self.member})
+        try:
+            now = time.time()
+            members = {m.decode() if isinstance(m, bytes) else str(m) for m in
+                       self.redis.zrangebyscore(self.channel + ":members", now - MEMBER_TTL,
+                                                "+inf")}
+            self.redis.sadd(self._ack_key(action_id), self.member)
+            self.redis.expire(self._ack_key(action_id), 300)
+            self.redis.publish(self.channel, doc)
+        except Exception as exc:  # Redis down: the host still got it
+            log.warning("fleet action %s not sent to other routers: %s", action, exc)
+            return set()
+        return members
+
+    def _ack_key(self, action_id: str) -> str:
+        return f"{self.channel}:ack:{action_id}"
+
+    def _wait(self, action_id: str, generation: int, expected: set[str]) -> dict[str, Any]:
+        import gevent
+
+        deadline = time.monotonic() + self.timeout
+        while True:
+            workers = self.segment.live_workers() if self.segment is not None else []
+            done = sum(1 for _slot, _pid, applied in workers if applied >= generation)
+            acked: set[str] = set()
+            if self.redis is not None and expected:
+                try:
+                    acked = {m.decode() if isinstance(m, bytes) else str(m)
+                             for m in self.redis.smembers(self._ack_key(action_id))}
+                except Exception:  # Redis went away meanwhile: report what we know
+                    acked = set()
+            complete = done >= len(workers) and expected <= acked | {self.member}
+            if complete or time.monotonic() >= deadline:
+                break
+            gevent.sleep(0.01)
+        routers = {m.split(":")[0] for m in expected | {self.member}}
+        routers_applied = {m.split(":")[0] for m in (acked & expected) | {self.member}}
+        host_workers = max(len(workers), 1)
+        return {"workers": host_workers, "workers_applied": max(done, 1),
+                "routers": len(routers), "routers_applied": len(routers_applied),
+                "complete": complete}
+
+    # --- background ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the poll greenlet and, with Redis, the subscriber (in the worker)."""
+        import gevent
+
+        if self._greenlets:
+            return
+        if self.segment is not None:
+            self._greenlets.append(gevent.spawn(self._poll))
+        if self.redis is not None:
+            self._greenlets.append(gevent.spawn(self._subscribe))
+            self._greenlets.append(gevent.spawn(self._announce))
+
+    def _poll(self) -> None:
+        import gevent
+
+        while True:
+            gevent.sleep(POLL_SECONDS)
+            try:
+                if self.segment is not None and \
+                        self.segment.generation != self._seen_generation:
+                    self.catch_up()
+            except Exception:
+                log.exception("fleet poll failed")
+
+    def _announce(self) -> None:
+        import gevent
+
+        while True:
+            try:
+                now = time.time()
+                key = self.channel + ":members"
+                self.redis.zadd(key, {self.member: now})
+                self.redis.zremrangebyscore(key, "-inf", now - MEMBER_TTL)
+                self.redis.expire(key, int(MEMBER_TTL * 4))
+            except Exception as exc:
+                log.debug("fleet membership not renewed: %s", exc)
+            gevent.sleep(MEMBER_SECONDS)
+
+    def _subscribe(self) -> None:
+        import gevent
+
+        while True:
+            pubsub = None
+            try:
+                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(self.channel)
+                while True:
+                    message = pubsub.get_message(timeout=1.0)
+                    if message is None or message.get("type") != "message":
+                        continue
+                    self._on_message(message["data"])
+            except Exception as exc:  # Redis away: resubscribe later
+                log.debug("fleet subscriber: %s; resubscribing", exc)
+                gevent.sleep(1.0)
+            finally:
+                if pubsub is not None:
+                    try:
+                        pubsub.close()
+                    except Exception:
+                        log.debug("fleet subscriber close failed", exc_info=True)
+
+    def _on_message(self, data: bytes | str) -> None:
+        try:
+            doc = json.loads(data)
+            action_id, action = str(doc["id"]), str(doc["action"])
+        except (ValueError, KeyError, TypeError):
+            log.warning("fleet: unreadable message ignored")
+            return
+        if action not in ACTIONS:
+            return
+        self.catch_up()  # a message from this host: its spool file is there already
+        with self._mutex():
+            self._apply_once(action_id, action, doc.get("payload") or {})
+        try:
+            self.redis.sadd(self._ack_key(action_id), self.member)
+        except Exception as exc:
+            log.debug("fleet ack failed: %s", exc)
+
+    def stop(self) -> None:
+        """Stop the greenlets and close the Redis client."""
+        for greenlet in self._greenlets:
+            greenlet.kill(block=False)
+        self._greenlets = []
+        if self.redis is not None:
+            from continuum.redis_topology import disconnect
+
+            disconnect(self.redis)
+
+
+def fleet_of(service: RouterService) -> FleetBus | None:
+    """The :class:`FleetBus` :func:`~continuum.web.app.create_app` gave ``service``."""
+    fleet = getattr(service, "fleet", None)
+    return fleet if isinstance(fleet, FleetBus) else None
+
+
+__all__ = ["ACTIONS", "POLL_SECONDS", "FleetBus", "fleet_of"]

@@ -1,0 +1,184 @@
+"""Scale-out through real gunicorn: admin actions reach every worker and every router, and
+in-flight counts are the host's (docs/scale-out.md)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from continuum.devtools.procs import wait_until
+from continuum.devtools.redis_server import unique_prefix
+
+pytestmark = pytest.mark.e2e
+
+BODY = json.dumps({"model": "m", "temperature": 0,
+                   "messages": [{"role": "user", "content": "What is 2+2?"}]}).encode()
+
+
+def _config(up: Any, **cache: Any) -> dict[str, Any]:
+    return {
+        "backends": [{"name": up.name, "url": up.url, "models": ["m"]}],
+        "response_cache": {"enabled": True, **cache},
+        "health_check": {"interval_seconds": 30},
+    }
+
+
+class Conn:
+    """One keep-alive connection, hence one gunicorn worker, with that worker's PID."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.http = http.client.HTTPConnection(host, int(port), timeout=10)
+        self.pid = self.get("/admin/backends")["worker_pid"]
+
+    def get(self, path: str) -> dict[str, Any]:
+        self.http.request("GET", path)
+        resp = self.http.getresponse()
+        return json.loads(resp.read())
+
+    def post(self, path: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        self.http.request("POST", path, body=body,
+                          headers={"Content-Type": "application/json"})
+        resp = self.http.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+
+    def chat(self) -> str:
+        status, headers, _ = self.post("/v1/chat/completions", BODY)
+        assert status == 200
+        return headers["x-cache"]
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def _one_per_worker(url: str, workers: int, attempts: int = 200) -> list[Conn]:
+    """Keep-alive connections, one on each worker (the kernel spreads new connections;
+    the later workers may still be booting, so this tries for a few seconds)."""
+    found: dict[int, Conn] = {}
+    spare: list[Conn] = []
+    for _ in range(attempts):
+        time.sleep(0.05)
+        conn = Conn(url)
+        if conn.pid in found:
+            spare.append(conn)
+        else:
+            found[conn.pid] = conn
+        if len(found) == workers:
+            break
+    for conn in spare:
+        conn.close()
+    assert len(found) == workers, f"only reached workers {sorted(found)}"
+    return list(found.values())
+
+
+def test_clear_all_misses_on_every_worker_memory_store(upstreams, router_factory) -> None:
+    up = upstreams("a")
+    router = router_factory(_config(up), workers=2)
+    conns = _one_per_worker(router.url, 2)
+    try:
+        for conn in conns:  # each worker has its own memory store: warm each
+            assert conn.chat() in ("MISS", "HIT")
+            assert conn.chat() == "HIT"
+        status, _, raw = conns[0].post("/admin/response-cache/invalidate",
+                                       b'{"clear_all": true}')
+        doc = json.loads(raw)
+        assert status == 200 and doc["success"] is True
+        assert doc["fleet"]["workers"] == 2 and doc["fleet"]["workers_applied"] == 2
+        # Without the fleet bus only conns[0]'s worker would miss (issue 16: HIT HIT MISS).
+        assert [conn.chat() for conn in conns] == ["MISS", "MISS"]
+        assert [conn.chat() for conn in conns] == ["HIT", "HIT"]
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_clear_all_misses_on_every_worker_of_two_routers(upstreams, router_factory,
+                                                         redis_server) -> None:
+    up = upstreams("a")
+    cache = {"backend": "redis",
+             "redis": {"url": redis_server.url, "key_prefix": unique_prefix("fleet")}}
+    routers = [router_factory(_config(up, **cache), workers=2) for _ in range(2)]
+    conns = [c for r in routers for c in _one_per_worker(r.url, 2)]
+    try:
+        for conn in conns:
+            conn.chat()
+            assert conn.chat() == "HIT"
+        # The fleet members announce themselves when their worker starts; wait for all 4.
+        client = redis.Redis.from_url(redis_server.url)
+        members = cache["redis"]["key_prefix"].rstrip(":") + ".fleet:members"
+        wait_until(lambda: client.zcard(members) == 4, "4 fleet members", 15)
+        client.close()
+        status, _, raw = conns[0].post("/admin/response-cache/invalidate",
+                                       b'{"clear_all": true}')
+        doc = json.loads(raw)
+        assert status == 200, doc
+        assert doc["fleet"]["routers"] == 2 and doc["fleet"]["routers_applied"] == 2, doc
+        assert doc["fleet"]["workers_applied"] == 2 and doc["fleet"]["complete"] is True
+        results = [conn.chat() for conn in conns]
+        # Shared Redis store: the first request after the clear misses, the rest hit its
+        # fresh entry; no worker serves the entry from before the clear.
+        assert results[0] == "MISS" and results.count("MISS") == 1
+        assert up.stats()["requests"] == 2
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_reload_and_kv_clear_reach_every_worker(upstreams, router_factory) -> None:
+    up = upstreams("a")
+    cfg = {**_config(up), "kv_cache_index": {"enabled": True}}
+    router = router_factory(cfg, workers=2)
+    conns = _one_per_worker(router.url, 2)
+    try:
+        status, _, raw = conns[1].post("/admin/kv-index/clear", b"")
+        doc = json.loads(raw)
+        assert status == 200 and doc["fleet"]["workers_applied"] == 2
+        status, _, raw = conns[0].post("/admin/config/reload", b"")
+        doc = json.loads(raw)
+        assert status == 200 and doc["fleet"] == {
+            "workers": 2, "workers_applied": 2, "routers": 1, "routers_applied": 1,
+            "complete": True}
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_in_flight_counts_are_the_hosts(upstreams, router_factory) -> None:
+    """Requests held open through one worker count in every worker's load view."""
+    up = upstreams("a")
+    router = router_factory({**_config(up), "response_cache": {"enabled": False}}, workers=2)
+    first, second = _one_per_worker(router.url, 2)
+    held: list[Conn] = []
+    try:
+        for _ in range(200):  # three more connections on the first worker
+            conn = Conn(router.url)
+            if conn.pid == first.pid:
+                held.append(conn)
+            else:
+                conn.close()
+            if len(held) == 3:
+                break
+        assert len(held) == 3
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                           "x_test": {"hang": 3}}).encode()
+        for conn in held:
+            conn.http.request("POST", "/v1/chat/completions", body=body,
+                              headers={"Content-Type": "application/json"})
+
+        def seen_by(conn: Conn) -> int:
+            doc = conn.get("/admin/backends")
+            return next(b["in_flight"] for b in doc["backends"] if b["name"] == "a")
+
+        wait_until(lambda: seen_by(second) == 3, "the other worker to see 3 in flight", 3)
+        assert seen_by(first) == 3
+        for conn in held:
+            assert conn.http.getresponse().read()
+        wait_until(lambda: seen_by(second) == 0, "the load to drop to 0", 5)
+    finally:
+        for conn in [first, second, *held]:
+            conn.close()

@@ -1,0 +1,202 @@
+"""KV events consumed once per host (memory index) or per fleet (Redis index), under a
+lease, through real gunicorn; a killed holder is replaced (docs/scale-out.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+import redis
+
+from continuum.devtools.procs import wait_until
+from tests.integration.test_fleet_e2e import Conn, _one_per_worker
+
+pytestmark = pytest.mark.e2e
+
+
+class CountingStreams:
+    """An SSE listener on 127.0.0.1 that counts its open connections per backend."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, list[bytes]] = {}
+        self.open: dict[str, int] = {}
+        self.total: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                backend = self.path.rsplit("/", 1)[-1]
+                with outer.lock:
+                    outer.open[backend] = outer.open.get(backend, 0) + 1
+                    outer.total[backend] = outer.total.get(backend, 0) + 1
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    sent = 0
+                    while not outer.stop.is_set():
+                        with outer.lock:
+                            pending = outer.queues.get(backend, [])[sent:]
+                        for record in pending:
+                            self.wfile.write(record)
+                            sent += 1
+                        self.wfile.write(b": keep-alive\n\n")  # notices a closed client
+                        self.wfile.flush()
+                        time.sleep(0.05)
+                except OSError:
+                    pass
+                finally:
+                    with outer.lock:
+                        outer.open[backend] -= 1
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, backend: str) -> str:
+        return f"http://127.0.0.1:{self.port}/events/{backend}"
+
+    def push(self, backend: str, prefix_hash: str, tokens: int = 100) -> None:
+        with self.lock:
+            queue = self.queues.setdefault(backend, [])
+            data = json.dumps({"prefix_hash": prefix_hash, "token_count": tokens})
+            queue.append(f"id: {len(queue) + 1}\nevent: cache_created\ndata: {data}\n\n"
+                         .encode())
+
+    def connections(self) -> dict[str, int]:
+        with self.lock:
+            return dict(self.open)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def streams() -> Any:
+    s = CountingStreams()
+    yield s
+    s.close()
+
+
+def _config(ups: list[Any], streams: CountingStreams, **kv: Any) -> dict[str, Any]:
+    return {
+        "backends": [{"name": u.name, "url": u.url, "models": ["m"]} for u in ups],
+        "prefix_routing": {"enabled": True},
+        "health_check": {"interval_seconds": 30},
+        "fleet": {"lease_ttl_ms": 900},
+        "kv_cache_index": {"enabled": True, "match": "seed",
+                           "approximate": {"enabled": False}, "event_sources": [
+                               {"backend_name": u.name, "endpoint": streams.url(u.name),
+                                "reconnect_interval_ms": 100} for u in ups], **kv},
+    }
+
+
+def _sources(conn: Conn) -> dict[str, dict[str, Any]]:
+    return {s["backend_name"]: s for s in conn.get("/admin/kv-index/backends")["backends"]}
+
+
+def _holders(conns: list[Conn], backend: str) -> list[Conn]:
+    return [c for c in conns if _sources(c)[backend]["connection"]["connected"]]
+
+
+def _entries(conn: Conn) -> int:
+    return int(conn.get("/admin/kv-index/stats")["index"]["entry_count"])
+
+
+def test_memory_index_one_consumer_per_host_relayed_and_taken_over(
+        upstreams, router_factory, streams) -> None:
+    ups = [upstreams("a"), upstreams("b")]
+    router = router_factory(_config(ups, streams), workers=2)
+    conns = _one_per_worker(router.url, 2)
+    try:
+        wait_until(lambda: streams.connections() == {"a": 1, "b": 1},
+                   lambda: f"one stream per backend: {streams.connections()}", 10)
+        time.sleep(1.0)  # the other worker keeps trying: still one each
+        assert streams.connections() == {"a": 1, "b": 1}
+        streams.push("a", "11" * 16)
+        streams.push("b", "22" * 16)
+        # The holder relays what it reads: every worker's memory index has both entries.
+        wait_until(lambda: [_entries(c) for c in conns] == [2, 2],
+                   lambda: f"both workers to index 2 entries: {[_entries(c) for c in conns]}",
+                   10)
+        holder = _holders(conns, "a")
+        assert len(holder) == 1
+        survivor = next(c for c in conns if c is not holder[0])
+        os.kill(holder[0].pid, signal.SIGKILL)  # a gunicorn worker this test started
+        holder[0].close()
+        conns = [survivor]
+        # flock dies with its holder: the survivor takes the stream within ttl/3 + connect.
+        wait_until(lambda: _sources(survivor)["a"]["connection"]["connected"],
+                   "the surviving worker to take the stream over", 10)
+        wait_until(lambda: streams.connections() == {"a": 1, "b": 1},
+                   lambda: f"one stream per backend again: {streams.connections()}", 10)
+        streams.push("a", "33" * 16)
+        wait_until(lambda: _entries(survivor) == 3, "the new holder to index the event", 10)
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_redis_index_one_consumer_per_fleet_and_lease_expiry(
+        upstreams, router_factory, streams, redis_server) -> None:
+    ups = [upstreams("a")]
+    prefix = f"cr:kvlease:{time.monotonic_ns()}:"
+    cfg = _config(ups, streams, backend="redis", redis_key_prefix=prefix)
+    cfg["response_cache"] = {"redis": {"url": redis_server.url}}
+    routers = [router_factory(cfg, workers=2) for _ in range(2)]
+    conns = [c for r in routers for c in _one_per_worker(r.url, 2)]
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        wait_until(lambda: streams.connections() == {"a": 1},
+                   lambda: f"one stream for the fleet: {streams.connections()}", 10)
+        time.sleep(1.0)
+        assert streams.connections() == {"a": 1}
+        lease_key = prefix.rstrip(":") + ".lease:a"
+        holder_member = client.get(lease_key).decode()
+        holder = [c for c in conns if holder_member.endswith(f":{c.pid}")]
+        assert len(holder) == 1 and _holders(conns, "a") == holder
+        writes_before = _writes(client)
+        for i in range(10):
+            streams.push("a", f"{i:032x}")
+        # Every worker of both routers reads the one copy in Redis.
+        wait_until(lambda: all(_entries(c) == -1 for c in conns) and
+                   client.exists(prefix + f"{9:032x}") == 1, "the events in Redis", 10)
+        # One holder writes: each event's write commands ran once, not once per worker.
+        per_event = (_writes(client) - writes_before) / 10
+        assert per_event < 8, per_event
+        os.kill(holder[0].pid, signal.SIGKILL)
+        holder[0].close()
+        conns.remove(holder[0])
+        # Nobody renews the dead holder's lease: it expires (900 ms) and another takes it.
+        wait_until(lambda: client.get(lease_key) not in (None, holder_member.encode()),
+                   "another worker to take the expired lease", 10)
+        wait_until(lambda: len(_holders(conns, "a")) == 1 and streams.connections() == {"a": 1},
+                   lambda: f"one new consumer: {streams.connections()}", 10)
+    finally:
+        client.close()
+        for conn in conns:
+            conn.close()
+
+
+def _writes(client: Any) -> int:
+    """Write commands Redis has run (ZADD, SET, HSET, EXPIRE, EVALSHA, ... from INFO)."""
+    stats = client.info("commandstats")
+    writes = ("cmdstat_zadd", "cmdstat_set", "cmdstat_hset", "cmdstat_expire",
+              "cmdstat_evalsha", "cmdstat_zrem", "cmdstat_del", "cmdstat_unlink",
+              "cmdstat_hdel", "cmdstat_sadd")
+    return sum(int(stats.get(name, {}).get("calls", 0)) for name in writes)

@@ -1,0 +1,100 @@
+"""The host segment: worker slots, shared in-flight counts, dead workers swept (real
+processes sharing one mmap'd file)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from continuum.config import BackendConfig
+from continuum.hostshm import HostSegment, create
+from continuum.routing.backends import Backend
+
+CHILD = """
+import sys, time
+from continuum.hostshm import HostSegment
+seg = HostSegment(sys.argv[1])
+col = seg.column("b")
+seg.words[seg.cell(col)] = int(sys.argv[2])
+print(seg.slot, flush=True)
+time.sleep(60)
+"""
+
+
+def _child(directory: Path, count: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(directory), str(count)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proc.stdout.readline()  # its slot is claimed and its count written
+    return proc
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.kill()
+    proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def test_counts_add_up_across_processes_and_dead_rows_are_swept(tmp_path: Path) -> None:
+    create(tmp_path)
+    seg = HostSegment(tmp_path)
+    backend = Backend(BackendConfig(name="b", url="http://127.0.0.1:1"))
+    backend.share_load(seg)
+    backend.acquire()
+    backend.acquire()
+    children = [_child(tmp_path, 3), _child(tmp_path, 4)]
+    try:
+        assert backend.in_flight == 2 + 3 + 4
+        assert backend.local_in_flight == 2
+        assert len({slot for slot, _pid, _gen in seg.live_workers()}) == 3
+        _stop(children[0])  # a worker that dies holding requests
+        assert seg.sweep() == 1
+        assert backend.in_flight == 2 + 4
+        backend.release()
+        assert backend.in_flight == 1 + 4
+        backend.in_flight = 10  # tests set the host's total; this worker's share moves
+        assert backend.in_flight == 10 and backend.local_in_flight == 6
+    finally:
+        for child in children:
+            _stop(child)
+    seg.release()
+
+
+def test_a_new_worker_takes_a_dead_slot_wiped(tmp_path: Path) -> None:
+    seg = HostSegment(tmp_path)
+    col = seg.column("b")
+    dead = _child(tmp_path, 7)
+    assert seg.host_total(col) == 7
+    _stop(dead)
+    fresh = _child(tmp_path, 0)  # claims the dead worker's slot: its 7 must not count
+    try:
+        assert seg.host_total(col) == 0
+        assert [pid for _slot, pid, _gen in seg.live_workers()] == [seg.pid, fresh.pid]
+    finally:
+        _stop(fresh)
+        seg.release()
+
+
+def test_backend_columns_are_shared_by_name(tmp_path: Path) -> None:
+    one, two = HostSegment(tmp_path), HostSegment(tmp_path, pid=1)
+    assert one.column("x") == two.column("x") != one.column("y")
+    assert one.column("y") == two.column("y")
+    one.release()
+
+
+def test_fresh_segment_forgets_the_previous_run(tmp_path: Path) -> None:
+    old = HostSegment(tmp_path)
+    old.words[old.cell(old.column("b"))] = 5
+    old.bump_generation()
+    (tmp_path / "fleet").mkdir()
+    (tmp_path / "fleet" / "1.json").write_text("{}")
+    host_id = old.host_id
+    old.close()
+    create(tmp_path, fresh=True)  # the master at start-up
+    new = HostSegment(tmp_path)
+    assert new.generation == 0 and new.host_total(new.column("b")) == 0
+    assert new.host_id != host_id and not list((tmp_path / "fleet").glob("*.json"))
+    create(tmp_path)  # a worker finding a valid segment keeps it
+    assert HostSegment(tmp_path).host_id == new.host_id
