@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 from prometheus_client import CollectorRegistry
 
@@ -45,6 +46,10 @@ class BusSourceConsumer(SourceConsumer):
         runtime_dir: Where ``bus-local.json`` is (``$CONTINUUM_RUNTIME_DIR``).
         (the rest as :class:`SourceConsumer`)
     """
+
+    #: Every worker reads the host's bus over loopback (the bus process holds the one
+    #: session per listener), so no KV lease applies.
+    leased: ClassVar[bool] = False
 
     def __init__(self, *args: object, runtime_dir: str | None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

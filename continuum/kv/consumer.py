@@ -270,6 +270,10 @@ class SourceConsumer:
         self._closer: Callable[[], None] | None = None
         self._delivered = 0
 
+    #: Whether a KV lease (:mod:`continuum.kv.lease`) decides which worker runs this
+    #: consumer; False: every worker runs its own (push mode's bus consumers).
+    leased: ClassVar[bool] = True
+
     def fresh(self) -> SourceConsumer:
         """A new idle consumer of the same stream into the same index (after a stop)."""
         return SourceConsumer(self.source, self.index, self.metrics, self.clock,

@@ -235,8 +235,11 @@ class LeasedConsumers:
         if self.relay is not None:
             relay = self.relay
             self._handles.append(spawn(lambda: relay.serve(manager)))
-        for index in range(len(manager.consumers)):
-            self._handles.append(spawn(partial(self._supervise, manager, index, spawn)))
+        for index, consumer in enumerate(manager.consumers):
+            if consumer.leased:
+                self._handles.append(spawn(partial(self._supervise, manager, index, spawn)))
+            else:  # push mode: every worker reads its host's bus
+                self._handles.append(consumer.start(spawn))
         return self._handles
 
     def _supervise(self, manager: KvEventConsumerManager, index: int, spawn: Spawn) -> None:

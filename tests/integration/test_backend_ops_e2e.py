@@ -45,7 +45,7 @@ def _config(*backends: dict[str, Any], timeout_ms: int = 1500) -> dict[str, Any]
                              "unhealthy_threshold": 1, "healthy_threshold": 1}}
 
 
-def _views(router: RouterProcess, rounds: int = 12) -> dict[int, dict[str, dict[str, Any]]]:
+def _views(router: RouterProcess, rounds: int = 30) -> dict[int, dict[str, dict[str, Any]]]:
     """``/admin/backends`` per worker pid (several calls, to reach both workers)."""
     seen: dict[int, dict[str, dict[str, Any]]] = {}
     for _ in range(rounds):
@@ -101,7 +101,9 @@ def test_backends_a_reload_adds_are_unprobed_until_a_check_passes(
         report = _reload(router, _config(
             {"name": "a", "url": a.url, "models": ["m"]},
             {"name": "dead", "url": dead, "models": ["m"]},
-            {"name": "silent", "url": silent, "models": ["m"]}, timeout_ms=4000))
+            # were a request sent there, it would fail in 5 s instead of hanging the test
+            {"name": "silent", "url": silent, "models": ["m"], "request_timeout_ms": 5000},
+            timeout_ms=4000))
         assert report["applied"] == ["backends.dead", "backends.silent"]
         assert "backends" not in report["restart_required"]
         # The receiving worker: the silent one's first probe is still waiting.
