@@ -124,6 +124,7 @@ class RouterService:
             metrics,
             retry_connect_errors=config.pool.retry_connect_errors,
             on_result=self.health.observe,
+            await_probes=self.health.await_first_results,
             max_response_bytes=config.server.max_upstream_response_bytes,
             max_stream_seconds=config.server.max_stream_duration_seconds,
         )

@@ -29,7 +29,9 @@ class Backend:
         healthy: current verdict of the active health checks.
         probed: False until the first health check result: a backend added or changed by
             a reload starts unprobed and unhealthy, so it takes no request before a probe
-            passes (the ones configured at start are assumed healthy until probed).
+            passes; so does every backend once a worker starts its health checks
+            (:meth:`~continuum.routing.health.HealthMonitor.start`). Built here, outside a
+            worker (no checks running), a backend is assumed healthy.
         draining: taken out of rotation by ``POST /admin/backends/{name}/drain``: no new
             requests; the ones in flight finish.
         latency_ewma: exponentially weighted mean of request latency in seconds (None until

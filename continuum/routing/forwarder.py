@@ -128,6 +128,8 @@ class Upstream:
 
 
 PassiveHealth = Callable[["Backend", bool], None]
+#: Waits for the first probe results of unprobed backends (see ``Forwarder.candidates``).
+AwaitProbes = Callable[[Sequence["Backend"]], None]
 
 
 class Forwarder:
@@ -141,6 +143,7 @@ class Forwarder:
         *,
         retry_connect_errors: bool = True,
         on_result: PassiveHealth | None = None,
+        await_probes: AwaitProbes | None = None,
         maxsize: int = 64,
         max_response_bytes: int | None = None,
         max_stream_seconds: float = 0.0,
@@ -153,6 +156,7 @@ class Forwarder:
         #: Longest a stream is relayed, in seconds (0: unlimited).
         self.max_stream_seconds = max_stream_seconds
         self.on_result = on_result
+        self.await_probes = await_probes
         self._pools: dict[str, upstream_http.ConnectionPool] = {}
         self._maxsize = maxsize
         for backend in pool:  # at zero from the start: a rate() of 0, not "no data"
@@ -190,7 +194,9 @@ class Forwarder:
             cp.clear()
 
     def candidates(self, ctx: RequestContext) -> list[Backend]:
-        """Healthy backends for ``ctx.model``.
+        """Healthy backends for ``ctx.model``. When none is healthy yet but some have no
+        probe result (a worker that just started, or backends a reload added), it waits for
+        their first results (``await_probes``) before giving up.
 
         Raises:
             ModelNotFoundError: no enabled backend serves the model at all.
@@ -199,11 +205,17 @@ class Forwarder:
         found = self.pool.candidates(ctx.model, ctx.protocol)
         if found:
             return found
-        if not self.pool.serving(ctx.model, ctx.protocol):
+        serving = self.pool.serving(ctx.model, ctx.protocol)
+        if not serving:
             raise ModelNotFoundError(
                 f"The model '{ctx.model}' does not exist or is not served by this router",
                 param="model",
             )
+        if self.await_probes is not None and not all(b.probed for b in serving):
+            self.await_probes(serving)
+            found = self.pool.candidates(ctx.model, ctx.protocol)
+            if found:
+                return found
         raise NoHealthyBackendError(f"no healthy backend for model '{ctx.model}'")
 
     def may_retry(self, candidates: Sequence[Backend]) -> bool:

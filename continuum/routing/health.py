@@ -3,7 +3,11 @@
 Invariants:
   * A backend is either ``healthy`` or not; only :meth:`HealthTracker.observe` changes it.
   * One added or changed by a reload starts ``unprobed`` (not healthy, takes no request);
-    its first probe result, pass or fail, makes it healthy or unhealthy.
+    its first probe result, pass or fail, makes it healthy or unhealthy. So does every
+    backend of a worker that starts with health checks on: a worker booting after the
+    config file changed must not trust a backend no worker has probed yet. A request that
+    finds only unprobed backends waits for their first results (at most two probe
+    timeouts) rather than failing at once.
   * ``unhealthy_threshold`` consecutive failures take a healthy backend out;
     ``healthy_threshold`` consecutive successes put an unhealthy one back. A result of the
     other kind resets the streak.
@@ -27,7 +31,8 @@ Transitions (state, event) → state:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import requests
@@ -96,6 +101,8 @@ class HealthMonitor:
         self._session = session_factory()
         self._greenlet: Any = None
         self._started = False
+        # Set (and replaced) whenever an unprobed backend gets its first result.
+        self._first_result: Any = None
         for backend in pool:
             self._publish(backend)
 
@@ -145,7 +152,12 @@ class HealthMonitor:
             return
         if tracker.backend is not backend:
             return  # a result for a backend object a reload has replaced
+        first = not backend.probed
         changed = tracker.observe(ok)
+        if first:
+            event, self._first_result = self._first_result, None
+            if event is not None:
+                event.set()
         if changed is not None:
             state = "healthy" if changed else "unhealthy"
             log.warning("backend %s is now %s", backend.name, state)
@@ -205,11 +217,35 @@ class HealthMonitor:
         backends = [b for b in self.pool if b.config.enabled]
         gevent.joinall([gevent.spawn(self.probe, b) for b in backends])
 
+    def await_first_results(self, backends: Sequence[Backend]) -> None:
+        """Wait until one of ``backends`` is healthy or none is still unprobed, at most two
+        probe timeouts (a probe's connect and its read are bounded apart). Returns at once
+        when no probe is coming (checks off, or not started in this process)."""
+        if not (self._started and self.config.enabled and self._greenlet is not None):
+            return
+        from gevent.event import Event
+
+        deadline = time.monotonic() + 2 * self.config.timeout_ms / 1000
+        while not any(b.healthy and not b.draining for b in backends) and any(
+                not b.probed and b.config.enabled for b in backends):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self._first_result is None:
+                self._first_result = Event()
+            self._first_result.wait(left)
+
     def start(self) -> None:
-        """Start the probing greenlet (call in the worker, after the fork)."""
-        self._started = True
+        """Start the probing greenlet (call in the worker, after the fork). On the first
+        start every enabled backend becomes unprobed: the first round decides."""
+        first, self._started = not self._started, True
         if not self.config.enabled or self._greenlet is not None:
             return
+        if first:
+            for backend in self.pool:
+                if backend.config.enabled and backend.probed:
+                    backend.probed = backend.healthy = False
+                    self._publish(backend)
         import gevent
 
         def loop() -> None:

@@ -147,3 +147,65 @@ def test_pipeline_skips_scorers_without_prefix_and_rejects_empty() -> None:
     assert scorer.prepared == 0
     with pytest.raises(NoHealthyBackendError):
         pipeline.select([], make_context())
+
+
+class _ProbeSession:
+    """Answers probes after ``delay`` seconds (a gevent sleep): 200 for the URLs in ``up``,
+    a connection error for the rest."""
+
+    def __init__(self, up: set[str], delay: float) -> None:
+        self.up, self.delay, self.calls = up, delay, 0
+
+    def get(self, url: str, **_: object) -> object:
+        import gevent
+        import requests
+
+        self.calls += 1
+        gevent.sleep(self.delay)
+        if not any(url.startswith(u) for u in self.up):
+            raise requests.ConnectionError("refused")
+        return type("R", (), {"status_code": 200})()
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_started_monitor_trusts_no_backend_before_its_first_probe() -> None:
+    cfgs = [BackendConfig(name=n, url=f"http://{n}:1", models=("m",)) for n in "ab"]
+    pool = BackendPool(Backend(c) for c in cfgs)
+    a, b = pool
+    session = _ProbeSession({"http://a:1"}, delay=0.05)
+    monitor = HealthMonitor(pool, HealthCheckConfig(interval_seconds=60, timeout_ms=1000),
+                            session_factory=lambda: session)  # type: ignore[arg-type,return-value]
+    # Not started (no probe is coming): nothing to wait for, the backends stay trusted.
+    monitor.await_first_results([a, b])
+    assert (a.state, b.state, session.calls) == ("healthy", "healthy", 0)
+    monitor.start()
+    try:
+        assert (a.state, a.healthy, b.state, b.healthy) == ("unprobed", False, "unprobed", False)
+        monitor.await_first_results([a, b])  # returns once a (the live one) is probed
+        assert (a.state, b.state) == ("healthy", "unhealthy")
+    finally:
+        monitor.stop()
+
+
+def test_a_request_finding_only_unprobed_backends_waits_for_their_first_probe() -> None:
+    from continuum.metrics import RouterMetrics
+    from continuum.routing.forwarder import Forwarder
+
+    cfgs = [BackendConfig(name=n, url=f"http://{n}:1", models=("m",)) for n in "ab"]
+    pool = BackendPool(Backend(c) for c in cfgs)
+    monitor = HealthMonitor(pool, HealthCheckConfig(interval_seconds=60, timeout_ms=1000),
+                            session_factory=lambda: _ProbeSession(  # type: ignore[arg-type,return-value]
+                                {"http://b:1"}, delay=0.05))
+    forwarder = Forwarder(pool, RouterMetrics(), await_probes=monitor.await_first_results)
+    monitor.start()
+    try:
+        ctx = make_context(model="m")
+        assert [x.name for x in forwarder.candidates(ctx)] == ["b"]
+        # Every backend probed and none healthy: no more waiting, a clear 503.
+        pool.get("b").healthy = False  # type: ignore[union-attr]
+        with pytest.raises(NoHealthyBackendError):
+            forwarder.candidates(ctx)
+    finally:
+        monitor.stop()
