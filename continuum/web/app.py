@@ -38,7 +38,7 @@ from continuum.web.http import (
     serialize_http_error,
 )
 from continuum.web.observe import Observer, configure_access_log
-from continuum.web.reload import ConfigReloader
+from continuum.web.reload import ConfigReloader, config_state
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +231,7 @@ def get_app() -> RouterApp:
     path = os.environ.get(CONFIG_ENV)
     if not path:
         raise ConfigError([ConfigIssue("<file>", f"set ${CONFIG_ENV} to the config file")])
+    seen = config_state(path)  # before the read: a change while this worker boots is seen
     result = check_config_file(path, registry)
     if result.config is None:
         raise ConfigError(result.errors, path)
@@ -245,7 +246,7 @@ def get_app() -> RouterApp:
     metrics = RouterMetrics()
     metrics.workers.set(1)
     service = RouterService(config, registry=registry, metrics=metrics)
-    reloader = ConfigReloader(service, path)
+    reloader = ConfigReloader(service, path, seen)
     app = create_app(config, registry=registry, metrics=metrics, service=service,
                      reloader=reloader)
     service.start()

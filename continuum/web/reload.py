@@ -35,25 +35,48 @@ def _signature(path: Path) -> tuple[int, int] | None:
     return st.st_mtime_ns, st.st_size
 
 
-class ConfigReloader:
-    """Reloads ``path`` into ``service``; optionally watches it from a greenlet."""
+def _generation_file() -> Path | None:
+    runtime = os.environ.get(RUNTIME_DIR_ENV)
+    return Path(runtime) / _GENERATION_FILE if runtime else None
 
-    def __init__(self, service: RouterService, path: str | os.PathLike[str]) -> None:
+
+def _read_generation(generation_file: Path | None) -> str | None:
+    if generation_file is None:
+        return None
+    try:
+        return generation_file.read_text()
+    except OSError:
+        return None
+
+
+Seen = tuple[tuple[int, int] | None, str | None]
+
+
+def config_state(path: str | os.PathLike[str]) -> Seen:
+    """What the watcher compares: the file's signature and the shared reload generation.
+    Take it *before* reading the config a worker starts with: a change made while the
+    worker boots is then still a change to its watcher."""
+    return _signature(Path(path)), _read_generation(_generation_file())
+
+
+class ConfigReloader:
+    """Reloads ``path`` into ``service``; optionally watches it from a greenlet.
+
+    ``seen``: the :func:`config_state` from before the running config was read (default:
+    now, which misses a change made between that read and this call).
+    """
+
+    def __init__(self, service: RouterService, path: str | os.PathLike[str],
+                 seen: Seen | None = None) -> None:
         self.service = service
         self.path = Path(path)
-        runtime = os.environ.get(RUNTIME_DIR_ENV)
-        self.generation_file = Path(runtime) / _GENERATION_FILE if runtime else None
-        self._seen = (_signature(self.path), self._generation())
+        self.generation_file = _generation_file()
+        self._seen = seen if seen is not None else config_state(self.path)
         self._greenlet: Any = None
         self.reloads = 0
 
     def _generation(self) -> str | None:
-        if self.generation_file is None:
-            return None
-        try:
-            return self.generation_file.read_text()
-        except OSError:
-            return None
+        return _read_generation(self.generation_file)
 
     def reload(self, *, broadcast: bool = False) -> ReloadReport:
         """Read the file and apply it.
