@@ -15,6 +15,9 @@ with a JSON error body and is closed. The body's own deadline is the application
 ``continuum.gunicorn_conf`` selects this worker (``worker_class``), and puts it back when
 ``-k gevent`` on the command line asked for gunicorn's plain one.
 
+Request heads are read by :class:`~continuum.wire.request_head.FastRequest` (a strict fast
+path in front of gunicorn's parser, which judges everything outside it).
+
 It also saves a send per answer: gunicorn writes a response head and its body with two
 ``sendall`` calls (two trips through the loopback TCP stack, about a tenth of the router's
 CPU per small request). :class:`_CoalescingSocket` holds the head back until the body's
@@ -26,15 +29,18 @@ is never delayed past the moment the worker would otherwise sit idle.
 from __future__ import annotations
 
 import contextlib
+import os
 from types import TracebackType
 from typing import Any
 
 import gevent
 from gevent import get_hub
 from gevent.socket import wait_read
+from gunicorn.http.parser import RequestParser
 from gunicorn.workers.ggevent import GeventWorker as _GunicornGeventWorker
 
 from continuum.config import ServerConfig
+from continuum.wire.request_head import FastRequest
 
 #: The Python path gunicorn loads this worker by (``worker_class``).
 WORKER_CLASS = "continuum.gunicorn_worker.GeventWorker"
@@ -44,19 +50,24 @@ _ANSWER_SECONDS = 1.0
 
 
 class _Connection:
-    """What the header deadline needs to know about the connection one greenlet serves."""
+    """What the header deadline needs to know about the connection one greenlet serves,
+    and the two timers it reuses for every request on it (a request costs no allocation
+    of watchers or timers: each is started and cancelled in place)."""
 
-    __slots__ = ("addr", "buffered", "requests", "sock")
+    __slots__ = ("addr", "buffered", "header_timer", "idle_timer", "requests", "sock")
 
     def __init__(self, sock: Any, addr: Any) -> None:
         self.sock = sock
         self.addr = addr
         self.requests = 0  # requests served so far on this connection
         self.buffered = False  # bytes of the next request already read (pipelining)
+        self.header_timer = gevent.Timeout(1.0)  # its seconds are set on each start
+        self.idle_timer: gevent.Timeout | None = None  # made at the first kept-alive wait
 
 
 class _HeaderDeadline:
-    """The context gunicorn reads one request's header in (``with worker.timeout_ctx()``).
+    """The context gunicorn reads one request's header in (``with worker.timeout_ctx()``);
+    one per connection, entered once per request.
 
     On a kept-alive connection it first waits up to ``keepalive`` seconds for the next
     request's first byte (none: ``StopIteration``, which gunicorn takes as "close quietly");
@@ -64,32 +75,61 @@ class _HeaderDeadline:
     the timer's exception suppressed, which leaves gunicorn without a request: it closes.
     """
 
-    def __init__(self, worker: GeventWorker, conn: _Connection, idle: float,
-                 seconds: float) -> None:
+    __slots__ = ("conn", "seconds", "worker")
+
+    def __init__(self, worker: GeventWorker, conn: _Connection) -> None:
         self.worker = worker
         self.conn = conn
-        self.idle = idle
-        self.seconds = seconds
-        self.timer = gevent.Timeout(seconds)
+        self.seconds = 0.0
 
     def __enter__(self) -> None:
-        if self.conn.requests and not self.conn.buffered:
-            try:
-                wait_read(self.conn.sock.fileno(), timeout=self.idle)
-            except TimeoutError:
-                raise StopIteration("keep-alive timeout") from None
-        self.timer.start()
+        conn = self.conn
+        if conn.requests and not conn.buffered:
+            _wait_readable(conn, self.worker.cfg.keepalive)
+        self.seconds = seconds = self.worker.header_timeout()
+        timer = conn.header_timer
+        timer.seconds = seconds
+        timer.start()
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool:
-        self.timer.close()
-        if exc is not self.timer:
+        timer = self.conn.header_timer
+        timer.cancel()
+        if exc is not timer:
             return False
         self.worker.log.info("client %s: no complete request header within %g s; 408",
                              self.conn.addr, self.seconds)
         _answer_timeout(self.conn.sock, f"request header not received within "
                                         f"{self.seconds:g} s")
         return True
+
+
+def _wait_readable(conn: _Connection, idle: float) -> None:
+    """Wait up to ``idle`` seconds for the next request's first byte on a kept-alive
+    connection; ``StopIteration`` when none comes. Waits on the gevent socket's own read
+    watcher with the connection's reused timer (``wait_read`` would make a new watcher
+    and a new timer for every request)."""
+    sock = conn.sock
+    watcher = getattr(sock, "_read_event", None)
+    if watcher is None:  # not a gevent socket (tests, other servers): the public way
+        try:
+            wait_read(sock.fileno(), timeout=idle)
+        except TimeoutError:
+            raise StopIteration("keep-alive timeout") from None
+        return
+    timer = conn.idle_timer
+    if timer is None:
+        timer = conn.idle_timer = gevent.Timeout(idle)
+    timer.seconds = idle
+    timer.start()
+    try:
+        get_hub().wait(watcher)
+    except gevent.Timeout as exc:
+        if exc is not timer:
+            raise
+        raise StopIteration("keep-alive timeout") from None
+    finally:
+        timer.cancel()
 
 
 def _answer_timeout(sock: Any, message: str) -> None:
@@ -172,16 +212,29 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._connections: dict[Any, _Connection] = {}
+        self._deadlines: dict[Any, _HeaderDeadline] = {}
+        self._router: Any = None  # the RouterApp served, once known (None: not yet looked)
+
+    def init_process(self) -> None:
+        """In the worker process: HTTP/1 request heads are read by
+        :class:`~continuum.wire.request_head.FastRequest` (gunicorn's own request class
+        with a strict fast path in front of its parser; anything outside that path is
+        gunicorn's to parse, as before). gunicorn's parser makes its requests from the
+        ``mesg_class`` of its class; there is no per-worker hook for it."""
+        RequestParser.mesg_class = FastRequest
+        super().init_process()
 
     def handle(self, listener: Any, client: Any, addr: Any) -> None:
         """Serve one connection (in its own greenlet), remembering it for
         :meth:`timeout_ctx`."""
         me = gevent.getcurrent()
-        self._connections[me] = _Connection(client, addr)
+        conn = self._connections[me] = _Connection(client, addr)
+        self._deadlines[me] = _HeaderDeadline(self, conn)
         try:
             super().handle(listener, client, addr)
         finally:
             del self._connections[me]
+            del self._deadlines[me]
 
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> Any:
         """Serve one request; then note whether the next one has already begun arriving."""
@@ -194,21 +247,26 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
             if conn is not None:
                 conn.requests += 1
                 buf = getattr(getattr(req, "unreader", None), "buf", None)
-                conn.buffered = buf is None or bool(buf.getvalue())
+                # The unread bytes: seek to the end reports their count without copying
+                # them (the unreader seeks there itself before every read).
+                conn.buffered = buf is None or buf.seek(0, os.SEEK_END) > 0
 
     def timeout_ctx(self) -> Any:
         """The deadline for reading the next request's header (see the module doc)."""
-        conn = self._connections.get(gevent.getcurrent())
-        if conn is None:  # not a connection of handle(): gunicorn's own keep-alive timer
+        deadline = self._deadlines.get(gevent.getcurrent())
+        if deadline is None:  # not a connection of handle(): gunicorn's own keep-alive timer
             return super().timeout_ctx()
-        return _HeaderDeadline(self, conn, self.cfg.keepalive,
-                               self._server_config().client_header_timeout_seconds)
+        return deadline
 
-    def _server_config(self) -> ServerConfig:
-        """The running ``server`` section (reloads included), or its defaults when the
-        worker serves some other application."""
-        from continuum.web.app import RouterApp
+    def header_timeout(self) -> float:
+        """``server.client_header_timeout_seconds`` of the running config (reloads
+        included), or its default when the worker serves some other application."""
+        router = self._router
+        if router is None:
+            from continuum.web.app import RouterApp
 
-        if isinstance(self.wsgi, RouterApp):
-            return self.wsgi.service.config.server
-        return ServerConfig()
+            router = self._router = self.wsgi if isinstance(self.wsgi, RouterApp) else False
+        if router is False:
+            return ServerConfig.client_header_timeout_seconds
+        seconds: float = router.service.config.server.client_header_timeout_seconds
+        return seconds

@@ -1,0 +1,119 @@
+"""Instructions the router worker executes per request, under callgrind: a count that does
+not move with what else runs on the machine (router CPU ms/request does, by +-10% or more on
+a shared one), to compare two versions of the hot path.
+
+Run::
+
+    python -m tools.bench.instructions [--router-src DIR] [ns32 ns1 s1 long1 ...]
+
+Phases: ``ns<c>`` non-streaming at concurrency c, ``s<c>`` 8-record streams, ``long<c>``
+200-record streams with 1 ms between records (reported per record; run these on their own:
+the upstream is started for the phases' shape). The router (PrefixAwareHash, prefix
+routing on, one worker) runs under ``valgrind --tool=callgrind``; after a warm-up its
+counters are zeroed, the phase runs, and the dumped total is divided by the requests. User
+space only: syscalls count as the instructions that make them. Background greenlets (health,
+fleet poll) run by wall time, so the long-stream figure moves a little between runs. Needs
+valgrind (``apt-get install valgrind``); a few minutes per phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+from continuum.devtools.procs import Child, free_port
+from tools.bench import overhead as ob
+
+COUNTS = {"ns": 2000, "s": 500, "long": 10}
+
+
+def _total(files: list[str]) -> int:
+    total = 0
+    for path in files:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(("summary:", "totals:")):
+                    total = max(total, int(line.split()[1]))
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.instructions")
+    parser.add_argument("phases", nargs="*", default=["ns32"])
+    parser.add_argument("--router-src", default=str(ob.ROOT))
+    args = parser.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="continuum-instr-"))
+    long = any(p.startswith("long") for p in args.phases)
+    chunks = 200 if long else 8
+    children: list[Child] = []
+    try:
+        upstream, up_port = ob.start_upstream(tmp, chunks, 1.0 if long else 0.0)
+        children.append(upstream)
+        port = free_port()
+        config = tmp / "router.yaml"
+        config.write_text(json.dumps({
+            "server": {"bind": f"127.0.0.1:{port}", "workers": 1, "log_level": "warning"},
+            "health_check": {"enabled": True, "interval_seconds": 3600},
+            "backends": [{"name": "bench", "url": f"http://127.0.0.1:{up_port}",
+                          "models": [ob.MODEL]}],
+            **ob.PREFIX_ROUTING}))
+        (tmp / "metrics").mkdir()
+        env = ob._child_env(args.router_src)
+        env["CONTINUUM_CONFIG"] = str(config)
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp / "metrics")
+        argv_ = ["valgrind", "--tool=callgrind", "--trace-children=yes",
+                 f"--callgrind-out-file={tmp}/cg.%p", ob.PYTHON, "-m", "gunicorn", "-c",
+                 "python:continuum.gunicorn_conf", "continuum.app:get_app()"]
+        router = Child(argv_, tmp / "router.log", name="router", env=env, cwd=tmp)
+        children.append(router)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=30).ok:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        else:
+            raise ob.BenchError("the router under valgrind did not come up:\n"
+                                + router.log_tail())
+        worker = ob.children_of(router.pid)[0]
+        for phase in args.phases:
+            kind = phase.rstrip("0123456789")
+            stream, conc = kind != "ns", int(phase[len(kind):])
+            conns = [ob.Conn(port, timeout=120) for _ in range(conc)]
+            payload = ob.build_request(port, stream)
+            ob.Load(conns, payload, stream, True).run(max(20, 5 * conc), 900)
+            subprocess.run(["callgrind_control", "-z", str(worker)], capture_output=True,
+                           check=True)
+            load = ob.Load(conns, payload, stream, True)
+            load.run(COUNTS[kind], 900)
+            done = len(load.latencies) + load.errors
+            for path in glob.glob(f"{tmp}/cg.{worker}*"):
+                Path(path).unlink()
+            subprocess.run(["callgrind_control", "-d", str(worker)], capture_output=True,
+                           check=True)
+            time.sleep(1)
+            per = _total(glob.glob(f"{tmp}/cg.{worker}*")) / done
+            unit = "request"
+            if kind == "long":
+                per, unit = per / chunks, "record"
+            print(f"{phase:<7} {done} requests ({load.errors} failed): "
+                  f"{per / 1e3:.1f} k instructions per {unit}", flush=True)
+            for c in conns:
+                c.close()
+    finally:
+        for child in reversed(children):
+            child.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
