@@ -136,13 +136,18 @@ class AnthropicModelsResource:
 
 
 class HealthResource:
-    """``GET /health``: 200 while at least one routable backend is healthy, else 503."""
+    """``GET /health``: 200 while at least one routable backend is healthy, else 503. Like
+    a request, it first waits for the first probe results when no backend is healthy yet
+    but some are unprobed (a worker that just started): a live fleet is not reported down
+    for the milliseconds its first probes take."""
 
     def __init__(self, service: RouterService) -> None:
         self.service = service
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         routable = self.service.pool.routable()
+        if not any(b.healthy for b in routable):
+            self.service.health.await_first_results(routable)
         healthy = sum(1 for b in routable if b.healthy)
         ok = healthy > 0
         resp.status = 200 if ok else 503
