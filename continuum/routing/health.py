@@ -5,9 +5,12 @@ Invariants:
   * One added or changed by a reload starts ``unprobed`` (not healthy, takes no request);
     its first probe result, pass or fail, makes it healthy or unhealthy. So does every
     backend of a worker that starts with health checks on: a worker booting after the
-    config file changed must not trust a backend no worker has probed yet. A request that
-    finds only unprobed backends waits for their first results (at most two probe
-    timeouts) rather than failing at once.
+    config file changed must not trust a backend no worker has probed yet. The worker
+    waits up to a second for its first round before serving (:meth:`HealthMonitor.
+    await_startup`), and a request that finds only unprobed backends waits for their first
+    results (at most two probe timeouts) rather than failing at once.
+  * A first result that finds a backend healthy is not counted as a transition (it is the
+    state expected); one that finds it unhealthy is.
   * ``unhealthy_threshold`` consecutive failures take a healthy backend out;
     ``healthy_threshold`` consecutive successes put an unhealthy one back. A result of the
     other kind resets the streak.
@@ -158,6 +161,10 @@ class HealthMonitor:
             event, self._first_result = self._first_result, None
             if event is not None:
                 event.set()
+            if ok:  # the state expected of a backend, not a change worth counting
+                log.info("backend %s passed its first health check", backend.name)
+                self._publish(backend)
+                return
         if changed is not None:
             state = "healthy" if changed else "unhealthy"
             log.warning("backend %s is now %s", backend.name, state)
@@ -228,6 +235,23 @@ class HealthMonitor:
         deadline = time.monotonic() + 2 * self.config.timeout_ms / 1000
         while not any(b.healthy and not b.draining for b in backends) and any(
                 not b.probed and b.config.enabled for b in backends):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self._first_result is None:
+                self._first_result = Event()
+            self._first_result.wait(left)
+
+    def await_startup(self, seconds: float) -> None:
+        """Wait until every enabled backend has its first result, at most ``seconds``
+        (a worker calls it once before serving, so its first requests see every live
+        backend; one still unprobed after it stays out until its probe answers)."""
+        if not (self._started and self.config.enabled and self._greenlet is not None):
+            return
+        from gevent.event import Event
+
+        deadline = time.monotonic() + seconds
+        while any(not b.probed and b.config.enabled for b in self.pool):
             left = deadline - time.monotonic()
             if left <= 0:
                 return

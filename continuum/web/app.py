@@ -230,6 +230,10 @@ def create_app(
     return app
 
 
+#: Longest a starting worker waits for its first health check round before serving.
+_STARTUP_PROBE_SECONDS = 1.0
+
+
 def get_app() -> RouterApp:
     """Entry point for gunicorn: load ``$CONTINUUM_CONFIG``, build the app, start greenlets."""
     registry = PluginRegistry()
@@ -255,6 +259,9 @@ def get_app() -> RouterApp:
     app = create_app(config, registry=registry, metrics=metrics, service=service,
                      reloader=reloader)
     service.start()
+    # Every backend is unprobed until this worker's first health check round: let the live
+    # ones answer before the first request (a silent one does not hold the boot longer).
+    service.health.await_startup(_STARTUP_PROBE_SECONDS)
     app.drain.start()
     fleet = fleet_of(service)
     if fleet is not None:
