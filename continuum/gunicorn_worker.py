@@ -61,8 +61,10 @@ class _Connection:
         self.addr = addr
         self.requests = 0  # requests served so far on this connection
         self.buffered = False  # bytes of the next request already read (pipelining)
-        self.header_timer = gevent.Timeout(1.0)  # its seconds are set on each start
-        self.idle_timer: gevent.Timeout | None = None  # made at the first kept-alive wait
+        # Made at first use, and again when their length changes (a reload): a gevent
+        # Timeout's seconds are fixed when it is made (setting ``.seconds`` changes nothing).
+        self.header_timer: gevent.Timeout | None = None
+        self.idle_timer: gevent.Timeout | None = None
 
 
 class _HeaderDeadline:
@@ -88,14 +90,18 @@ class _HeaderDeadline:
             _wait_readable(conn, self.worker.cfg.keepalive)
         self.seconds = seconds = self.worker.header_timeout()
         timer = conn.header_timer
-        timer.seconds = seconds
+        if timer is None or timer.seconds != seconds:
+            if timer is not None:
+                timer.close()
+            timer = conn.header_timer = gevent.Timeout(seconds)
         timer.start()
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool:
         timer = self.conn.header_timer
-        timer.cancel()
-        if exc is not timer:
+        if timer is not None:
+            timer.cancel()
+        if timer is None or exc is not timer:
             return False
         self.worker.log.info("client %s: no complete request header within %g s; 408",
                              self.conn.addr, self.seconds)
@@ -118,9 +124,10 @@ def _wait_readable(conn: _Connection, idle: float) -> None:
             raise StopIteration("keep-alive timeout") from None
         return
     timer = conn.idle_timer
-    if timer is None:
+    if timer is None or timer.seconds != idle:
+        if timer is not None:
+            timer.close()
         timer = conn.idle_timer = gevent.Timeout(idle)
-    timer.seconds = idle
     timer.start()
     try:
         get_hub().wait(watcher)
