@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
 import gevent
 from gevent import get_hub
 from gevent.socket import wait_read
+from gunicorn import util as gunicorn_util
 from gunicorn.http.parser import RequestParser
 from gunicorn.workers.ggevent import GeventWorker as _GunicornGeventWorker
 
@@ -213,6 +216,27 @@ class _CoalescingSocket:
         return getattr(self._sock, name)
 
 
+class _HttpDate:
+    """``gunicorn.util.http_date`` with the current time's answer made once a second (the
+    ``Date`` header has a resolution of one second; gunicorn formats it per response)."""
+
+    __slots__ = ("_format", "_second", "_text")
+
+    def __init__(self, format_date: Callable[..., str]) -> None:
+        self._format = format_date
+        self._second = -1
+        self._text = ""
+
+    def __call__(self, timestamp: float | None = None) -> str:
+        if timestamp is not None:
+            return self._format(timestamp)
+        second = int(time.time())
+        if second != self._second:
+            self._text = self._format(second)
+            self._second = second
+        return self._text
+
+
 class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
     """gunicorn's gevent worker, with ``server.client_header_timeout_seconds``."""
 
@@ -227,8 +251,18 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         :class:`~continuum.wire.request_head.FastRequest` (gunicorn's own request class
         with a strict fast path in front of its parser; anything outside that path is
         gunicorn's to parse, as before). gunicorn's parser makes its requests from the
-        ``mesg_class`` of its class; there is no per-worker hook for it."""
+        ``mesg_class`` of its class; there is no per-worker hook for it.
+
+        Two more changes to gunicorn's module state, in this worker process only (the
+        master and other worker classes keep gunicorn as it is): ``util.http_date`` is
+        :class:`_HttpDate` (the same text, made once a second instead of per response),
+        and ``SCRIPT_NAME`` is set empty in the environment when unset: gunicorn looks it
+        up there for every request, and an unset name raises and catches a ``KeyError``
+        each time; empty and unset mean the same to it (no script name)."""
         RequestParser.mesg_class = FastRequest
+        if not isinstance(gunicorn_util.http_date, _HttpDate):
+            gunicorn_util.http_date = _HttpDate(gunicorn_util.http_date)
+        os.environ.setdefault("SCRIPT_NAME", "")
         super().init_process()
 
     def handle(self, listener: Any, client: Any, addr: Any) -> None:
