@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
 import gevent
 from gevent import get_hub
 from gevent.socket import wait_read
+from gunicorn import util as gunicorn_util
 from gunicorn.http.parser import RequestParser
 from gunicorn.workers.ggevent import GeventWorker as _GunicornGeventWorker
 
@@ -61,8 +64,10 @@ class _Connection:
         self.addr = addr
         self.requests = 0  # requests served so far on this connection
         self.buffered = False  # bytes of the next request already read (pipelining)
-        self.header_timer = gevent.Timeout(1.0)  # its seconds are set on each start
-        self.idle_timer: gevent.Timeout | None = None  # made at the first kept-alive wait
+        # Made at first use, and again when their length changes (a reload): a gevent
+        # Timeout's seconds are fixed when it is made (setting ``.seconds`` changes nothing).
+        self.header_timer: gevent.Timeout | None = None
+        self.idle_timer: gevent.Timeout | None = None
 
 
 class _HeaderDeadline:
@@ -88,14 +93,18 @@ class _HeaderDeadline:
             _wait_readable(conn, self.worker.cfg.keepalive)
         self.seconds = seconds = self.worker.header_timeout()
         timer = conn.header_timer
-        timer.seconds = seconds
+        if timer is None or timer.seconds != seconds:
+            if timer is not None:
+                timer.close()
+            timer = conn.header_timer = gevent.Timeout(seconds)
         timer.start()
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool:
         timer = self.conn.header_timer
-        timer.cancel()
-        if exc is not timer:
+        if timer is not None:
+            timer.cancel()
+        if timer is None or exc is not timer:
             return False
         self.worker.log.info("client %s: no complete request header within %g s; 408",
                              self.conn.addr, self.seconds)
@@ -118,9 +127,10 @@ def _wait_readable(conn: _Connection, idle: float) -> None:
             raise StopIteration("keep-alive timeout") from None
         return
     timer = conn.idle_timer
-    if timer is None:
+    if timer is None or timer.seconds != idle:
+        if timer is not None:
+            timer.close()
         timer = conn.idle_timer = gevent.Timeout(idle)
-    timer.seconds = idle
     timer.start()
     try:
         get_hub().wait(watcher)
@@ -206,6 +216,27 @@ class _CoalescingSocket:
         return getattr(self._sock, name)
 
 
+class _HttpDate:
+    """``gunicorn.util.http_date`` with the current time's answer made once a second (the
+    ``Date`` header has a resolution of one second; gunicorn formats it per response)."""
+
+    __slots__ = ("_format", "_second", "_text")
+
+    def __init__(self, format_date: Callable[..., str]) -> None:
+        self._format = format_date
+        self._second = -1
+        self._text = ""
+
+    def __call__(self, timestamp: float | None = None) -> str:
+        if timestamp is not None:
+            return self._format(timestamp)
+        second = int(time.time())
+        if second != self._second:
+            self._text = self._format(second)
+            self._second = second
+        return self._text
+
+
 class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
     """gunicorn's gevent worker, with ``server.client_header_timeout_seconds``."""
 
@@ -220,8 +251,18 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         :class:`~continuum.wire.request_head.FastRequest` (gunicorn's own request class
         with a strict fast path in front of its parser; anything outside that path is
         gunicorn's to parse, as before). gunicorn's parser makes its requests from the
-        ``mesg_class`` of its class; there is no per-worker hook for it."""
+        ``mesg_class`` of its class; there is no per-worker hook for it.
+
+        Two more changes to gunicorn's module state, in this worker process only (the
+        master and other worker classes keep gunicorn as it is): ``util.http_date`` is
+        :class:`_HttpDate` (the same text, made once a second instead of per response),
+        and ``SCRIPT_NAME`` is set empty in the environment when unset: gunicorn looks it
+        up there for every request, and an unset name raises and catches a ``KeyError``
+        each time; empty and unset mean the same to it (no script name)."""
         RequestParser.mesg_class = FastRequest
+        if not isinstance(gunicorn_util.http_date, _HttpDate):
+            gunicorn_util.http_date = _HttpDate(gunicorn_util.http_date)
+        os.environ.setdefault("SCRIPT_NAME", "")
         super().init_process()
 
     def handle(self, listener: Any, client: Any, addr: Any) -> None:

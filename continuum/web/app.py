@@ -37,7 +37,7 @@ from continuum.web.http import (
     request_id_of,
     serialize_http_error,
 )
-from continuum.web.observe import Observer, configure_access_log
+from continuum.web.observe import LOG_FORMAT, Observer, configure_access_log
 from continuum.web.reload import ConfigReloader, config_state
 
 log = logging.getLogger(__name__)
@@ -247,7 +247,7 @@ def get_app() -> RouterApp:
     config = result.config
     logging.basicConfig(
         level=config.server.log_level.upper(),
-        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
+        format=LOG_FORMAT,
     )
     for warning in result.warnings:
         log.warning("config: %s", warning.render(result.source))

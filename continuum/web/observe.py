@@ -21,7 +21,9 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import re
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -31,6 +33,11 @@ from continuum.metrics import RequestRecord, RouterMetrics
 from continuum.web.http import request_id_of
 
 access_log = logging.getLogger("continuum.access")
+
+#: The root logger's line format in the worker (``logging.basicConfig`` in
+#: :func:`continuum.web.app.get_app`); text access lines go out through it.
+LOG_FORMAT = "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"
+_JSON_HANDLER_FORMAT = "%(message)s"
 
 #: Paths that are not client API requests.
 _OPERATOR_PREFIXES = ("/metrics", "/health", "/admin")
@@ -104,11 +111,90 @@ def configure_access_log(fmt: str) -> None:
     access_log.setLevel(logging.INFO)
     if fmt == JSON_FORMAT:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.setFormatter(logging.Formatter(_JSON_HANDLER_FORMAT))
         access_log.addHandler(handler)
         access_log.propagate = False
     else:
         access_log.propagate = True
+
+
+def _plain_stream_handler(handler: logging.Handler, fmt: str) -> bool:
+    """Whether ``handler`` writes every INFO record to a stream as ``fmt`` with the default
+    time format and nothing else (no filter, no subclass behaviour)."""
+    formatter = handler.formatter
+    return (type(handler) is logging.StreamHandler and not handler.filters
+            and handler.level <= logging.INFO and formatter is not None
+            and type(formatter) is logging.Formatter and formatter._fmt == fmt
+            and formatter.datefmt is None and formatter.converter is time.localtime
+            and formatter.default_time_format == logging.Formatter.default_time_format
+            and formatter.default_msec_format == logging.Formatter.default_msec_format)
+
+
+class AccessWriter:
+    """Writes access-log lines, byte for byte as the logging set up by
+    :func:`configure_access_log` would (``continuum.access`` through its own ``%(message)s``
+    handler for json, through the root logger's one :data:`LOG_FORMAT` stream handler for
+    text), straight to that handler's stream: the ``logging`` machinery (a record, caller
+    lookup, level and filter walks, formatting the time) costs more than the line itself.
+    Whenever logging is set up any other way (another handler or filter, a level, tests'
+    capture handlers), the line goes through ``access_log.info`` as before."""
+
+    __slots__ = ("_pid", "_second", "_stamp")
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._stamp = ""
+        self._pid = 0
+
+    def handler(self) -> tuple[logging.Handler, bool] | None:
+        """The stream handler a line would reach and whether it is the text format one;
+        None when logging is set up otherwise."""
+        logger = access_log
+        if logger.disabled or logger.filters or not logger.isEnabledFor(logging.INFO):
+            return None
+        handlers = logger.handlers
+        if handlers:
+            if len(handlers) == 1 and not logger.propagate and \
+                    _plain_stream_handler(handlers[0], _JSON_HANDLER_FORMAT):
+                return handlers[0], False
+            return None
+        root = logging.root
+        if not logger.propagate or logger.parent is not root or root.filters:
+            return None
+        handlers = root.handlers
+        if len(handlers) == 1 and _plain_stream_handler(handlers[0], LOG_FORMAT):
+            return handlers[0], True
+        return None
+
+    def write(self, message: str) -> None:
+        """Log ``message`` at INFO on ``continuum.access``."""
+        target = self.handler()
+        if target is None:
+            access_log.info(message)
+            return
+        handler, text = target
+        if text:
+            now = time.time()
+            second = int(now)
+            if second != self._second:
+                self._stamp = time.strftime(logging.Formatter.default_time_format,
+                                            time.localtime(now))
+                self._second = second
+                self._pid = os.getpid()  # a fork runs on: renewed at least once a second
+            msecs = int((now - second) * 1000)
+            line = f"{self._stamp},{msecs:03d} {self._pid} INFO continuum.access: {message}"
+        else:
+            line = message
+        stream: Any = getattr(handler, "stream", None)
+        handler.acquire()
+        try:
+            stream.write(line + handler.terminator)  # type: ignore[attr-defined]
+            stream.flush()
+        except Exception:
+            handler.release()
+            access_log.info(message)  # logging reports the broken stream its own way
+            return
+        handler.release()
 
 
 class Observer:
@@ -118,6 +204,7 @@ class Observer:
     def __init__(self, metrics: RouterMetrics, fmt: str = TEXT) -> None:
         self.metrics = metrics
         self.fmt = fmt
+        self.writer = AccessWriter()
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         if not req.path.startswith(_OPERATOR_PREFIXES):
@@ -163,4 +250,4 @@ class Observer:
         """Record ``record`` once: metrics, then the access-log line."""
         self.metrics.observe_request(record)
         if self.fmt != OFF and access_log.isEnabledFor(logging.INFO):
-            access_log.info(format_access(record, self.fmt))
+            self.writer.write(format_access(record, self.fmt))

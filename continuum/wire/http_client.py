@@ -24,6 +24,10 @@ import socket
 import ssl
 import time
 from collections.abc import Generator, Iterator, Mapping
+from typing import Any
+
+import gevent
+from gevent import get_hub
 
 #: Limits on a response head (and on chunk-size and trailer lines).
 MAX_LINE = 64 * 1024
@@ -75,15 +79,64 @@ class _Stale(Exception):
 
 
 class Connection:
-    """A socket and its receive buffer: the unread bytes are ``buf[pos:]``."""
+    """A socket and its receive buffer: the unread bytes are ``buf[pos:]``.
 
-    __slots__ = ("buf", "idle_since", "pos", "sock")
+    On a plain (not TLS) gevent socket, :meth:`recv` reads the OS socket itself and waits
+    on the gevent socket's read watcher with one timer reused for every wait; gevent's
+    ``recv`` makes a new timer each time it has to wait (once per streamed record).
+    """
+
+    __slots__ = ("_raw", "_timer", "buf", "idle_since", "pos", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buf = bytearray()
         self.pos = 0
         self.idle_since = 0.0
+        raw = getattr(sock, "_sock", None)
+        plain = getattr(sock, "_read_event", None) is not None and \
+            not isinstance(sock, ssl.SSLSocket)
+        self._raw: socket.socket | None = raw if plain else None
+        self._timer: gevent.Timeout | None = None
+
+    def recv(self, size: int, wait_first: bool = False) -> bytes:
+        """One receive of up to ``size`` bytes; ``wait_first``: wait until the socket is
+        readable before trying (saves a receive that fails when nothing can have come yet).
+
+        Raises:
+            TimeoutError: nothing came within the socket's timeout.
+        """
+        raw = self._raw
+        if raw is None:
+            return self.sock.recv(size)
+        if wait_first:
+            self._wait_readable()
+        while True:
+            try:
+                return raw.recv(size)
+            except BlockingIOError:
+                self._wait_readable()
+
+    def _wait_readable(self) -> None:
+        sock: Any = self.sock
+        seconds = sock.timeout
+        if seconds is None:
+            get_hub().wait(sock._read_event)
+            return
+        timer = self._timer
+        if timer is None or timer.seconds != seconds:
+            if timer is not None:
+                timer.close()
+            timer = self._timer = gevent.Timeout(seconds)
+        timer.start()
+        try:
+            get_hub().wait(sock._read_event)
+        except gevent.Timeout as exc:
+            if exc is not timer:
+                raise
+            raise TimeoutError("timed out") from None
+        finally:
+            timer.cancel()
 
     def dropped(self) -> bool:
         """Whether the peer has closed (or written unasked): readable while idle."""
@@ -93,12 +146,13 @@ class Connection:
             return True
         return bool(readable)
 
-    def fill(self) -> bool:
-        """Append one ``recv`` to the buffer (dropping consumed bytes first); False at EOF."""
+    def fill(self, wait_first: bool = False) -> bool:
+        """Append one :meth:`recv` to the buffer (dropping consumed bytes first); False at
+        EOF."""
         if self.pos:
             del self.buf[: self.pos]  # only an incomplete unit is left: bounded work
             self.pos = 0
-        data = self.sock.recv(_RECV)
+        data = self.recv(_RECV, wait_first)
         self.buf += data
         return bool(data)
 
@@ -122,6 +176,9 @@ class Connection:
     def close(self) -> None:
         """Close the socket (idempotent)."""
         self.sock.close()
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.close()
 
 
 class Response:
@@ -209,7 +266,7 @@ class Response:
             if avail:
                 data = conn.take(min(avail, left))
             else:
-                data = conn.sock.recv(min(left, _RECV))
+                data = conn.recv(min(left, _RECV), True)
                 if not data:
                     raise ProtocolError(f"connection closed with {left} body bytes to go")
             left -= len(data)
@@ -221,7 +278,7 @@ class Response:
     def _until_close(self, conn: Connection) -> Iterator[bytes]:
         if len(conn.buf) > conn.pos:
             yield conn.take(len(conn.buf) - conn.pos)
-        while data := conn.sock.recv(_RECV):
+        while data := conn.recv(_RECV, True):
             yield data
 
     def _chunks(self, conn: Connection) -> Iterator[bytes]:
@@ -264,7 +321,9 @@ class Response:
                 yield b"".join(out) if len(out) > 1 else out[0]
             if done:
                 return
-            if not conn.fill():
+            # Nothing complete is buffered: the next bytes are still on their way (a
+            # token stream's next record), so wait for them before reading.
+            if not conn.fill(True):
                 raise ProtocolError("connection closed inside a chunked body")
 
     def _finish(self) -> None:

@@ -223,3 +223,18 @@ def test_k_gevent_gets_the_router_worker_and_other_classes_are_warned_about(
     assert "has no client_header_timeout_seconds" not in log, log
     default = router_factory(_config(upstreams("b")))
     assert "client_header_timeout_seconds" not in default.proc.log_text()
+
+
+def test_a_header_within_the_configured_timeout_is_served(
+    upstreams: Any, router_factory: Any
+) -> None:
+    """The header deadline is the configured one: a header that takes longer than a second
+    but less than ``client_header_timeout_seconds`` is served (the reused timer once kept
+    the length it was made with, 1 s)."""
+    router = router_factory(_config(upstreams("a")))
+    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
+        sock.sendall(head)
+        time.sleep(TIMEOUT * 0.7)  # past 1 s, within the header timeout
+        sock.sendall(b"\r\n")
+        assert Responses(sock).next().startswith(b"HTTP/1.1 200 ")

@@ -102,3 +102,24 @@ def test_metric_values_follow_the_pid_into_a_forked_child(tmp_path: object) -> N
     parent, child, names = out[0], out[1], out[2:]
     assert f"gauge_livesum_{parent}.db" in names
     assert f"gauge_livesum_{child}.db" in names
+
+
+def test_cached_http_date_is_gunicorns() -> None:
+    """The worker's ``http_date`` gives gunicorn's text, for given times and for now."""
+    import time
+
+    from gunicorn.util import http_date
+
+    from continuum.gunicorn_worker import _HttpDate
+
+    cached = _HttpDate(http_date)
+    for stamp in (0, 1764604800, 1764604800.999, 2000000000.5):
+        assert cached(stamp) == http_date(stamp)
+    for _ in range(3):  # the second may turn between the two calls: one try is enough
+        before, text, after = http_date(), cached(), http_date()
+        if before == after:
+            assert text == before
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError("the clock turned a second in every try")

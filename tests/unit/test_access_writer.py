@@ -1,0 +1,107 @@
+"""The access log's direct writer writes what ``logging`` would, byte for byte, and hands
+the line to ``logging`` whenever logging is set up other than the router sets it up."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from continuum.web import observe
+from continuum.web.observe import LOG_FORMAT, AccessWriter, access_log, configure_access_log
+
+NOW = 1764604800.25678  # a fixed clock: both paths format the same instant
+
+
+@pytest.fixture
+def root_stream(monkeypatch: pytest.MonkeyPatch) -> Iterator[io.StringIO]:
+    """The root logger as the worker sets it up (one stream handler, LOG_FORMAT), into a
+    string; logging's state is put back afterwards."""
+    root = logging.root
+    saved = root.handlers[:], root.level
+    saved_access = (access_log.handlers[:], access_log.propagate, access_log.disabled,
+                    access_log.level)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    monkeypatch.setattr(observe, "_test_handler", handler, raising=False)
+    monkeypatch.setattr(observe.time, "time", lambda: NOW)
+    try:
+        yield stream
+    finally:
+        root.handlers[:], root.level = saved
+        (access_log.handlers[:], access_log.propagate, access_log.disabled,
+         access_log.level) = saved_access
+
+
+def _worker_logging() -> None:
+    """Only the worker's root handler (pytest adds its capture handlers during the test)."""
+    logging.root.handlers[:] = [observe._test_handler]  # type: ignore[attr-defined]
+
+
+def _as_logging_would(message: str) -> str:
+    record = logging.LogRecord("continuum.access", logging.INFO, __file__, 1, message,
+                               None, None)
+    record.created, record.msecs = NOW, int((NOW - int(NOW)) * 1000) + 0.0
+    record.process = os.getpid()
+    return logging.Formatter(LOG_FORMAT).format(record) + "\n"
+
+
+def test_text_line_matches_logging(root_stream: io.StringIO) -> None:
+    _worker_logging()
+    configure_access_log("text")
+    message = 'request_id=abc tenant=- endpoint=chat model="a b" status=200'
+    AccessWriter().write(message)
+    assert AccessWriter().handler() is not None  # the direct path was the one taken
+    assert root_stream.getvalue() == _as_logging_would(message)
+
+
+def test_json_line_is_the_bare_message(root_stream: io.StringIO) -> None:
+    _worker_logging()
+    configure_access_log("json")
+    out = io.StringIO()
+    access_log.handlers[0].setStream(out)  # type: ignore[attr-defined]
+    writer = AccessWriter()
+    assert writer.handler() is not None
+    writer.write('{"request_id":"abc","status":200}')
+    assert out.getvalue() == '{"request_id":"abc","status":200}\n'
+    assert root_stream.getvalue() == ""  # json lines do not propagate
+
+
+def test_other_logging_setups_get_the_line_through_logging(root_stream: io.StringIO) -> None:
+    _worker_logging()
+    configure_access_log("text")
+    seen: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    logging.root.addHandler(Collect())
+    writer = AccessWriter()
+    assert writer.handler() is None
+    writer.write("request_id=abc status=200")
+    assert [r.getMessage() for r in seen] == ["request_id=abc status=200"]
+    assert root_stream.getvalue() == _as_logging_would("request_id=abc status=200")
+
+    # A filter on the access logger is honoured too (it drops the line).
+    logging.root.handlers[:] = logging.root.handlers[:1]
+    access_log.addFilter(lambda record: False)
+    try:
+        assert writer.handler() is None
+        writer.write("request_id=def status=200")
+    finally:
+        access_log.filters.clear()
+    assert "def" not in root_stream.getvalue()
+
+
+def test_off_writes_nothing(root_stream: io.StringIO) -> None:
+    _worker_logging()
+    configure_access_log("off")
+    writer = AccessWriter()
+    assert writer.handler() is None
+    access_log_state = access_log.disabled
+    assert access_log_state
