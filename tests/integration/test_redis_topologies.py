@@ -119,6 +119,18 @@ class TestClusterKvContract(KvIndexCases):
         return index
 
 
+class TestStartedClusterKvContract(TestClusterKvContract):
+    """The same on started indexes (as in a worker): routed records go through the writer
+    greenlet, one script call each (a cluster pipeline takes no scripts)."""
+
+    def make_index(self, *, storage_offloading: bool = False,
+                   treat_eviction_as_offload: bool = True, ttl: int = 600) -> KvCacheIndex:
+        index = super().make_index(storage_offloading=storage_offloading,
+                                   treat_eviction_as_offload=treat_eviction_as_offload, ttl=ttl)
+        index.start()
+        return index
+
+
 class TestSentinelStoreContract(CacheStoreCases):
     """The store contract through Sentinel."""
 
