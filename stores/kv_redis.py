@@ -128,6 +128,9 @@ REFRESH_SHARE = 0.25
 #: One queued approximate record: backend, ``(chain key, tokens)`` entries, ttl.
 _Pending = tuple[str, Sequence[tuple[str, int]], float]
 
+#: KEYS and ARGV of one script call.
+_ScriptCall = tuple[list[str], list[str | int | float]]
+
 #: What a chain query that matched nothing returns.
 EMPTY_MATCHES: tuple[ChainMatch, ...] = ()
 
@@ -518,10 +521,9 @@ class RedisKvIndex(KvCacheIndex):
     def flush(self) -> None:
         """Write the queued approximate records now (in one pipeline); those Redis cannot
         take go to the fallback. A failing write costs the records, never the caller."""
-        if not self._pending:
+        batch = self._take_pending()
+        if not batch:
             return
-        batch = list(self._pending)
-        self._pending.clear()
         if not self._link.fallback_active:
             try:
                 self._link.execute("kv_apply", partial(self._write_records, batch))
@@ -532,7 +534,16 @@ class RedisKvIndex(KvCacheIndex):
                     for backend, entries, _ttl in batch:
                         self._forget(backend, entries)  # so the next record is sent
                     return
-        for backend, entries, ttl in batch:
+        self._records_to_fallback(batch)
+
+    def _take_pending(self) -> list[_Pending]:
+        """Every queued record, the queue emptied."""
+        batch = list(self._pending)
+        self._pending.clear()
+        return batch
+
+    def _records_to_fallback(self, records: Sequence[_Pending]) -> None:
+        for backend, entries, ttl in records:
             self._fallback.apply_chain(backend, CACHE_CREATED, entries, ttl=ttl)
 
     def _queue(self, backend: str, entries: Sequence[tuple[str, int]], ttl: float) -> None:
@@ -584,16 +595,26 @@ class RedisKvIndex(KvCacheIndex):
         Raises:
             StoreError: Redis answered with an error.
         """
-        self.flush()  # this worker's own records first: it always sees them
+        # This worker's own queued records go first, in the same round trip (a cluster's
+        # pipelines take no scripts: written before), so it always sees them.
+        records: list[_Pending] = []
+        if self._link.cluster:
+            self.flush()
+        else:
+            records = self._take_pending()
         if self._link.fallback_active:
+            self._records_to_fallback(records)
             return self._fallback.query_chain(keys, prefix_hash)
         try:
             # Parsed inside execute(): a reply of the wrong shape is a StoreError too.
             found = self._link.execute("kv_query", partial(self._chain_matches, keys,
-                                                           prefix_hash))
+                                                           prefix_hash, records))
         except StoreError as exc:
             if exc.kind not in UNREACHABLE:
+                for backend, entries, _ttl in records:
+                    self._forget(backend, entries)  # perhaps not written: sent again
                 raise
+            self._records_to_fallback(records)
             return self._fallback.query_chain(keys, prefix_hash)
         if not found:
             return EMPTY_MATCHES
@@ -674,36 +695,51 @@ class RedisKvIndex(KvCacheIndex):
             for backend, entries, ttl in batch:
                 self._write_chain("gpu", backend, entries, ttl, client)
             return
-        calls = [self._chain_call("gpu", backend, entries, ttl)
-                 for backend, entries, ttl in batch]
+        self._run_scripts(client, [self._chain_call("gpu", backend, entries, ttl)
+                                   for backend, entries, ttl in batch])
+
+    def _run_scripts(self, client: Any, writes: list[_ScriptCall],
+                     query: _ScriptCall | None = None) -> Any:
+        r"""Chain write script calls, then optionally the chain query, in one pipeline of
+        ``EVALSHA``\ s (a server that lost the scripts gets them loaded and the failed
+        calls once more); the query's reply (None without one)."""
         for attempt in range(2):
             pipe = client.pipeline(transaction=False)
-            for keys, args in calls:
+            for keys, args in writes:
                 pipe.evalsha(self._chain_write.sha, len(keys), *keys, *args)
+            if query is not None:
+                pipe.evalsha(self._chain_query.sha, len(query[0]), *query[0], *query[1])
             replies = pipe.execute(raise_on_error=False)
             failed = [r for r in replies if isinstance(r, Exception)]
             if not failed:
-                return
+                return replies[-1] if query is not None else None
             if attempt == 0 and all(isinstance(r, NoScriptError) for r in failed):
-                client.script_load(CHAIN_WRITE_SCRIPT)  # a restarted or flushed server
-                calls = [call for call, r in zip(calls, replies, strict=True)
-                         if isinstance(r, Exception)]
+                for script in (CHAIN_WRITE_SCRIPT, CHAIN_QUERY_SCRIPT):
+                    client.script_load(script)  # a restarted or flushed server
+                writes = [call for call, r in zip(writes, replies[:len(writes)], strict=True)
+                          if isinstance(r, Exception)]
                 continue
             raise failed[0]
+        raise AssertionError("unreachable")  # the second attempt returns or raises
 
     def _read_chain(self, keys: Sequence[str], prefix_hash: str | None,
-                    client: redis.Redis) -> Any:
+                    records: Sequence[_Pending], client: redis.Redis) -> Any:
         names = [self.chain_key(key) for key in keys]
         if prefix_hash is not None:
             seed = self.prefix_key(prefix_hash)
             names += [seed, seed + ":tier"]
-        return self._chain_query(keys=names, args=[repr(self._clock()), len(keys)],
-                                 client=client)
+        args: list[str | int | float] = [repr(self._clock()), len(keys)]
+        if not records:
+            return self._chain_query(keys=names, args=args, client=client)
+        return self._run_scripts(client, [self._chain_call("gpu", backend, entries, ttl)
+                                          for backend, entries, ttl in records],
+                                 (names, args))
 
     def _chain_matches(self, keys: Sequence[str], prefix_hash: str | None,
-                       client: redis.Redis) -> list[ChainMatch]:
-        """Query the chain (one script call) and parse its rows; unranked."""
-        rows = self._read_chain(keys, prefix_hash, client)
+                       records: Sequence[_Pending], client: redis.Redis) -> list[ChainMatch]:
+        """Write ``records``, query the chain and parse its rows (one round trip);
+        unranked."""
+        rows = self._read_chain(keys, prefix_hash, records, client)
         found = []
         cutoff = self._clock() - self.entry_ttl_seconds
         for i in range(0, len(rows), 4):

@@ -390,9 +390,13 @@ def test_own_queries_see_queued_records_and_repeats_are_not_resent(
     index = links.index(link)
     index.start()
     chain = [f"{i:016x}" for i in range(4)]
+    raw.script_flush()  # a server that lost the scripts: loaded again on the way
+    trips = count_round_trips(link)
     _routed(index, "a", chain[:2])
-    # The query sends the queue first: a worker always sees what it recorded.
+    # The query sends the queue first, in its own round trip: a worker always sees what
+    # it recorded.
     assert [(m.backend, m.depth) for m in index.query_chain(chain)] == [("a", 2)]
+    assert trips == ["kv_query"]
     before = command_calls(raw)
     _routed(index, "a", chain)  # the first two keys were recorded a moment ago
     index.flush()
