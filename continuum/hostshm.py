@@ -11,7 +11,10 @@ creates it in ``on_starting``, a worker that finds none creates it under the loc
 * a **backend table**: the column of each backend name;
 * a **load table**: ``in_flight[backend column][worker slot]`` (a backend's counts are
   contiguous, so the sum is one ``struct.unpack_from``), see
-  :mod:`continuum.routing.shared_load`.
+  :mod:`continuum.routing.shared_load`;
+* an **elsewhere row**: ``elsewhere[backend column]``, the other routers' in-flight counts
+  as last read from Redis by one worker of the host (:mod:`continuum.routing.fleet_load`),
+  0 when nothing shares them.
 
 Writes: a worker writes only its own slot's row, with aligned 8-byte stores (which readers
 never see torn on the platforms gunicorn runs on), so the hot path takes no lock. Claiming a
@@ -53,7 +56,8 @@ _HEADER_WORDS = 8
 _WORKERS_AT = _HEADER_WORDS
 _NAMES_AT = _WORKERS_AT + MAX_WORKERS * WORKER_FIELDS  # in words; names are bytes
 _LOAD_AT = _NAMES_AT + MAX_BACKENDS * NAME_BYTES // 8
-SIZE = (_LOAD_AT + MAX_WORKERS * MAX_BACKENDS) * 8
+_ELSEWHERE_AT = _LOAD_AT + MAX_WORKERS * MAX_BACKENDS
+SIZE = (_ELSEWHERE_AT + MAX_BACKENDS) * 8
 _UNPACK = [struct.Struct(f"<{n}q").unpack_from for n in range(MAX_WORKERS + 1)]
 
 
@@ -217,10 +221,24 @@ class HostSegment:
         return _LOAD_AT + col * MAX_WORKERS + self.slot
 
     def host_total(self, col: int) -> int:
-        """Sum of backend ``col``'s counts over every worker slot in use (one
-        ``unpack_from`` of the contiguous counts: the hot path's read)."""
+        """Backend ``col``'s load as this host knows it: the sum of its counts over every
+        worker slot in use (one ``unpack_from`` of the contiguous counts: the hot path's
+        read), plus the other routers' count in the elsewhere row (0 unless shared)."""
+        words = self.words
         at = (_LOAD_AT + col * MAX_WORKERS) * 8
-        return sum(_UNPACK[self.words[_HDR_SLOTS_USED]](self._map, at))
+        total: int = sum(_UNPACK[words[_HDR_SLOTS_USED]](self._map, at))
+        elsewhere: int = words[_ELSEWHERE_AT + col]
+        return total + elsewhere
+
+    def workers_total(self, col: int) -> int:
+        """Backend ``col``'s count over this host's workers only (what it tells the others)."""
+        at = (_LOAD_AT + col * MAX_WORKERS) * 8
+        total: int = sum(_UNPACK[self.words[_HDR_SLOTS_USED]](self._map, at))
+        return total
+
+    def set_elsewhere(self, col: int, count: int) -> None:
+        """The other routers' in-flight count of backend ``col`` (one aligned store)."""
+        self.words[_ELSEWHERE_AT + col] = count
 
     def close(self) -> None:
         """Unmap (the slot is kept: call :meth:`release` first to give it back)."""

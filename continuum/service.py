@@ -32,6 +32,7 @@ from continuum.request import parse_request
 from continuum.resources import WorkerResources
 from continuum.routing.anthropic import injected_body, should_inject
 from continuum.routing.backends import Backend, BackendPool
+from continuum.routing.fleet_load import FleetLoad
 from continuum.routing.forwarder import (
     Forwarder,
     Upstream,
@@ -117,6 +118,9 @@ class RouterService:
         self.host = open_segment()
         self.host_load = HostLoad(self.pool, self.host) \
             if self.host is not None and config.fleet.share_in_flight else None
+        # ... and with the other routers', through Redis (continuum.routing.fleet_load)
+        self.fleet_load = FleetLoad.from_config(config, self.pool, self.host) \
+            if self.host_load is not None and self.host is not None else None
         self.health = HealthMonitor(self.pool, config.health_check, metrics)
         self.pipeline = SelectionPipeline(self._make_strategy(config))
         self.forwarder = Forwarder(
@@ -234,6 +238,8 @@ class RouterService:
         self.health.start()
         if self.host_load is not None:
             self.host_load.start()
+        if self.fleet_load is not None:
+            self.fleet_load.start()
         self.resources.start()
         self.response_cache.store.start()
         if self.kv_index is not None:
@@ -276,6 +282,8 @@ class RouterService:
             self.gemini_context.close()
         self.forwarder.close()
         self.resources.close()  # whatever a plugin did not hand back
+        if self.fleet_load is not None:
+            self.fleet_load.stop()
         if self.host_load is not None:
             self.host_load.stop()
         if self.host is not None:

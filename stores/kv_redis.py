@@ -37,6 +37,16 @@ Chain keys (:meth:`RedisKvIndex.apply_chain`, :mod:`continuum.prefix_chain`):
 
 ``apply_chain`` is one Lua script whatever the number of keys (it must read each entry to
 keep a confirmed entry from being overwritten by an approximate one, and to demote).
+
+Approximate records (``apply_chain`` with ``ttl``: the router's record of where it sent a
+request) are taken off the request path once the index is started (in a worker): the call
+queues the record (at most ``MAX_PENDING``; the oldest goes when full, counted in
+``stats()["approximate_dropped"]``) and returns; a greenlet writes every queued record in one
+pipeline at the next hub switch, while the request waits for its backend. This index's
+own queries send the queue first, so a worker always sees its own records; the others see
+them a moment later, as they see engine events. A key this index recorded for a backend
+less than a quarter of ``ttl`` ago (and no event or clear has touched since) is not sent
+again: rewriting it would change only its expiry by a few seconds.
 ``query_chain`` is one Lua script too: it walks the chain from its first key with
 ``HGETALL`` until no backend holds the next key, and reads the seed key's holders in the
 same call, so a query costs one round trip whatever the chain's length.
@@ -55,16 +65,21 @@ treats the query as empty.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from redis.exceptions import NoScriptError
+
 from continuum.errors import StoreError
 from continuum.interfaces import (
     CACHE_CLEARED,
+    CACHE_CREATED,
     KV_EVENT_TYPES,
     TIER_GPU_HOT,
     TIER_STORAGE_WARM,
@@ -97,7 +112,24 @@ if TYPE_CHECKING:
     from continuum.resources import WorkerResources
     from stores.redis_link import RedisLink
 
+log = logging.getLogger(__name__)
+
 Clock = Callable[[], float]
+
+#: Approximate records queued for the writer at most (the oldest are dropped beyond).
+MAX_PENDING = 1024
+
+#: Keys remembered as recently recorded (the memory is emptied when it grows past this).
+MAX_RECENT = 65536
+
+#: A recorded key is sent again once this share of its ``ttl`` has passed.
+REFRESH_SHARE = 0.25
+
+#: One queued approximate record: backend, ``(chain key, tokens)`` entries, ttl.
+_Pending = tuple[str, Sequence[tuple[str, int]], float]
+
+#: KEYS and ARGV of one script call.
+_ScriptCall = tuple[list[str], list[str | int | float]]
 
 #: What a chain query that matched nothing returns.
 EMPTY_MATCHES: tuple[ChainMatch, ...] = ()
@@ -296,6 +328,13 @@ class RedisKvIndex(KvCacheIndex):
         self._events = dict.fromkeys(KV_EVENT_TYPES, 0)
         self._hits = 0
         self._closed = False
+        #: Approximate records waiting for the writer greenlet (only once started).
+        self._pending: deque[_Pending] = deque()
+        self._writer: Any = None
+        self._spawn: Callable[[Callable[[], None]], Any] | None = None
+        self._approximate_dropped = 0
+        #: (backend, chain key) -> monotonic time this index last recorded it approximately.
+        self._recent: dict[tuple[str, str], float] = {}
         link.add_listener(self._on_link_transition)
 
     def _on_link_transition(self, fallback_active: bool) -> None:
@@ -303,6 +342,7 @@ class RedisKvIndex(KvCacheIndex):
         # only shadow it; the listener streams rebuild what matters.
         if not self._closed:
             self._fallback.clear()
+            self._recent.clear()  # Redis may have lost what was recorded (a failover)
 
     @classmethod
     def from_config(
@@ -360,14 +400,24 @@ class RedisKvIndex(KvCacheIndex):
         return f"{self.key_prefix}cb:{backend}"
 
     def start(self) -> None:
-        """Start the link's probe and the fallback's sweep (idempotent; in the worker)."""
+        """Start the link's probe and the fallback's sweep, and from now on write
+        approximate records from a greenlet (idempotent; in the worker)."""
         self._link.start()
         self._fallback.start()
+        if self._spawn is None:
+            import gevent
+
+            self._spawn = gevent.spawn
 
     def close(self) -> None:
         """Stop listening to the link, drop the fallback and hand the link back (a leased
         link closes once its last user is done; one passed in stays open)."""
         self._closed = True
+        self._spawn = None
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.kill(block=False)
+        self._pending.clear()
         self._fallback.close()
         self._fallback.clear()
         release, self._release = self._release, None
@@ -382,8 +432,11 @@ class RedisKvIndex(KvCacheIndex):
             StoreError: Redis answered with an error.
         """
         action = action_for(self._table, event, token_count)
+        self.flush()  # the records queued before this event are older: written first
         with self._counts_lock:
             self._events[event] += 1
+        if action == REMOVE_BACKEND:
+            self._forget(backend)
         if not self._link.fallback_active:
             write = partial(self._write, action, backend, prefix_hash, token_count)
             try:
@@ -449,6 +502,12 @@ class RedisKvIndex(KvCacheIndex):
             self._events[event] += 1
         if not entries:
             return
+        if ttl is None:
+            self.flush()  # the records queued before this event are older: written first
+            self._forget(backend, entries)  # and the next record of its keys is sent
+        elif self._spawn is not None and not self._link.fallback_active:
+            self._queue(backend, entries, ttl)
+            return
         if not self._link.fallback_active:
             write = partial(self._write_chain, _CHAIN_ACTIONS[action], backend, entries, ttl)
             try:
@@ -459,6 +518,75 @@ class RedisKvIndex(KvCacheIndex):
                     raise
         self._fallback.apply_chain(backend, event, entries, ttl=ttl)
 
+    def flush(self) -> None:
+        """Write the queued approximate records now (in one pipeline); those Redis cannot
+        take go to the fallback. A failing write costs the records, never the caller."""
+        batch = self._take_pending()
+        if not batch:
+            return
+        if not self._link.fallback_active:
+            try:
+                self._link.execute("kv_apply", partial(self._write_records, batch))
+                return
+            except StoreError as exc:
+                if exc.kind not in UNREACHABLE:
+                    log.debug("KV index: approximate records not written (%s)", exc.kind)
+                    for backend, entries, _ttl in batch:
+                        self._forget(backend, entries)  # so the next record is sent
+                    return
+        self._records_to_fallback(batch)
+
+    def _take_pending(self) -> list[_Pending]:
+        """Every queued record, the queue emptied."""
+        batch = list(self._pending)
+        self._pending.clear()
+        return batch
+
+    def _records_to_fallback(self, records: Sequence[_Pending]) -> None:
+        for backend, entries, ttl in records:
+            self._fallback.apply_chain(backend, CACHE_CREATED, entries, ttl=ttl)
+
+    def _queue(self, backend: str, entries: Sequence[tuple[str, int]], ttl: float) -> None:
+        """Queue an approximate record for the writer, leaving out the keys recorded for
+        ``backend`` within the last ``REFRESH_SHARE`` of ``ttl``."""
+        now = time.monotonic()
+        fresh_after = now - ttl * REFRESH_SHARE
+        recent = self._recent
+        if len(recent) > MAX_RECENT:
+            recent.clear()
+        due = [(key, tokens) for key, tokens in entries
+               if recent.get((backend, key), -math.inf) <= fresh_after]
+        if not due:
+            return
+        for key, _tokens in due:
+            recent[(backend, key)] = now
+        if len(self._pending) >= MAX_PENDING:
+            self._pending.popleft()
+            self._approximate_dropped += 1
+        self._pending.append((backend, due, ttl))
+        if self._writer is None and self._spawn is not None:
+            self._writer = self._spawn(self._write_pending)
+
+    def _write_pending(self) -> None:
+        """The writer greenlet: flush until the queue is empty, then end."""
+        try:
+            while self._pending and not self._closed:
+                self.flush()
+        except Exception:  # the records are best effort; the next record spawns anew
+            log.exception("KV index: approximate writer failed")
+        finally:
+            self._writer = None
+
+    def _forget(self, backend: str, entries: Sequence[tuple[str, int]] | None = None) -> None:
+        """Drop the memory of recent records of ``backend`` (of ``entries``' keys only, if
+        given): an event or a clear touched them, so the next record is sent."""
+        if entries is None:
+            for pair in [p for p in self._recent if p[0] == backend]:
+                del self._recent[pair]
+            return
+        for key, _tokens in entries:
+            self._recent.pop((backend, key), None)
+
     def query_chain(self, keys: Sequence[str],
                     prefix_hash: str | None = None) -> Sequence[ChainMatch]:
         """Each backend's longest run of ``keys``, and seed-only holders of
@@ -467,15 +595,26 @@ class RedisKvIndex(KvCacheIndex):
         Raises:
             StoreError: Redis answered with an error.
         """
+        # This worker's own queued records go first, in the same round trip (a cluster's
+        # pipelines take no scripts: written before), so it always sees them.
+        records: list[_Pending] = []
+        if self._link.cluster:
+            self.flush()
+        else:
+            records = self._take_pending()
         if self._link.fallback_active:
+            self._records_to_fallback(records)
             return self._fallback.query_chain(keys, prefix_hash)
         try:
             # Parsed inside execute(): a reply of the wrong shape is a StoreError too.
             found = self._link.execute("kv_query", partial(self._chain_matches, keys,
-                                                           prefix_hash))
+                                                           prefix_hash, records))
         except StoreError as exc:
             if exc.kind not in UNREACHABLE:
+                for backend, entries, _ttl in records:
+                    self._forget(backend, entries)  # perhaps not written: sent again
                 raise
+            self._records_to_fallback(records)
             return self._fallback.query_chain(keys, prefix_hash)
         if not found:
             return EMPTY_MATCHES
@@ -494,6 +633,8 @@ class RedisKvIndex(KvCacheIndex):
             StoreError: Redis answered with an error.
         """
         removed = 0
+        self._pending.clear()
+        self._recent.clear()
         if not self._link.fallback_active:
             try:
                 removed = self._clear_redis()
@@ -523,35 +664,82 @@ class RedisKvIndex(KvCacheIndex):
             "treat_eviction_as_offload": fallback["treat_eviction_as_offload"],
             "fallback_active": self._link.fallback_active,
             "fallback_entries": fallback["entry_count"],
+            "approximate_pending": len(self._pending),
+            "approximate_dropped": self._approximate_dropped,
             "errors": dict(self._link.errors),
             "connections": self._link.connection_stats(),
         }
 
     # -- internals -------------------------------------------------------------------
 
-    def _write_chain(self, action: str, backend: str, entries: Sequence[tuple[str, int]],
-                     ttl: float | None, client: redis.Redis) -> None:
+    def _chain_call(self, action: str, backend: str, entries: Sequence[tuple[str, int]],
+                    ttl: float | None) -> tuple[list[str], list[str | int | float]]:
+        """KEYS and ARGV of the chain write script for one write."""
         keys = [self.chain_key(key) for key, _ in entries]
         keys.append(self.chain_backend_key(backend))
         args: list[str | int | float] = [action, backend, repr(self._clock()), self._ttl,
                                          repr(ttl or 0), repr(self.entry_ttl_seconds)]
         args.extend(tokens for _, tokens in entries)
         args.extend(key for key, _ in entries)
+        return keys, args
+
+    def _write_chain(self, action: str, backend: str, entries: Sequence[tuple[str, int]],
+                     ttl: float | None, client: redis.Redis) -> None:
+        keys, args = self._chain_call(action, backend, entries, ttl)
         self._chain_write(keys=keys, args=args, client=client)
 
+    def _write_records(self, batch: Sequence[_Pending], client: Any) -> None:
+        """Approximate records: one pipeline of script calls (a cluster's index is in one
+        slot, but its pipelines do not take scripts: one call each there)."""
+        if self._link.cluster:
+            for backend, entries, ttl in batch:
+                self._write_chain("gpu", backend, entries, ttl, client)
+            return
+        self._run_scripts(client, [self._chain_call("gpu", backend, entries, ttl)
+                                   for backend, entries, ttl in batch])
+
+    def _run_scripts(self, client: Any, writes: list[_ScriptCall],
+                     query: _ScriptCall | None = None) -> Any:
+        r"""Chain write script calls, then optionally the chain query, in one pipeline of
+        ``EVALSHA``\ s (a server that lost the scripts gets them loaded and the failed
+        calls once more); the query's reply (None without one)."""
+        for attempt in range(2):
+            pipe = client.pipeline(transaction=False)
+            for keys, args in writes:
+                pipe.evalsha(self._chain_write.sha, len(keys), *keys, *args)
+            if query is not None:
+                pipe.evalsha(self._chain_query.sha, len(query[0]), *query[0], *query[1])
+            replies = pipe.execute(raise_on_error=False)
+            failed = [r for r in replies if isinstance(r, Exception)]
+            if not failed:
+                return replies[-1] if query is not None else None
+            if attempt == 0 and all(isinstance(r, NoScriptError) for r in failed):
+                for script in (CHAIN_WRITE_SCRIPT, CHAIN_QUERY_SCRIPT):
+                    client.script_load(script)  # a restarted or flushed server
+                writes = [call for call, r in zip(writes, replies[:len(writes)], strict=True)
+                          if isinstance(r, Exception)]
+                continue
+            raise failed[0]
+        raise AssertionError("unreachable")  # the second attempt returns or raises
+
     def _read_chain(self, keys: Sequence[str], prefix_hash: str | None,
-                    client: redis.Redis) -> Any:
+                    records: Sequence[_Pending], client: redis.Redis) -> Any:
         names = [self.chain_key(key) for key in keys]
         if prefix_hash is not None:
             seed = self.prefix_key(prefix_hash)
             names += [seed, seed + ":tier"]
-        return self._chain_query(keys=names, args=[repr(self._clock()), len(keys)],
-                                 client=client)
+        args: list[str | int | float] = [repr(self._clock()), len(keys)]
+        if not records:
+            return self._chain_query(keys=names, args=args, client=client)
+        return self._run_scripts(client, [self._chain_call("gpu", backend, entries, ttl)
+                                          for backend, entries, ttl in records],
+                                 (names, args))
 
     def _chain_matches(self, keys: Sequence[str], prefix_hash: str | None,
-                       client: redis.Redis) -> list[ChainMatch]:
-        """Query the chain (one script call) and parse its rows; unranked."""
-        rows = self._read_chain(keys, prefix_hash, client)
+                       records: Sequence[_Pending], client: redis.Redis) -> list[ChainMatch]:
+        """Write ``records``, query the chain and parse its rows (one round trip);
+        unranked."""
+        rows = self._read_chain(keys, prefix_hash, records, client)
         found = []
         cutoff = self._clock() - self.entry_ttl_seconds
         for i in range(0, len(rows), 4):

@@ -702,6 +702,16 @@ class FleetConfig:
         3000, doc="the KV event-source lease's TTL; the holder renews it every third",
         min=300, max=600000, restart=True,
     )
+    share_in_flight_across_routers: bool = setting(
+        True, doc="with share_in_flight and a Redis response cache or KV index, one worker "
+        "per host exchanges the host's in-flight counts with the other routers' through "
+        "Redis, so load bounds see the fleet's load", restart=True,
+    )
+    fleet_load_interval_ms: int = setting(
+        250, doc="how often the host's in-flight counts go to Redis and the other routers' "
+        "are read; a router silent for 4 intervals stops counting", min=50, max=10000,
+        restart=True,
+    )
 
 
 @dataclass(frozen=True)

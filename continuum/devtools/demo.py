@@ -60,7 +60,10 @@ from continuum.devtools.procs import ChildExited, Children, wait_until
 from continuum.devtools.push import PushSetup
 from continuum.devtools.scaleout import (
     cache_counts,
-    redis_commands,
+    per_request,
+    redis_command_calls,
+    redis_round_trips,
+    router_cpu_seconds,
     router_memory_mib,
     scale_config,
     subscribers,
@@ -339,13 +342,18 @@ def run_scenario(
         if scenario.kv_events:
             measured_from = kv_index_stats(http, target, token)["routing_decisions"]
         before = engine_stats(http, engines)
-        redis_before = redis_commands(redis_url)
+        trips_before = redis_round_trips(http.get(t + "/metrics", timeout=5).text
+                                         for t in targets)
+        redis_before = redis_command_calls(redis_url)
+        cpu_before = router_cpu_seconds(routers)
         result = replay(targets or target, workload, concurrency=args.concurrency,
                         max_seconds=args.duration, timeout=args.request_timeout)
         after = engine_stats(http, engines)
         texts = [http.get(t + "/metrics", timeout=5).text for t in targets]
         metrics = texts[0] if texts else ""
         if routers:
+            cpu = router_cpu_seconds(routers) - cpu_before
+            redis_after = redis_command_calls(redis_url)
             hits, misses = cache_counts(texts)
             requests_done = max(result.summary()["ok"] + result.summary()["errors"], 1)
             scale = {
@@ -356,9 +364,17 @@ def run_scenario(
                 "listener_connections": subscribers(http, fleet.listener)
                 if fleet.listener is not None and scenario.kv_events else None,
                 "redis_ops_per_request": round(
-                    (redis_commands(redis_url) - redis_before) / requests_done, 2)
+                    (sum(redis_after.values()) - sum(redis_before.values())) / requests_done,
+                    2) if redis_url else None,
+                # the routers' own Redis calls (one round trip each) per request
+                "redis_round_trips_per_request": round(
+                    (redis_round_trips(texts) - trips_before) / requests_done, 2)
                 if redis_url else None,
+                # each command's share of the commands (--json)
+                "redis_ops_by_command": per_request(redis_before, redis_after,
+                                                    requests_done) if redis_url else None,
                 "router_memory_mib": router_memory_mib(routers),
+                "router_cpu_ms_per_request": round(cpu * 1000 / requests_done, 2),
             }
         if router is not None and scenario.kv_events:
             end = kv_index_stats(http, target, token)
@@ -414,6 +430,8 @@ SCALE_COLUMNS = (
     ("resp-cache hit %", "response_cache_hit_rate", "{:.1%}"),
     ("listener conns", "listener_connections", "{}"),
     ("Redis ops/req", "redis_ops_per_request", "{:.1f}"),
+    ("Redis trips/req", "redis_round_trips_per_request", "{:.1f}"),
+    ("router CPU ms/req", "router_cpu_ms_per_request", "{:.1f}"),
     ("router MiB", "router_memory_mib", "{:.0f}"),
     ("requests per engine", "engine_requests", "{}"),
 )

@@ -17,7 +17,7 @@ usual columns (docs/scale-out.md):
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 CACHE_METRIC = "continuum_response_cache_requests_total"
 SUBSCRIBERS_METRIC = "continuum_kv_listener_subscribers"
+REDIS_LATENCY_METRIC = "continuum_cache_redis_latency_seconds"
 
 
 def scale_config(config: dict[str, Any], workers: int, redis_url: str | None,
@@ -72,10 +73,11 @@ def cache_counts(metrics_texts: Sequence[str]) -> tuple[int, int]:
     return int(hits), int(misses)
 
 
-def redis_commands(url: str | None) -> int:
-    """Commands Redis has run so far (``INFO commandstats``, INFO itself left out)."""
+def redis_command_calls(url: str | None) -> dict[str, int]:
+    """Calls of each command Redis has run so far (``INFO commandstats``, INFO itself
+    left out), by lower-case command name."""
     if url is None:
-        return 0
+        return {}
     import redis
 
     client = redis.Redis.from_url(url)
@@ -83,7 +85,29 @@ def redis_commands(url: str | None) -> int:
         stats = client.info("commandstats")
     finally:
         client.close()
-    return sum(int(v["calls"]) for k, v in stats.items() if k != "cmdstat_info")
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()
+            if k != "cmdstat_info"}
+
+
+def redis_commands(url: str | None) -> int:
+    """Commands Redis has run so far (``INFO commandstats``, INFO itself left out)."""
+    return sum(redis_command_calls(url).values())
+
+
+def per_request(before: dict[str, int], after: dict[str, int],
+                requests: int) -> dict[str, float]:
+    """Each command's calls between ``before`` and ``after`` per request, most first."""
+    diff = {name: (calls - before.get(name, 0)) / max(requests, 1)
+            for name, calls in after.items()}
+    return {name: round(v, 2) for name, v in sorted(diff.items(), key=lambda kv: -kv[1]) if v}
+
+
+def redis_round_trips(metrics_texts: Iterable[str]) -> float:
+    """Redis calls the routers' workers have made so far, over their ``/metrics``: each
+    ``RedisLink.execute`` is one round trip (a pipeline or a script call is one), counted in
+    ``continuum_cache_redis_latency_seconds``. The fleet's background clients (leases,
+    fleet actions) are not in it."""
+    return sum(metric_sum(text, REDIS_LATENCY_METRIC + "_count") for text in metrics_texts)
 
 
 def _rss_kib(pid: int) -> int:
@@ -110,6 +134,24 @@ def _children_of(pid: int) -> list[int]:
     return found
 
 
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # utime and stime, fields 14 and 15 of stat(5) (11 and 12 after the command name)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def router_cpu_seconds(routers: Sequence[Child]) -> float:
+    """CPU time the routers have used so far (user + system, each gunicorn master and its
+    live workers), in seconds."""
+    total = 0.0
+    for router in routers:
+        total += _cpu_seconds(router.pid) + sum(_cpu_seconds(c) for c in _children_of(router.pid))
+    return total
+
+
 def router_memory_mib(routers: Sequence[Child]) -> float:
     """Resident memory of the routers: each gunicorn master and its workers, in MiB."""
     total = 0
@@ -119,5 +161,6 @@ def router_memory_mib(routers: Sequence[Child]) -> float:
     return round(total / 1024, 1)
 
 
-__all__ = ["cache_counts", "redis_commands", "router_memory_mib", "scale_config",
+__all__ = ["cache_counts", "per_request", "redis_command_calls", "redis_commands",
+           "redis_round_trips", "router_cpu_seconds", "router_memory_mib", "scale_config",
            "subscribers"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry
 
@@ -57,6 +57,9 @@ class BusSourceConsumer(SourceConsumer):
         #: Connect attempts that found no session announcing this source.
         self.no_session = 0
         self._no_session = False
+
+    def _fresh_options(self) -> dict[str, Any]:
+        return {"runtime_dir": self.runtime_dir}
 
     def _open(self) -> Transport:
         self._no_session = False
@@ -109,12 +112,14 @@ def rebuild_consumers(old: KvEventConsumerManager, sources: Sequence[KvEventSour
     start one per source in ``sources``, pull and push alike. A source whose stream did not
     change (same backend, transport and endpoint) resumes from its last event id, so the
     restart neither replays nor skips an event; a new stream starts with the listener's
-    snapshot."""
+    snapshot. The new manager keeps the old one's KV lease (:mod:`continuum.kv.lease`):
+    still one consumer per host or fleet."""
     resume = {(c.backend, type(c), c.endpoint if not isinstance(c, BusSourceConsumer) else ""):
               c.last_event_id for c in old.consumers}
     old.stop()
+    lease = old.lease.renewed() if old.lease is not None else None
     manager = KvEventConsumerManager(sources, index, registry, old.clock, spawn=old.spawn,
-                                     tokens=tokens)
+                                     tokens=tokens, lease=lease)
     add_bus_consumers(manager, sources, index)
     for consumer in manager.consumers:
         key = (consumer.backend, type(consumer),

@@ -55,7 +55,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import urllib3
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -97,6 +97,7 @@ DRAINING = "draining"
 BUFFER_OVERFLOW = "buffer_overflow"
 CONTROL_EVENTS = (DRAINING, BUFFER_OVERFLOW)
 _HEX = re.compile(r"[0-9a-fA-F]{1,128}")
+_ConsumerT = TypeVar("_ConsumerT", bound="SourceConsumer")
 
 
 class ConsumerStateError(ContinuumError, RuntimeError):
@@ -274,11 +275,15 @@ class SourceConsumer:
     #: consumer; False: every worker runs its own (push mode's bus consumers).
     leased: ClassVar[bool] = True
 
-    def fresh(self) -> SourceConsumer:
-        """A new idle consumer of the same stream into the same index (after a stop)."""
-        return SourceConsumer(self.source, self.index, self.metrics, self.clock,
-                              connect_timeout=self.connect_timeout,
-                              read_timeout=self.read_timeout, token=self._token)
+    def fresh(self: _ConsumerT) -> _ConsumerT:
+        """A new idle consumer of the same class, stream and index (after a stop)."""
+        return type(self)(self.source, self.index, self.metrics, self.clock,
+                          connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
+                          token=self._token, **self._fresh_options())
+
+    def _fresh_options(self) -> dict[str, Any]:
+        """A subclass's own constructor arguments, for :meth:`fresh`."""
+        return {}
 
     @property
     def connected(self) -> bool:

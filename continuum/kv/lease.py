@@ -222,6 +222,7 @@ class LeasedConsumers:
 
     def __init__(self, lease: Lease, ttl_ms: int, relay: HostRelay | None = None) -> None:
         self.lease = lease
+        self.ttl_ms = ttl_ms
         self.interval = ttl_ms / 3000
         self.relay = relay
         self._stopping = threading.Event()
@@ -267,6 +268,11 @@ class LeasedConsumers:
                 self.held.discard(backend)
                 self.lease.release(backend)
                 manager.consumers[index] = consumer.fresh()
+
+    def renewed(self) -> LeasedConsumers:
+        """The same lease (and relay) for the manager that replaces this one's after a
+        hot reload of the event sources; call once this one is stopped."""
+        return LeasedConsumers(self.lease, self.ttl_ms, self.relay)
 
     def stop(self) -> None:
         """Stop every supervisor (each stops its consumer and releases its lease)."""

@@ -7,10 +7,13 @@ worker. That worker applies it, then spreads it:
 * **to the workers of its host**: it writes the action to
   ``$CONTINUUM_RUNTIME_DIR/fleet/<generation>.json`` and bumps the generation in the host
   segment (:mod:`continuum.hostshm`), under the host lock. Every worker compares that
-  generation with the one it applied **before each request** (one shared-memory read), and
-  a poll greenlet does the same every ``POLL_SECONDS``; a worker behind applies the
-  actions it missed, in order, and records its generation in its slot. So once the action
-  is published no worker of the host answers a request from the state before it.
+  generation with the one it applied **before each request** (one shared-memory read); a
+  worker behind applies the actions it missed, in order, and records its generation in its
+  slot. So once the action is published no worker of the host answers a request from the
+  state before it. Idle workers hear of it at once: the sender sends a one-byte datagram
+  to each other worker's ``fleet-kick-<pid>.sock`` in the runtime directory, on which a
+  greenlet of each worker waits (no wake-ups while nothing happens; it also looks every
+  ``POLL_SECONDS``, for a kick lost to a worker that was still starting).
 * **to the other routers** (``fleet.redis_channel`` with a Redis response cache or KV
   index): it ``PUBLISH``es the action on ``<key_prefix>.fleet`` (the response cache's
   ``key_prefix`` without its last colon, so a clear never removes these keys); every worker
@@ -29,9 +32,11 @@ keeps the code one path. Every action carries an id; a worker applies each id on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import socket
 import time
 import uuid
 from collections import OrderedDict
@@ -48,7 +53,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.05
+#: Without a kick, how often a worker looks at the generation anyway.
+POLL_SECONDS = 1.0
 MEMBER_SECONDS = 5.0  # how often a worker renews its fleet membership
 MEMBER_TTL = 3 * MEMBER_SECONDS
 KEEP_FILES = 64  # spool files kept for workers that fall behind
@@ -74,6 +80,8 @@ class FleetBus:
             self._seen_generation = segment.applied
         self._applied: OrderedDict[str, None] = OrderedDict()
         self._lock: Any = None
+        self._kicks: socket.socket | None = None  # this worker's kick socket (in _poll)
+        self._kicker: socket.socket | None = None  # sends kicks to the others
         self._greenlets: list[Any] = []
         self.redis: Any = None
         self.channel = ""
@@ -182,6 +190,7 @@ class FleetBus:
             segment.bump_generation()
             stale = spool / f"{generation - KEEP_FILES}.json"
             stale.unlink(missing_ok=True)
+        self._kick_others(segment)
         with self._mutex():
             # Everything up to ours is applied here (catch_up above, ours just now).
             if self._seen_generation == generation - 1:
@@ -189,6 +198,21 @@ class FleetBus:
                 segment.applied = generation
         self.catch_up()
         return generation
+
+    def _kick_path(self, segment: HostSegment, pid: int) -> Path:
+        return segment.directory / f"fleet-kick-{pid}.sock"
+
+    def _kick_others(self, segment: HostSegment) -> None:
+        """Wake the host's other workers: one datagram each (a worker without its socket
+        yet, or with a full buffer, finds the action by its poll or its next request)."""
+        if self._kicker is None:
+            self._kicker = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._kicker.setblocking(False)
+        me = os.getpid()
+        for _slot, pid, _applied in segment.live_workers():
+            if pid != me:
+                with contextlib.suppress(OSError):
+                    self._kicker.sendto(b"k", str(self._kick_path(segment, pid)))
 
     def _publish_redis(self, action_id: str, action: str, payload: dict[str, Any]) -> set[str]:
         """PUBLISH the action; the members expected to acknowledge it."""
@@ -254,11 +278,26 @@ class FleetBus:
     def _poll(self) -> None:
         import gevent
 
+        segment = self.segment
+        if segment is None:
+            return
+        path = self._kick_path(segment, os.getpid())
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        kicks = self._kicks = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        kicks.bind(str(path))
+        kicks.settimeout(POLL_SECONDS)
         while True:
-            gevent.sleep(POLL_SECONDS)
             try:
-                if self.segment is not None and \
-                        self.segment.generation != self._seen_generation:
+                kicks.recv(64)  # a kick, or POLL_SECONDS without one
+            except TimeoutError:
+                pass
+            except OSError:  # closed by stop(), or broken: poll without kicks
+                if self._kicks is None:
+                    return
+                gevent.sleep(POLL_SECONDS)
+            try:
+                if segment.generation != self._seen_generation:
                     self.catch_up()
             except Exception:
                 log.exception("fleet poll failed")
@@ -318,10 +357,18 @@ class FleetBus:
             log.debug("fleet ack failed: %s", exc)
 
     def stop(self) -> None:
-        """Stop the greenlets and close the Redis client."""
+        """Stop the greenlets, close the kick sockets and the Redis client."""
         for greenlet in self._greenlets:
             greenlet.kill(block=False)
         self._greenlets = []
+        kicks, self._kicks = self._kicks, None
+        for sock in (kicks, self._kicker):
+            if sock is not None:
+                sock.close()
+        self._kicker = None
+        if kicks is not None and self.segment is not None:
+            with contextlib.suppress(OSError):
+                self._kick_path(self.segment, os.getpid()).unlink()
         if self.redis is not None:
             from continuum.redis_topology import disconnect
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -117,3 +120,80 @@ def listener_snapshot() -> Callable[[str, str], dict[str, int]]:
     from a fresh subscription to the KV listener at ``url`` (``cache_cleared``, then one
     ``cache_created`` per prefix, the last record carrying the id)."""
     return _listener_snapshot
+
+
+class EventStreams:
+    """A real SSE listener on 127.0.0.1: ``/events/<backend>`` serves the events queued
+    for ``backend`` (each connection from the first), and counts its open connections."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, list[bytes]] = {}
+        self.open: dict[str, int] = {}
+        self.total: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                backend = self.path.rsplit("/", 1)[-1]
+                with outer.lock:
+                    outer.open[backend] = outer.open.get(backend, 0) + 1
+                    outer.total[backend] = outer.total.get(backend, 0) + 1
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    sent = 0
+                    while not outer.stop.is_set():
+                        with outer.lock:
+                            pending = outer.queues.get(backend, [])[sent:]
+                        for record in pending:
+                            self.wfile.write(record)
+                            sent += 1
+                        self.wfile.write(b": keep-alive\n\n")  # notices a closed client
+                        self.wfile.flush()
+                        time.sleep(0.02)
+                except OSError:
+                    pass
+                finally:
+                    with outer.lock:
+                        outer.open[backend] -= 1
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, backend: str) -> str:
+        """The stream of ``backend``'s events."""
+        return f"http://127.0.0.1:{self.port}/events/{backend}"
+
+    def push(self, backend: str, event: str, prefix_hash: str, tokens: int = 100) -> None:
+        """Queue one event for ``backend`` (its id: its position in the queue)."""
+        with self.lock:
+            queue = self.queues.setdefault(backend, [])
+            data = json.dumps({"prefix_hash": prefix_hash, "token_count": tokens})
+            queue.append(f"id: {len(queue) + 1}\nevent: {event}\ndata: {data}\n\n".encode())
+
+    def connections(self) -> dict[str, int]:
+        """Open connections per backend."""
+        with self.lock:
+            return dict(self.open)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def streams() -> Iterator[EventStreams]:
+    """A test SSE listener (:class:`EventStreams`), closed at the end of the test."""
+    s = EventStreams()
+    yield s
+    s.close()

@@ -182,3 +182,35 @@ def test_in_flight_counts_are_the_hosts(upstreams, router_factory) -> None:
     finally:
         for conn in [first, second, *held]:
             conn.close()
+
+
+def test_in_flight_counts_are_the_fleets_across_routers(upstreams, router_factory,
+                                                        redis_server) -> None:
+    """Two routers on one Redis: requests held open through one count in the other's load
+    view (one Redis exchange per host every fleet_load_interval_ms), and stop counting
+    when they finish."""
+    up = upstreams("a")
+    config = {**_config(up, backend="redis", redis={"url": redis_server.url,
+                                                      "key_prefix": unique_prefix("fl")}),
+              "fleet": {"fleet_load_interval_ms": 100}}
+    first, second = router_factory(config), router_factory(config)
+    held = [Conn(first.url) for _ in range(3)]
+    watcher = Conn(second.url)
+    try:
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                           "x_test": {"hang": 3}}).encode()
+        for conn in held:
+            conn.http.request("POST", "/v1/chat/completions", body=body,
+                              headers={"Content-Type": "application/json"})
+
+        def seen_by(conn: Conn) -> int:
+            doc = conn.get("/admin/backends")
+            return int(next(b["in_flight"] for b in doc["backends"] if b["name"] == "a"))
+
+        wait_until(lambda: seen_by(watcher) == 3, "the other router to see 3 in flight", 5)
+        for conn in held:
+            assert conn.http.getresponse().read()
+        wait_until(lambda: seen_by(watcher) == 0, "the load to drop to 0", 5)
+    finally:
+        for conn in [*held, watcher]:
+            conn.close()

@@ -6,94 +6,21 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 import redis
+import yaml
 
 from continuum.devtools.procs import wait_until
+from tests.integration.conftest import EventStreams
 from tests.integration.test_fleet_e2e import Conn, _one_per_worker
 
 pytestmark = pytest.mark.e2e
 
 
-class CountingStreams:
-    """An SSE listener on 127.0.0.1 that counts its open connections per backend."""
-
-    def __init__(self) -> None:
-        self.queues: dict[str, list[bytes]] = {}
-        self.open: dict[str, int] = {}
-        self.total: dict[str, int] = {}
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                backend = self.path.rsplit("/", 1)[-1]
-                with outer.lock:
-                    outer.open[backend] = outer.open.get(backend, 0) + 1
-                    outer.total[backend] = outer.total.get(backend, 0) + 1
-                try:
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/event-stream")
-                    self.end_headers()
-                    sent = 0
-                    while not outer.stop.is_set():
-                        with outer.lock:
-                            pending = outer.queues.get(backend, [])[sent:]
-                        for record in pending:
-                            self.wfile.write(record)
-                            sent += 1
-                        self.wfile.write(b": keep-alive\n\n")  # notices a closed client
-                        self.wfile.flush()
-                        time.sleep(0.05)
-                except OSError:
-                    pass
-                finally:
-                    with outer.lock:
-                        outer.open[backend] -= 1
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def url(self, backend: str) -> str:
-        return f"http://127.0.0.1:{self.port}/events/{backend}"
-
-    def push(self, backend: str, prefix_hash: str, tokens: int = 100) -> None:
-        with self.lock:
-            queue = self.queues.setdefault(backend, [])
-            data = json.dumps({"prefix_hash": prefix_hash, "token_count": tokens})
-            queue.append(f"id: {len(queue) + 1}\nevent: cache_created\ndata: {data}\n\n"
-                         .encode())
-
-    def connections(self) -> dict[str, int]:
-        with self.lock:
-            return dict(self.open)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def streams() -> Any:
-    s = CountingStreams()
-    yield s
-    s.close()
-
-
-def _config(ups: list[Any], streams: CountingStreams, **kv: Any) -> dict[str, Any]:
+def _config(ups: list[Any], streams: EventStreams, **kv: Any) -> dict[str, Any]:
     return {
         "backends": [{"name": u.name, "url": u.url, "models": ["m"]} for u in ups],
         "prefix_routing": {"enabled": True},
@@ -128,8 +55,8 @@ def test_memory_index_one_consumer_per_host_relayed_and_taken_over(
                    lambda: f"one stream per backend: {streams.connections()}", 10)
         time.sleep(1.0)  # the other worker keeps trying: still one each
         assert streams.connections() == {"a": 1, "b": 1}
-        streams.push("a", "11" * 16)
-        streams.push("b", "22" * 16)
+        streams.push("a", "cache_created", "11" * 16)
+        streams.push("b", "cache_created", "22" * 16)
         # The holder relays what it reads: every worker's memory index has both entries.
         wait_until(lambda: [_entries(c) for c in conns] == [2, 2],
                    lambda: f"both workers to index 2 entries: {[_entries(c) for c in conns]}",
@@ -144,8 +71,49 @@ def test_memory_index_one_consumer_per_host_relayed_and_taken_over(
         # starts in its place, whichever asks first) takes the stream within ttl/3 + connect.
         wait_until(lambda: streams.connections() == {"a": 1, "b": 1},
                    lambda: f"one stream per backend again: {streams.connections()}", 10)
-        streams.push("a", "33" * 16)
+        streams.push("a", "cache_created", "33" * 16)
         wait_until(lambda: _entries(survivor) == 3, "the new holder to index the event", 10)
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_event_sources_reload_keeps_one_consumer_per_host(upstreams, router_factory,
+                                                          streams) -> None:
+    """A hot reload of ``kv_cache_index.event_sources`` rebuilds every worker's consumers
+    under the same lease: still one stream per backend for the host, and the holder still
+    relays what it reads to the other worker."""
+    ups = [upstreams("a"), upstreams("b")]
+    config = _config(ups, streams)
+    router = router_factory(config, workers=2)
+    conns = _one_per_worker(router.url, 2)
+    try:
+        wait_until(lambda: streams.connections() == {"a": 1, "b": 1},
+                   lambda: f"one stream per backend: {streams.connections()}", 10)
+        streams.push("a", "cache_created", "11" * 16)
+        wait_until(lambda: [_entries(c) for c in conns] == [1, 1],
+                   "both workers to index the first event", 10)
+        opened = dict(streams.total)
+        for source in config["kv_cache_index"]["event_sources"]:
+            source["reconnect_interval_ms"] = 150  # a change that restarts the consumers
+        router.config_path.write_text(yaml.safe_dump(
+            {**yaml.safe_load(router.config_path.read_text()), **config}))
+        status, _, raw = conns[0].post("/admin/config/reload", b"")
+        doc = json.loads(raw)
+        assert status == 200 and "kv_cache_index.event_sources" in doc["applied"], doc
+        assert doc["fleet"]["workers_applied"] == 2, doc
+        # Each worker's old consumer is gone and one new stream per backend opens.
+        wait_until(lambda: streams.connections() == {"a": 1, "b": 1}
+                   and streams.total == {k: v + 1 for k, v in opened.items()},
+                   lambda: f"one new stream per backend: open {streams.connections()}, "
+                           f"opened {streams.total} (before the reload {opened})", 10)
+        time.sleep(1.0)  # the other worker keeps trying for the lease: still one each
+        assert streams.connections() == {"a": 1, "b": 1}
+        assert streams.total == {k: v + 1 for k, v in opened.items()}
+        streams.push("b", "cache_created", "22" * 16)
+        wait_until(lambda: [_entries(c) for c in conns] == [2, 2],
+                   lambda: f"both workers to index the event read after the reload: "
+                           f"{[_entries(c) for c in conns]}", 10)
     finally:
         for conn in conns:
             conn.close()
@@ -171,7 +139,7 @@ def test_redis_index_one_consumer_per_fleet_and_lease_expiry(
         assert len(holder) == 1 and _holders(conns, "a") == holder
         writes_before = _writes(client)
         for i in range(10):
-            streams.push("a", f"{i:032x}")
+            streams.push("a", "cache_created", f"{i:032x}")
         # Every worker of both routers reads the one copy in Redis.
         wait_until(lambda: all(_entries(c) == -1 for c in conns) and
                    client.exists(prefix + f"{9:032x}") == 1, "the events in Redis", 10)
@@ -187,7 +155,7 @@ def test_redis_index_one_consumer_per_fleet_and_lease_expiry(
         # (the new holder may be the worker gunicorn started in the dead one's place)
         wait_until(lambda: len(_holders(conns, "a")) <= 1 and streams.connections() == {"a": 1},
                    lambda: f"one new consumer: {streams.connections()}", 10)
-        streams.push("a", "ff" * 16)
+        streams.push("a", "cache_created", "ff" * 16)
         wait_until(lambda: client.exists(prefix + "ff" * 16) == 1,
                    "the new holder to write the next event", 10)
     finally:

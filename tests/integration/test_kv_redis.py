@@ -339,3 +339,109 @@ def test_a_chain_query_is_one_round_trip_whatever_the_chain_length(
             (tokens for _, tokens in expected.values()), reverse=True)
     assert trips == ["kv_query"] * 3
     index.clear()
+
+
+class TestStartedRedisKvContract(TestRedisKvContract):
+    """The same contract on a started index (as in a worker): approximate records go
+    through the writer greenlet, and the index still answers as if written at once."""
+
+    def make_index(self, *, storage_offloading: bool = False,
+                   treat_eviction_as_offload: bool = True, ttl: int = 600) -> KvCacheIndex:
+        index = super().make_index(storage_offloading=storage_offloading,
+                                   treat_eviction_as_offload=treat_eviction_as_offload, ttl=ttl)
+        index.start()
+        return index
+
+
+def _routed(index: RedisKvIndex, backend: str, chain: list[str], ttl: float = 60) -> None:
+    index.apply_chain(backend, CACHE_CREATED, [(k, 16 * (i + 1)) for i, k in enumerate(chain)],
+                      ttl=ttl)
+
+
+def test_routed_records_are_written_off_the_callers_path_in_one_pipeline(
+        redis_server: RedisServer, links: Any) -> None:
+    """A started index queues routed (approximate) records and writes them from a greenlet,
+    all queued ones in one round trip; the other routers see them once it has run."""
+    import gevent
+
+    prefix = unique_prefix("apx")
+    link = links.link(redis_server.url)
+    index = links.index(link, prefix)
+    other = links.index(links.link(redis_server.url), prefix)  # another worker or router
+    index.start()
+    chains = [[f"{c:02x}{i:014x}" for i in range(3)] for c in range(10)]
+    trips = count_round_trips(link)
+    for chain in chains:
+        _routed(index, "a", chain)
+    assert trips == []  # nothing on the caller's path
+    assert index.stats()["approximate_pending"] == 10
+    gevent.sleep(0)  # the hub runs the writer: the request would be waiting on its backend
+    assert trips == ["kv_apply"]
+    assert index.stats()["approximate_pending"] == 0
+    for chain in chains:
+        assert [(m.backend, m.depth, m.approximate) for m in other.query_chain(chain)] == [
+            ("a", 3, True)]
+    index.clear()
+
+
+def test_own_queries_see_queued_records_and_repeats_are_not_resent(
+        redis_server: RedisServer, links: Any) -> None:
+    link, raw = links.link(redis_server.url), links.raw(redis_server.url)
+    index = links.index(link)
+    index.start()
+    chain = [f"{i:016x}" for i in range(4)]
+    raw.script_flush()  # a server that lost the scripts: loaded again on the way
+    trips = count_round_trips(link)
+    _routed(index, "a", chain[:2])
+    # The query sends the queue first, in its own round trip: a worker always sees what
+    # it recorded.
+    assert [(m.backend, m.depth) for m in index.query_chain(chain)] == [("a", 2)]
+    assert trips == ["kv_query"]
+    before = command_calls(raw)
+    _routed(index, "a", chain)  # the first two keys were recorded a moment ago
+    index.flush()
+    after = command_calls(raw)
+    assert delta(before, after)["hget"] == 2  # the script read only the two new keys
+    assert [(m.backend, m.depth) for m in index.query_chain(chain)] == [("a", 4)]
+    _routed(index, "a", chain)  # nothing new: nothing queued
+    assert index.stats()["approximate_pending"] == 0
+    # An event on a key makes the next record of it go out again.
+    index.apply_chain("a", CACHE_EVICTED, [(chain[3], 0)])
+    assert [(m.backend, m.depth) for m in index.query_chain(chain)] == [("a", 3)]
+    _routed(index, "a", chain)
+    assert index.stats()["approximate_pending"] == 1
+    assert [(m.backend, m.depth) for m in index.query_chain(chain)] == [("a", 4)]
+    index.clear()
+
+
+def test_queued_records_land_in_the_fallback_when_redis_goes(fresh_redis: RedisServer,
+                                                             links: Any) -> None:
+    link = links.link(fresh_redis.url, probe_interval_seconds=60)
+    index = links.index(link)
+    index.start()
+    chain = [f"{i:016x}" for i in range(3)]
+    _routed(index, "a", chain)
+    fresh_redis.stop()
+    index.flush()  # never raises: Redis is unreachable, the records go to the fallback
+    assert link.fallback_active
+    assert [(m.backend, m.depth, m.approximate) for m in index.query_chain(chain)] == [
+        ("a", 3, True)]
+
+
+def test_the_queue_is_bounded(redis_server: RedisServer, links: Any) -> None:
+    """Records queued faster than the writer runs: the oldest go beyond ``MAX_PENDING``."""
+    import gevent
+
+    from stores.kv_redis import MAX_PENDING
+
+    index = links.index(links.link(redis_server.url))
+    index.start()
+    for i in range(MAX_PENDING + 5):  # no hub switch meanwhile: the writer cannot run
+        _routed(index, "a", [f"{i:016x}"])
+    stats = index.stats()
+    assert (stats["approximate_pending"], stats["approximate_dropped"]) == (MAX_PENDING, 5)
+    gevent.sleep(0)
+    assert index.stats()["approximate_pending"] == 0
+    assert index.query_chain([f"{4:016x}"]) == ()  # dropped
+    assert [m.depth for m in index.query_chain([f"{5:016x}"])] == [1]
+    index.clear()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -14,66 +13,11 @@ import requests
 from continuum.devtools.procs import wait_until
 from continuum.prefix import request_prefix_key
 from continuum.prefix_chain import request_chain
+from tests.integration.conftest import EventStreams
 
 pytestmark = pytest.mark.e2e
 
 SYSTEM = "You are the routing test assistant. " * 20
-
-
-class EventStreams:
-    """A real SSE server on 127.0.0.1: ``/events/<backend>`` serves queued events."""
-
-    def __init__(self) -> None:
-        self.queues: dict[str, list[bytes]] = {}
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                backend = self.path.rsplit("/", 1)[-1]
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.end_headers()
-                sent = 0
-                while not outer.stop.is_set():
-                    with outer.lock:
-                        pending = outer.queues.get(backend, [])[sent:]
-                    for record in pending:
-                        self.wfile.write(record)
-                        sent += 1
-                    self.wfile.flush()
-                    time.sleep(0.02)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def url(self, backend: str) -> str:
-        return f"http://127.0.0.1:{self.port}/events/{backend}"
-
-    def push(self, backend: str, event: str, prefix_hash: str, tokens: int) -> None:
-        with self.lock:
-            queue = self.queues.setdefault(backend, [])
-            data = json.dumps({"prefix_hash": prefix_hash, "token_count": tokens})
-            queue.append(f"id: {len(queue) + 1}\nevent: {event}\ndata: {data}\n\n".encode())
-
-    def close(self) -> None:
-        self.stop.set()
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def streams() -> Any:
-    s = EventStreams()
-    yield s
-    s.close()
 
 
 def _body(system: str = SYSTEM) -> dict[str, Any]:

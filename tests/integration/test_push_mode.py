@@ -21,7 +21,7 @@ import yaml
 from continuum.config.schema import KvEventSourceConfig
 from continuum.devtools.procs import free_port, wait_until
 from continuum.devtools.servers import RouterProcess
-from continuum.kv.bus_consumer import BusSourceConsumer, add_bus_consumers
+from continuum.kv.bus_consumer import BusSourceConsumer, BusUnavailable, add_bus_consumers
 from continuum.kv.bus_process import read_bus_file
 from continuum.kv.consumer import KvEventConsumerManager
 from stores.kv_memory import InMemoryKvIndex
@@ -473,3 +473,17 @@ def test_many_streams_open_at_once_on_one_connection(tmp_path: Path) -> None:
             manager.stop(timeout=10)
         lst.proc.stop()
         bus.stop()
+
+
+def test_a_fresh_bus_consumer_still_reads_the_bus(tmp_path: Path) -> None:
+    """``fresh()`` (what a KV lease's supervisor makes after a stop) keeps the consumer's
+    class: the new one looks for the host's bus, not for a listener endpoint it has none of."""
+    _, consumer, index = _manager(tmp_path / "no-bus-here")
+    again = consumer.fresh()
+    assert type(again) is BusSourceConsumer
+    assert (again.backend, again.index, again.runtime_dir) == ("vllm-1", index,
+                                                               consumer.runtime_dir)
+    assert again.leased is False  # every worker reads its host's bus
+    with pytest.raises(BusUnavailable):
+        again._open()
+    assert again.no_session == 1

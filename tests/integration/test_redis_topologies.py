@@ -13,6 +13,7 @@ import redis
 import requests
 
 from continuum.config import RedisConfig
+from continuum.devtools.fleet import metric_sum
 from continuum.devtools.procs import wait_until
 from continuum.devtools.redis_server import unique_prefix
 from continuum.devtools.redis_topologies import ClusterSet, SentinelSet
@@ -115,6 +116,18 @@ class TestClusterKvContract(KvIndexCases):
                              treat_eviction_as_offload=treat_eviction_as_offload,
                              entry_ttl_seconds=ttl)
         self.made.append(index)
+        return index
+
+
+class TestStartedClusterKvContract(TestClusterKvContract):
+    """The same on started indexes (as in a worker): routed records go through the writer
+    greenlet, one script call each (a cluster pipeline takes no scripts)."""
+
+    def make_index(self, *, storage_offloading: bool = False,
+                   treat_eviction_as_offload: bool = True, ttl: int = 600) -> KvCacheIndex:
+        index = super().make_index(storage_offloading=storage_offloading,
+                                   treat_eviction_as_offload=treat_eviction_as_offload, ttl=ttl)
+        index.start()
         return index
 
 
@@ -231,3 +244,64 @@ def test_router_on_a_cluster_hits_and_survives_a_master(upstreams, router_factor
     caches()  # through the failover: 200s, hits or misses
     wait_until(lambda: caches() == ["HIT"] * 12, "every answer from Redis again", 30,
                interval=0.3)
+
+
+def test_routers_through_sentinel_fail_over_and_share_again(upstreams, router_factory
+                                                            ) -> None:
+    """Two routers on one Sentinel-managed Redis: a response cached through one is a HIT
+    through the other. The master dies while its replica is held, so no failover can
+    happen yet: every request still succeeds (a MISS, or a hit from the memory fallback)
+    and the routers are in fallback. The replica is let go and promoted; then an answer
+    cached through one router is a HIT through the other again: both are back on Redis."""
+    _need_redis_server()
+    up = upstreams("a")
+    prefix = unique_prefix("sent")
+    with SentinelSet(failover_timeout_ms=1500) as sentinels:
+        redis_cfg = {"url": "redis://127.0.0.1:6379/0", "mode": "sentinel",
+                     "nodes": sentinels.nodes, "sentinel_master": sentinels.master_name,
+                     "probe_interval_seconds": 0.2, "key_prefix": prefix}
+        config = {"backends": [{"name": "a", "url": up.url, "models": ["m"]}],
+                  "response_cache": {"enabled": True, "backend": "redis", "redis": redis_cfg},
+                  "health_check": {"interval_seconds": 30}}
+        routers = router_factory(config), router_factory(config)
+        first, second = routers
+
+        def ask(router: Any, question: str) -> str:
+            body = {"model": "m", "temperature": 0,
+                    "messages": [{"role": "user", "content": question}]}
+            resp = requests.post(router.url + "/v1/chat/completions", json=body, timeout=10)
+            assert resp.status_code == 200, resp.text  # never an error: at worst a miss
+            return str(resp.headers["X-Cache"])
+
+        def fleet_metric(name: str, **labels: str) -> float:
+            return sum(metric_sum(r.metrics(), name, **labels) for r in routers)
+
+        questions = [f"question {i}" for i in range(6)]
+        assert [ask(first, q) for q in questions] == ["MISS"] * 6
+        assert [ask(second, q) for q in questions] == ["HIT"] * 6  # from the shared Redis
+        replica = redis.Redis(port=sentinels.replica.port)
+        try:  # the replica has every entry before its master goes
+            wait_until(lambda: sum(1 for _ in replica.scan_iter(match=prefix + "*")) >= 6,
+                       "the replica to hold the cached entries", 10, interval=0.05)
+        finally:
+            replica.close()
+
+        with sentinels.replica_paused():
+            sentinels.stop_master()
+            answers = {ask(router, q) for router in routers for q in questions}
+            assert answers <= {"HIT", "MISS"}
+            assert fleet_metric("continuum_cache_redis_errors_total", kind="connection") >= 1
+            assert fleet_metric("continuum_cache_fallback_active") >= 1
+        sentinels.wait_promoted()
+
+        attempt = iter(range(1000))
+
+        def shared_again() -> bool:
+            question = f"after the failover {next(attempt)}"
+            return ask(first, question) == "MISS" and ask(second, question) == "HIT"
+
+        wait_until(shared_again, "an answer cached through one router to hit through the "
+                   "other", 30, interval=0.2)
+        # What was cached before the master died was replicated: the new master serves it.
+        assert [ask(second, q) for q in questions] == ["HIT"] * 6
+        assert fleet_metric("continuum_cache_fallback_active") == 0

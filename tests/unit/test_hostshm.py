@@ -84,6 +84,27 @@ def test_backend_columns_are_shared_by_name(tmp_path: Path) -> None:
     one.release()
 
 
+def test_the_other_routers_count_adds_to_the_hosts(tmp_path: Path) -> None:
+    """The elsewhere row (continuum.routing.fleet_load) counts in every worker's view of a
+    backend's load, and not in what the host tells the other routers."""
+    one, two = HostSegment(tmp_path), HostSegment(tmp_path, pid=1)
+    col = one.column("b")
+    backend = Backend(BackendConfig(name="b", url="http://127.0.0.1:1"))
+    backend.share_load(two)  # a worker's backend, publishing in its row
+    one.words[one.cell(col)] = 2
+    backend.acquire()
+    assert (one.host_total(col), one.workers_total(col)) == (3, 3)
+    one.set_elsewhere(col, 4)
+    assert (two.host_total(col), two.workers_total(col)) == (7, 3)
+    assert two.host_total(two.column("other")) == 0
+    assert backend.in_flight == 7
+    backend.in_flight = 9  # tests and tools set the total: this worker's count makes it up
+    assert (backend.local_in_flight, one.workers_total(col)) == (3, 5)
+    one.set_elsewhere(col, 0)
+    assert backend.in_flight == 5
+    one.release()
+
+
 def test_fresh_segment_forgets_the_previous_run(tmp_path: Path) -> None:
     old = HostSegment(tmp_path)
     old.words[old.cell(old.column("b"))] = 5

@@ -1,0 +1,190 @@
+"""In-flight counts shared by the routers of a fleet, through Redis, a moment late.
+
+:mod:`continuum.routing.shared_load` makes the workers of one host decide on the host's
+load; routers on other hosts (or other instances on this one) send to the same backends,
+so each router alone still sees only its share. With ``fleet.share_in_flight_across_routers``
+one worker per host (the holder of an ``flock`` on ``fleet-load.lock`` in the runtime
+directory) runs a greenlet that, every ``fleet.fleet_load_interval_ms``, makes one Redis
+call (a Lua script):
+
+* it writes the host's counts (:meth:`~continuum.hostshm.HostSegment.workers_total`) to the
+  hash ``<prefix><host id>`` with a TTL of four intervals, and the host id into the sorted
+  set ``<prefix>hosts`` scored by the time;
+* it reads the hashes of the other hosts seen within those four intervals and returns them.
+
+It writes the sum per backend into the host segment's elsewhere row, which
+:meth:`~continuum.hostshm.HostSegment.host_total` adds to the workers' counts: so
+``Backend.in_flight`` and everything reading it (CHWBL's bound, the KV load guard) see the
+fleet's load with no Redis call on the request path, at most about one interval old. A
+router that stops (or dies) stops counting within four intervals. When Redis fails the
+elsewhere row is zeroed: each router bounds its own share again, as before. If the holder
+dies, the kernel drops its ``flock`` and another worker takes over within a second.
+
+Keys: ``<response_cache.redis.key_prefix without its last colon>.load:`` (hash-tagged in
+Redis Cluster, so the script's keys share a slot), outside the cache's prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from continuum.config import RouterConfig
+    from continuum.hostshm import HostSegment
+    from continuum.routing.backends import BackendPool
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "fleet-load.lock"
+#: How often a worker without the role tries for it.
+TAKEOVER_SECONDS = 1.0
+#: A host's counts live this many intervals without a refresh.
+TTL_INTERVALS = 4
+
+#: KEYS[1]: the hosts' sorted set. ARGV: host id, now (ms), ttl (ms), hash key prefix,
+#: then backend, count pairs. Returns the other live hosts' hashes as flat pairs.
+EXCHANGE_SCRIPT = """
+local host, now, ttl, prefix = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local own = prefix .. host
+redis.call('DEL', own)
+for i = 5, #ARGV, 2 do redis.call('HSET', own, ARGV[i], ARGV[i + 1]) end
+redis.call('PEXPIRE', own, ttl)
+redis.call('ZADD', KEYS[1], now, host)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
+redis.call('PEXPIRE', KEYS[1], ttl)
+local out = {}
+for _, other in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if other ~= host then
+    local flat = redis.call('HGETALL', prefix .. other)
+    for i = 1, #flat do out[#out + 1] = flat[i] end
+  end
+end
+return out
+"""
+
+
+class FleetLoad:
+    """Exchanges this host's in-flight counts with the other routers' (module docstring).
+
+    Args:
+        pool: the worker's backends (their columns in ``segment``).
+        segment: the host segment.
+        client: a Redis client (standalone, Cluster or Sentinel).
+        key_prefix: where the keys go (``<prefix>hosts``, ``<prefix><host id>``).
+        interval: seconds between exchanges.
+    """
+
+    def __init__(self, pool: BackendPool, segment: HostSegment, client: Any, key_prefix: str,
+                 interval: float) -> None:
+        self.pool = pool
+        self.segment = segment
+        self.client = client
+        self.key_prefix = key_prefix
+        self.interval = interval
+        self.ttl_ms = max(1, round(interval * 1000 * TTL_INTERVALS))
+        self.host = segment.host_id
+        self.exchanges = self.failures = 0
+        self._script = client.register_script(EXCHANGE_SCRIPT)
+        self._lock_fd: int | None = None
+        self._greenlet: Any = None
+
+    @classmethod
+    def from_config(cls, config: RouterConfig, pool: BackendPool,
+                    segment: HostSegment) -> FleetLoad | None:
+        """The exchange for ``config``, or None: off, or no Redis to exchange through."""
+        fleet, cache, kv = config.fleet, config.response_cache, config.kv_cache_index
+        uses_redis = (cache.enabled and cache.backend == "redis") or (
+            kv.enabled and kv.backend == "redis")
+        if not (fleet.share_in_flight and fleet.share_in_flight_across_routers and uses_redis):
+            return None
+        from continuum.redis_topology import hash_tagged, make_client
+
+        client = make_client(cache.redis)
+        prefix = cache.redis.key_prefix.rstrip(":") + ".load:"
+        if cache.redis.mode == "cluster":
+            prefix = hash_tagged(prefix)
+        return cls(pool, segment, client, prefix, fleet.fleet_load_interval_ms / 1000)
+
+    @property
+    def holder(self) -> bool:
+        """Whether this worker does the exchange for the host."""
+        return self._lock_fd is not None
+
+    def start(self) -> None:
+        """Start the greenlet (in the worker)."""
+        if self._greenlet is None:
+            import gevent
+
+            self._greenlet = gevent.spawn(self._run)
+
+    def stop(self) -> None:
+        """Stop exchanging; as holder, zero the elsewhere row and give the role up."""
+        if self._greenlet is not None:
+            self._greenlet.kill(block=False)
+            self._greenlet = None
+        if self._lock_fd is not None:
+            self._set_elsewhere({})
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        with contextlib.suppress(Exception):
+            from continuum.redis_topology import disconnect
+
+            disconnect(self.client)
+
+    def _take_role(self) -> bool:
+        fd = os.open(self.segment.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._lock_fd = fd
+        return True
+
+    def _run(self) -> None:
+        import gevent
+
+        while not self._take_role():
+            gevent.sleep(TAKEOVER_SECONDS)
+        log.info("fleet load: this worker (pid %d) exchanges the host's in-flight counts",
+                 os.getpid())
+        while True:
+            self.exchange()
+            gevent.sleep(self.interval)
+
+    def exchange(self) -> dict[str, int]:
+        """One exchange: publish the host's counts, read the other routers'; what they
+        have in flight per backend (empty, and the row zeroed, when Redis failed)."""
+        segment = self.segment
+        args: list[str | int] = [self.host, int(time.time() * 1000), self.ttl_ms,
+                                 self.key_prefix]
+        for backend in self.pool:
+            args += [backend.name, segment.workers_total(segment.column(backend.name))]
+        try:
+            flat = self._script(keys=[self.key_prefix + "hosts"], args=args)
+            elsewhere: dict[str, int] = {}
+            for i in range(0, len(flat), 2):
+                name = flat[i].decode() if isinstance(flat[i], bytes) else str(flat[i])
+                elsewhere[name] = elsewhere.get(name, 0) + int(flat[i + 1])
+        except Exception as exc:  # Redis away or a bad reply: each router on its own share
+            self.failures += 1
+            log.debug("fleet load: exchange failed: %s", exc)
+            elsewhere = {}
+        else:
+            self.exchanges += 1
+        self._set_elsewhere(elsewhere)
+        return elsewhere
+
+    def _set_elsewhere(self, elsewhere: dict[str, int]) -> None:
+        segment = self.segment
+        for backend in self.pool:
+            segment.set_elsewhere(segment.column(backend.name),
+                                  max(0, elsewhere.get(backend.name, 0)))
+
+
+__all__ = ["EXCHANGE_SCRIPT", "FleetLoad"]
