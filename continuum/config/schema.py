@@ -339,7 +339,8 @@ class LoadGuardConfig:
     """``kv_cache_index.scoring.load_guard``: keep KV-aware routing from piling onto a
     busy holder. ``adaptive`` (with ``match: chain``): a holder qualifies while the prefill
     its match saves is worth more than its queue beyond the candidates' mean (priced by its
-    latency only once it reaches the CHWBL bound);
+    latency only once it reaches the CHWBL bound) and, with ``learned_wait``, than its
+    learned wait for a first token beyond the least-waiting candidate's;
     ``bound``: while it is under the CHWBL bound (the only mode of ``match: seed``)."""
 
     enabled: bool = setting(True, doc="guard KV-aware routing against load",
@@ -355,6 +356,11 @@ class LoadGuardConfig:
         "(ms); at the CHWBL bound, a backend's latency EWMA / its in-flight count when higher",
         min=0.0, max=100000.0, restart=True,
     )
+    learned_wait: bool = setting(
+        True, doc="adaptive: also price the wait for a first token a holder would make a "
+        "request do beyond the least-waiting candidate's, learned from how long its streams "
+        "took to their first token at each in-flight count; when that turns every holder "
+        "down, the least-waiting candidate takes the request", restart=True)
     load_factor_epsilon: float = setting(
         0.25, doc="bound = max(floor, ceil((1 + epsilon) * (in_flight_total + 1) / N))",
         min=0.01, max=10.0, restart=True,

@@ -30,9 +30,26 @@ Load guard (``scoring.load_guard``):
       per_request = queue_ms_per_request                    under the CHWBL load bound
                   = max(queue_ms_per_request, latency EWMA / in_flight)   at the bound
 
-  Under the bound engines batch rather than queue, so a request more costs little and a
-  lightly loaded fleet keeps its longest match; at the bound a backend's own latency
-  prices its queue, so a saturated holder is recognised. A qualified holder scores
+  With ``learned_wait`` (default) ``extra`` is at least the wait for a first token the
+  holder would make the request do beyond the least-waiting candidate's
+  (:meth:`Backend.queue_wait <continuum.routing.backends.Backend.queue_wait>`): for each
+  in-flight count a request was sent at, the router keeps how long streams took to
+  their first body piece (EWMA; a count counts from 5 samples), and the wait at a count
+  is how much longer than at the fastest count that took (never less than at a smaller
+  count; 0 until learned). Engines batch up to their slots, where the counts cost about
+  the same, and queue beyond them wherever the CHWBL bound is: an engine with two slots
+  queues the third request, however far below the bound (the floor alone is 4). Only
+  the wait beyond the least-waiting candidate's counts, so when every engine is as full
+  the match still wins, and a holder under its slots pays nothing however long its
+  answers are (a growing session stays with its history). A holder turned down leaves
+  the request to the configured strategy as before. (Sending it instead to the
+  candidate with the shortest learned wait was tried: on a contended machine the misses
+  it made slowed the engines, which raised the waits, which made more misses, and the
+  ``load`` demo's hit rate fell to 87% and its p99 TTFT to seconds.)
+
+  Under the bound a request more costs little otherwise, so a lightly loaded fleet keeps
+  its longest match; at the bound a backend's own latency prices its queue, so a
+  saturated holder is recognised even before its waits are learned. A qualified holder scores
   ``threshold + (1 - threshold) * health * net`` where ``net`` = (saved - extra) ÷ the
   prefill of the whole prompt: holders are ranked by what they save net of their queue
   (equal matches go to the less busy holder, whose ``extra`` is lower), and the
@@ -99,15 +116,17 @@ class _ChainSnapshot:
     credit, the candidates' mean in-flight count, and for the composite score the seed
     scorer's in-flight snapshot (None in adaptive mode, which reads the queue live)."""
 
-    __slots__ = ("bound", "chain", "credits", "load", "mean_in_flight")
+    __slots__ = ("bound", "chain", "credits", "least_wait", "load", "mean_in_flight")
 
     def __init__(self, chain: PrefixChain, credits: dict[str, _Credit], bound: int,
-                 mean_in_flight: float, load: _Snapshot | None) -> None:
+                 mean_in_flight: float, load: _Snapshot | None, least_wait: float = 0.0) -> None:
         self.chain = chain
         self.credits = credits
         self.bound = bound
         self.mean_in_flight = mean_in_flight
         self.load = load
+        #: The shortest learned wait for a first token among the candidates (seconds).
+        self.least_wait = least_wait
 
 
 class ChainOverlapScorer(KvOverlapScorer):
@@ -129,6 +148,7 @@ class ChainOverlapScorer(KvOverlapScorer):
         self.guard = guard.enabled and guard.mode == "bound"
         self.prefill_ms_per_token = guard.prefill_ms_per_1k_tokens / 1000.0
         self.queue_ms = guard.queue_ms_per_request
+        self.learned_wait = self.adaptive and guard.learned_wait
         self.approximate_weight = kv.approximate.weight
         self.approximate_ttl = kv.approximate.ttl_seconds if kv.approximate.enabled else None
         self.chunk_bytes = kv.chain.chunk_bytes
@@ -207,8 +227,10 @@ class ChainOverlapScorer(KvOverlapScorer):
         # the composite score and the CHWBL bound read the load as of now
         load = None if self.adaptive else _Snapshot((), candidates, now, self.guard_epsilon,
                                                     self.guard_floor)
+        least_wait = min((b.queue_wait() for b in candidates), default=0.0) \
+            if self.learned_wait else 0.0
         ctx.kv_snapshot = _ChainSnapshot(chain, credits, bound,
-                                         total / max(len(candidates), 1), load)
+                                         total / max(len(candidates), 1), load, least_wait)
 
     def score_with_tier(self, backend: Backend, ctx: RequestContext) -> tuple[float, str]:
         """Score and held tier of ``backend`` (0 for non-holders and unqualified holders)."""
@@ -228,28 +250,8 @@ class ChainOverlapScorer(KvOverlapScorer):
             return 0.0, tier, (f"overlap {credit.overlap:.3f} is below "
                                f"min_overlap_threshold {self.min_overlap}")
         if self.adaptive:
-            in_flight = backend.in_flight
-            # Each request beyond the candidates' mean costs queue_ms_per_request, so of
-            # equal matches the less busy holder wins; at the CHWBL bound, where engines
-            # queue, it costs what the backend's latency says one request holds the queue
-            # for (latency EWMA / in-flight) when that is more. Fewer than the mean earns
-            # nothing: a bonus would move a growing session off the engine holding its
-            # history to one holding a little less of it (5 points of hit rate on `agent`).
-            extra = max(0.0, in_flight - snapshot.mean_in_flight)
-            per_request = self.queue_ms
-            if in_flight + 1 > snapshot.bound and backend.latency_ewma is not None:
-                per_request = max(per_request, backend.latency_ewma * 1000.0 / max(in_flight, 1))
-            extra_ms = extra * per_request
-            saved_ms = credit.saved_tokens * self.prefill_ms_per_token
-            if saved_ms <= extra_ms:
-                return 0.0, tier, (f"its queue ({extra:.1f} in flight over the mean, "
-                                   f"load bound {snapshot.bound}) costs ~{extra_ms:.0f} ms, "
-                                   f"more than the ~{saved_ms:.0f} ms of prefill it saves")
-            full_ms = max(credit.prompt_tokens * self.prefill_ms_per_token, 1e-9)
-            net = min(1.0, (saved_ms - extra_ms) / full_ms)
-            score = self.threshold + (1.0 - self.threshold) * backend.success_rate * net
-            return score, tier, (f"saves ~{saved_ms:.0f} ms of prefill for ~{extra_ms:.0f} "
-                                 f"ms of extra queue")
+            score, why = self._adaptive(backend, credit, snapshot)
+            return score, tier, why
         load = snapshot.load
         if self.guard and load is not None and backend.in_flight >= load.bound:
             return 0.0, tier, f"at the load bound {load.bound}"
@@ -259,6 +261,41 @@ class ChainOverlapScorer(KvOverlapScorer):
                  + self.load_weight * (1.0 - min(load_ratio, 1.0))
                  + self.health_weight * backend.success_rate)
         return score, tier, "composite of overlap, load and health"
+
+    def _adaptive(self, backend: Backend, credit: _Credit,
+                  snapshot: _ChainSnapshot) -> tuple[float, str]:
+        """The adaptive guard's ``(score, why)`` for holder ``backend``."""
+        in_flight = backend.in_flight
+        # Each request beyond the candidates' mean costs queue_ms_per_request, so of
+        # equal matches the less busy holder wins; at the CHWBL bound, where engines
+        # queue, it costs what the backend's latency says one request holds the queue
+        # for (latency EWMA / in-flight) when that is more. Fewer than the mean earns
+        # nothing: a bonus would move a growing session off the engine holding its
+        # history to one holding a little less of it (5 points of hit rate on `agent`).
+        extra = max(0.0, in_flight - snapshot.mean_in_flight)
+        per_request = self.queue_ms
+        if in_flight + 1 > snapshot.bound and backend.latency_ewma is not None:
+            per_request = max(per_request, backend.latency_ewma * 1000.0 / max(in_flight, 1))
+        extra_ms = extra * per_request
+        queue = f"its queue ({extra:.1f} in flight over the mean, load bound {snapshot.bound})"
+        if self.learned_wait:
+            # An engine batches up to its slots and queues beyond them, wherever the
+            # CHWBL bound is: the learned wait here beyond the least-waiting
+            # candidate's is what sending the request here costs over the best other.
+            wait_ms = (backend.queue_wait() - snapshot.least_wait) * 1000.0
+            if wait_ms > extra_ms:
+                extra_ms = wait_ms
+                queue = (f"its wait for a first token at {backend.local_in_flight} in flight "
+                         f"(learned)")
+        saved_ms = credit.saved_tokens * self.prefill_ms_per_token
+        if saved_ms <= extra_ms:
+            return 0.0, (f"{queue} costs ~{extra_ms:.0f} ms, "
+                         f"more than the ~{saved_ms:.0f} ms of prefill it saves")
+        full_ms = max(credit.prompt_tokens * self.prefill_ms_per_token, 1e-9)
+        net = min(1.0, (saved_ms - extra_ms) / full_ms)
+        score = self.threshold + (1.0 - self.threshold) * backend.success_rate * net
+        return score, (f"saves ~{saved_ms:.0f} ms of prefill for ~{extra_ms:.0f} "
+                       f"ms of extra queue")
 
     def explain(self, ctx: RequestContext, candidates: Sequence[Backend]) -> list[dict[str, Any]]:
         """Every candidate's match, queue, verdict and score for ``ctx`` (after ``prepare``);
@@ -283,6 +320,7 @@ class ChainOverlapScorer(KvOverlapScorer):
                 "token_count": credit.tokens if credit else 0,
                 "tier": tier,
                 "in_flight": backend.in_flight,
+                "queue_wait_ms": round(backend.queue_wait() * 1000.0, 1),
                 "health": round(backend.success_rate, 4),
                 "score": round(score, 4),
                 "why": why,

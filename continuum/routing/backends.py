@@ -17,6 +17,12 @@ if TYPE_CHECKING:
     from continuum.config import BackendConfig
     from continuum.hostshm import HostSegment
 
+#: In-flight counts (0 .. WAIT_LEVELS - 1) whose time to a first token a backend learns.
+WAIT_LEVELS = 64
+#: Samples a count needs before its time to a first token counts (one slow prefill is not
+#: a queue).
+WAIT_SAMPLES = 5
+
 
 class Backend:
     """Run-time view of one configured backend, as strategies and scorers see it.
@@ -47,6 +53,9 @@ class Backend:
         "_outcomes",
         "_shared",
         "_successes",
+        "_ttfp",
+        "_ttfp_samples",
+        "_waits",
         "config",
         "configured_models",
         "discovered_models",
@@ -78,6 +87,11 @@ class Backend:
         self.probed = not unprobed
         self.draining = False
         self.latency_ewma: float | None = None
+        # time to the first body piece of a stream, by this worker's in-flight count at
+        # dispatch (EWMA, seconds), the samples behind each, and the waits they imply
+        self._ttfp = [0.0] * WAIT_LEVELS
+        self._ttfp_samples = [0] * WAIT_LEVELS
+        self._waits: list[float] | None = None
         # Built once: ``serves()`` runs for every backend on every request.
         self.configured_models = frozenset(config.models)
         self.discovered_models: frozenset[str] = frozenset()
@@ -167,6 +181,43 @@ class Backend:
         if latency is not None:
             prev = self.latency_ewma
             self.latency_ewma = latency if prev is None else prev + self._alpha * (latency - prev)
+
+    def first_piece(self, level: int, seconds: float) -> None:
+        """A stream sent when this worker had ``level`` requests in flight here got its
+        first body piece (its first token) ``seconds`` after it was sent."""
+        if level >= WAIT_LEVELS:
+            return
+        samples = self._ttfp_samples[level]
+        prev = self._ttfp[level]
+        self._ttfp[level] = seconds if samples == 0 else prev + self._alpha * (seconds - prev)
+        self._ttfp_samples[level] = samples + 1
+        self._waits = None
+
+    def queue_wait(self) -> float:
+        """Seconds more than at its least busy a request sent now waits for its first
+        token, as this worker has seen it: by the in-flight count it had at dispatch,
+        how much longer first tokens took than at the fastest count (each count once
+        it has ``WAIT_SAMPLES`` samples; an engine batches up to its slots, so the counts
+        under them cost about nothing, and queues beyond them). Never less than at a
+        smaller count; 0 before any count has enough samples."""
+        waits = self._waits
+        if waits is None:
+            waits = self._waits = self._learned_waits()
+        return waits[min(self._local, WAIT_LEVELS - 1)]
+
+    def _learned_waits(self) -> list[float]:
+        known = [level for level in range(WAIT_LEVELS)
+                 if self._ttfp_samples[level] >= WAIT_SAMPLES]
+        waits = [0.0] * WAIT_LEVELS
+        if not known:
+            return waits
+        base = min(self._ttfp[level] for level in known)
+        wait = 0.0
+        for level in range(WAIT_LEVELS):
+            if self._ttfp_samples[level] >= WAIT_SAMPLES:
+                wait = max(wait, self._ttfp[level] - base)
+            waits[level] = wait
+        return waits
 
     def __repr__(self) -> str:
         return f"<Backend {self.name} in_flight={self.in_flight} healthy={self.healthy}>"

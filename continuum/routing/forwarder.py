@@ -69,7 +69,8 @@ CLIENT_CLOSED = 499
 class Lease:
     """One in-flight slot on a backend; :meth:`release` is idempotent."""
 
-    __slots__ = ("backend", "endpoint", "metrics", "released", "started", "status")
+    __slots__ = ("admitted", "backend", "endpoint", "level", "metrics", "released", "started",
+                 "status")
 
     def __init__(self, backend: Backend, endpoint: str, metrics: RouterMetrics) -> None:
         self.backend = backend
@@ -79,8 +80,19 @@ class Lease:
         #: The status the attempt was recorded with, once released.
         self.status: int | None = None
         self.started = time.perf_counter()
+        #: Whether the first body piece of the stream has arrived.
+        self.admitted = False
+        #: This worker's requests in flight on the backend when this one was sent.
+        self.level = backend.local_in_flight
         backend.acquire()
         metrics.child(metrics.in_flight, backend.name).inc()
+
+    def admit(self) -> None:
+        """The stream's first body piece (its first token) arrived: tell the backend how
+        long it took at the in-flight count it was sent at (once)."""
+        if not self.admitted and not self.released:
+            self.admitted = True
+            self.backend.first_piece(self.level, time.perf_counter() - self.started)
 
     def release(self, status: int, ok: bool | None) -> None:
         """Give the slot back and record the outcome (once).
@@ -349,17 +361,16 @@ class Forwarder:
         try:
             # Decoded body bytes (chunked framing removed) as they arrive, several records
             # per piece when several were already received.
-            if limit <= 0:
-                yield from response.stream()
-            else:
-                deadline = lease.started + limit
-                for piece in response.stream():
-                    yield piece
-                    if time.perf_counter() > deadline:
-                        status = self._stream_too_long(upstream)
-                        yield error_event(
-                            "upstream stream exceeded server.max_stream_duration_seconds")
-                        return
+            deadline = lease.started + limit if limit > 0 else None
+            for piece in response.stream():
+                if not lease.admitted:  # the first token
+                    lease.admit()
+                yield piece
+                if deadline is not None and time.perf_counter() > deadline:
+                    status = self._stream_too_long(upstream)
+                    yield error_event(
+                        "upstream stream exceeded server.max_stream_duration_seconds")
+                    return
             complete = upstream.completed = True
         except (upstream_http.HTTPClientError, OSError) as exc:
             kind = "timeout" if isinstance(exc, upstream_http.ReadTimeout) else "stream"

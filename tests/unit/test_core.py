@@ -11,7 +11,7 @@ from continuum.config import BackendConfig, HealthCheckConfig
 from continuum.errors import NoHealthyBackendError, RequestError
 from continuum.interfaces import BackendScorer, SelectionStrategy
 from continuum.request import CHAT, EMBEDDINGS, RequestContext, parse_request
-from continuum.routing.backends import Backend, BackendPool
+from continuum.routing.backends import WAIT_SAMPLES, Backend, BackendPool
 from continuum.routing.health import HealthMonitor, HealthTracker
 from continuum.routing.selection import SelectionPipeline
 from continuum.testing import make_backends, make_context
@@ -62,6 +62,31 @@ def test_success_rate_window_and_latency_ewma() -> None:
     assert b2.success_rate == 3 / 4  # window holds F, T, T, T
     b2.record(True, 3.0)
     assert b2.latency_ewma == 2.0
+
+
+def test_the_wait_for_a_first_token_is_learned_by_in_flight_count() -> None:
+    (b,) = make_backends(1)
+    b2 = Backend(b.config, ewma_alpha=0.5)
+    b2.in_flight = 3
+    assert b2.queue_wait() == 0.0  # nothing learned
+    # two slots: sent at 0 or 1 in flight, 30 ms to the first token; at 2, 130 ms
+    for _ in range(WAIT_SAMPLES - 1):
+        b2.first_piece(0, 0.03)
+        b2.first_piece(1, 0.03)
+        b2.first_piece(2, 0.13)
+    assert b2.queue_wait() == 0.0  # one sample short at every count
+    b2.first_piece(0, 0.03)
+    b2.first_piece(2, 0.13)
+    # 3 in flight: nothing learned at 3, never less than at 2
+    assert b2.queue_wait() == pytest.approx(0.1)
+    b2.in_flight = 1
+    assert b2.queue_wait() == 0.0  # 1 is one sample short: as at 0
+    b2.first_piece(1, 0.5)  # its fifth sample, slow: 265 ms, and counts above wait as long
+    assert b2.queue_wait() == pytest.approx(0.235)
+    b2.in_flight = 2
+    assert b2.queue_wait() == pytest.approx(0.235)
+    b2.in_flight = 200  # beyond the counts learned: as at the last one
+    assert b2.queue_wait() == pytest.approx(0.235)
 
 
 def test_pool_candidates_models_and_wildcard() -> None:

@@ -10,6 +10,7 @@ from continuum.kv.chain_scorer import ChainOverlapScorer
 from continuum.metrics import RouterMetrics
 from continuum.prefix import request_prefix_key
 from continuum.prefix_chain import request_chain
+from continuum.routing.backends import WAIT_SAMPLES
 from continuum.routing.selection import SelectionPipeline
 from continuum.testing import make_backends, make_context
 from stores.kv_memory import InMemoryKvIndex
@@ -160,3 +161,86 @@ def test_approximate_matches_count_less_and_events_confirm_them() -> None:
     assert rows["b0"]["overlap"] == rows["b1"]["overlap"] / 2
     assert rows["b0"]["score"] < rows["b1"]["score"]
     assert rows["b1"]["tier"] == TIER_GPU_HOT
+
+
+def _learn(backends: list[Any], slots: int, per_request: float) -> None:
+    """What the forwarder would have taught each backend: first tokens in 10 ms while
+    fewer than ``slots`` requests are in flight, ``per_request`` seconds more for each
+    request beyond them."""
+    for backend in backends:
+        for level in range(8):
+            for _ in range(WAIT_SAMPLES):
+                backend.first_piece(level, 0.01 + max(0, level + 1 - slots) * per_request)
+
+
+def test_learned_wait_turns_down_a_holder_whose_slots_are_full_under_the_load_bound(
+) -> None:
+    """Engines with two slots queue the third request, far below the CHWBL floor of 4: the
+    holder's learned wait for a first token, beyond the least-waiting candidate's, prices
+    it, and the strategy takes the request."""
+    index = InMemoryKvIndex()
+    ctx = request(HISTORY + "Next?")
+    hold(index, "b1", ctx, len(ctx.chain.keys))  # ~660 tokens: ~66 ms of prefill
+    backends = make_backends(4)
+    _learn(backends, 2, 0.1)  # a slot frees every 100 ms once both are taken
+    backends[0].in_flight = 2  # full: the next one waits 100 ms
+    backends[1].in_flight = 3  # 22 ms over the mean at 10 ms each; a 200 ms wait
+    backends[2].in_flight = 1  # a free slot
+    scorer = scorer_for(index)
+    assert pick(scorer, backends, ctx)[1] == "scorer_fallback"
+    ctx = request(HISTORY + "Next?")
+    scorer.prepare(ctx, backends)
+    rows = {r["backend"]: r for r in scorer.explain(ctx, backends)}
+    assert rows["b1"]["queue_wait_ms"] == 200.0 and rows["b0"]["queue_wait_ms"] == 100.0
+    assert rows["b2"]["queue_wait_ms"] == 0.0
+    assert rows["b1"]["score"] == 0.0 and "first token" in rows["b1"]["why"]
+    # without learned waits the queue under the bound costs 10 ms a request: b1 keeps it
+    off = scorer_for(index, scoring={"load_guard": {"learned_wait": False}})
+    assert pick(off, backends, request(HISTORY + "Next?")) == ("b1", "scorer")
+
+
+def test_learned_wait_counts_only_beyond_the_least_waiting_candidate() -> None:
+    index = InMemoryKvIndex()
+    ctx = request(HISTORY + "Next?")
+    hold(index, "b1", ctx, len(ctx.chain.keys))
+    backends = make_backends(3)
+    _learn(backends, 2, 0.1)
+    # every engine is as full: going elsewhere waits as long, the match still saves
+    for backend in backends:
+        backend.in_flight = 3
+    assert pick(scorer_for(index), backends, ctx) == ("b1", "scorer")
+    # a free slot elsewhere: the holder's queue costs 200 ms over it
+    backends[0].in_flight = 1
+    assert pick(scorer_for(index), backends, request(HISTORY + "Next?"))[1] == \
+        "scorer_fallback"
+    # faster slots: 50 ms beyond a free one is less than the ~66 ms saved, 100 ms more
+    quick = make_backends(3)
+    _learn(quick, 2, 0.05)
+    quick[1].in_flight = 2
+    assert pick(scorer_for(index), quick, request(HISTORY + "Next?")) == ("b1", "scorer")
+    quick[1].in_flight = 3
+    assert pick(scorer_for(index), quick, request(HISTORY + "Next?"))[1] == "scorer_fallback"
+    # of two holders, the one whose wait costs less than its match saves wins
+    hold(index, "b2", ctx, len(ctx.chain.keys))
+    backends[2].in_flight = 1
+    assert pick(scorer_for(index), backends, request(HISTORY + "Next?")) == ("b2", "scorer")
+
+
+def test_learned_wait_leaves_a_holder_under_its_slots_alone_however_long_its_answers(
+) -> None:
+    """A growing session stays on the engine holding its history while that engine's
+    first tokens come as fast as at its least busy, however long its answers take (which
+    pricing latency would not do)."""
+    index = InMemoryKvIndex()
+    ctx = request(HISTORY + "Next?")
+    hold(index, "b1", ctx, len(ctx.chain.keys))
+    backends = make_backends(4)
+    _learn(backends, 4, 1.0)
+    for backend in backends:
+        backend.latency_ewma = 5.0
+    backends[1].in_flight = 3  # the fourth slot is free
+    assert pick(scorer_for(index), backends, ctx) == ("b1", "scorer")
+    # nothing learned yet: no wait priced
+    backends = make_backends(4)
+    backends[1].in_flight = 3
+    assert pick(scorer_for(index), backends, request(HISTORY + "Next?")) == ("b1", "scorer")
