@@ -30,7 +30,7 @@ Load guard (``scoring.load_guard``):
       per_request = queue_ms_per_request                    under the CHWBL load bound
                   = max(queue_ms_per_request, latency EWMA / in_flight)   at the bound
 
-  With ``learned_wait`` (default) ``extra`` is at least the wait for a first token the
+  With ``learned_wait`` (off by default) ``extra`` is at least the wait for a first token the
   holder would make the request do beyond the least-waiting candidate's
   (:meth:`Backend.queue_wait <continuum.routing.backends.Backend.queue_wait>`): for each
   in-flight count a request was sent at, the router keeps how long streams took to

@@ -173,6 +173,14 @@ def _learn(backends: list[Any], slots: int, per_request: float) -> None:
                 backend.first_piece(level, 0.01 + max(0, level + 1 - slots) * per_request)
 
 
+#: The adaptive guard with its learned waits (``learned_wait`` is off by default).
+LEARNED = {"load_guard": {"learned_wait": True}}
+
+
+def learned(index: InMemoryKvIndex) -> ChainOverlapScorer:
+    return scorer_for(index, scoring=LEARNED)
+
+
 def test_learned_wait_turns_down_a_holder_whose_slots_are_full_under_the_load_bound(
 ) -> None:
     """Engines with two slots queue the third request, far below the CHWBL floor of 4: the
@@ -186,7 +194,7 @@ def test_learned_wait_turns_down_a_holder_whose_slots_are_full_under_the_load_bo
     backends[0].in_flight = 2  # full: the next one waits 100 ms
     backends[1].in_flight = 3  # 22 ms over the mean at 10 ms each; a 200 ms wait
     backends[2].in_flight = 1  # a free slot
-    scorer = scorer_for(index)
+    scorer = learned(index)
     assert pick(scorer, backends, ctx)[1] == "scorer_fallback"
     ctx = request(HISTORY + "Next?")
     scorer.prepare(ctx, backends)
@@ -194,8 +202,9 @@ def test_learned_wait_turns_down_a_holder_whose_slots_are_full_under_the_load_bo
     assert rows["b1"]["queue_wait_ms"] == 200.0 and rows["b0"]["queue_wait_ms"] == 100.0
     assert rows["b2"]["queue_wait_ms"] == 0.0
     assert rows["b1"]["score"] == 0.0 and "first token" in rows["b1"]["why"]
-    # without learned waits the queue under the bound costs 10 ms a request: b1 keeps it
-    off = scorer_for(index, scoring={"load_guard": {"learned_wait": False}})
+    # without learned waits (the default) the queue under the bound costs 10 ms a
+    # request: b1 keeps it
+    off = scorer_for(index)
     assert pick(off, backends, request(HISTORY + "Next?")) == ("b1", "scorer")
 
 
@@ -208,22 +217,22 @@ def test_learned_wait_counts_only_beyond_the_least_waiting_candidate() -> None:
     # every engine is as full: going elsewhere waits as long, the match still saves
     for backend in backends:
         backend.in_flight = 3
-    assert pick(scorer_for(index), backends, ctx) == ("b1", "scorer")
+    assert pick(learned(index), backends, ctx) == ("b1", "scorer")
     # a free slot elsewhere: the holder's queue costs 200 ms over it
     backends[0].in_flight = 1
-    assert pick(scorer_for(index), backends, request(HISTORY + "Next?"))[1] == \
+    assert pick(learned(index), backends, request(HISTORY + "Next?"))[1] == \
         "scorer_fallback"
     # faster slots: 50 ms beyond a free one is less than the ~66 ms saved, 100 ms more
     quick = make_backends(3)
     _learn(quick, 2, 0.05)
     quick[1].in_flight = 2
-    assert pick(scorer_for(index), quick, request(HISTORY + "Next?")) == ("b1", "scorer")
+    assert pick(learned(index), quick, request(HISTORY + "Next?")) == ("b1", "scorer")
     quick[1].in_flight = 3
-    assert pick(scorer_for(index), quick, request(HISTORY + "Next?"))[1] == "scorer_fallback"
+    assert pick(learned(index), quick, request(HISTORY + "Next?"))[1] == "scorer_fallback"
     # of two holders, the one whose wait costs less than its match saves wins
     hold(index, "b2", ctx, len(ctx.chain.keys))
     backends[2].in_flight = 1
-    assert pick(scorer_for(index), backends, request(HISTORY + "Next?")) == ("b2", "scorer")
+    assert pick(learned(index), backends, request(HISTORY + "Next?")) == ("b2", "scorer")
 
 
 def test_learned_wait_leaves_a_holder_under_its_slots_alone_however_long_its_answers(
@@ -239,8 +248,8 @@ def test_learned_wait_leaves_a_holder_under_its_slots_alone_however_long_its_ans
     for backend in backends:
         backend.latency_ewma = 5.0
     backends[1].in_flight = 3  # the fourth slot is free
-    assert pick(scorer_for(index), backends, ctx) == ("b1", "scorer")
+    assert pick(learned(index), backends, ctx) == ("b1", "scorer")
     # nothing learned yet: no wait priced
     backends = make_backends(4)
     backends[1].in_flight = 3
-    assert pick(scorer_for(index), backends, request(HISTORY + "Next?")) == ("b1", "scorer")
+    assert pick(learned(index), backends, request(HISTORY + "Next?")) == ("b1", "scorer")
