@@ -228,30 +228,25 @@ class HealthMonitor:
         """Wait until one of ``backends`` is healthy or none is still unprobed, at most two
         probe timeouts (a probe's connect and its read are bounded apart). Returns at once
         when no probe is coming (checks off, or not started in this process)."""
-        if not (self._started and self.config.enabled and self._greenlet is not None):
-            return
-        from gevent.event import Event
-
-        deadline = time.monotonic() + 2 * self.config.timeout_ms / 1000
-        while not any(b.healthy and not b.draining for b in backends) and any(
-                not b.probed and b.config.enabled for b in backends):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            if self._first_result is None:
-                self._first_result = Event()
-            self._first_result.wait(left)
+        self._await(lambda: any(b.healthy and not b.draining for b in backends) or not any(
+            not b.probed and b.config.enabled for b in backends),
+            2 * self.config.timeout_ms / 1000)
 
     def await_startup(self, seconds: float) -> None:
         """Wait until every enabled backend has its first result, at most ``seconds``
         (a worker calls it once before serving, so its first requests see every live
         backend; one still unprobed after it stays out until its probe answers)."""
+        self._await(lambda: all(b.probed or not b.config.enabled for b in self.pool), seconds)
+
+    def _await(self, done: Callable[[], bool], seconds: float) -> None:
+        """Wait for first probe results until ``done()``, at most ``seconds``; at once when
+        no probe is coming."""
         if not (self._started and self.config.enabled and self._greenlet is not None):
             return
         from gevent.event import Event
 
         deadline = time.monotonic() + seconds
-        while any(not b.probed and b.config.enabled for b in self.pool):
+        while not done():
             left = deadline - time.monotonic()
             if left <= 0:
                 return
