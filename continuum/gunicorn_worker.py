@@ -44,6 +44,7 @@ from gunicorn.workers.ggevent import GeventWorker as _GunicornGeventWorker
 
 from continuum.config import ServerConfig
 from continuum.wire.request_head import FastRequest
+from continuum.wire.waits import timer_for, wait_watcher
 
 #: The Python path gunicorn loads this worker by (``worker_class``).
 WORKER_CLASS = "continuum.gunicorn_worker.GeventWorker"
@@ -92,11 +93,7 @@ class _HeaderDeadline:
         if conn.requests and not conn.buffered:
             _wait_readable(conn, self.worker.cfg.keepalive)
         self.seconds = seconds = self.worker.header_timeout()
-        timer = conn.header_timer
-        if timer is None or timer.seconds != seconds:
-            if timer is not None:
-                timer.close()
-            timer = conn.header_timer = gevent.Timeout(seconds)
+        timer = conn.header_timer = timer_for(conn.header_timer, seconds)
         timer.start()
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
@@ -126,20 +123,9 @@ def _wait_readable(conn: _Connection, idle: float) -> None:
         except TimeoutError:
             raise StopIteration("keep-alive timeout") from None
         return
-    timer = conn.idle_timer
-    if timer is None or timer.seconds != idle:
-        if timer is not None:
-            timer.close()
-        timer = conn.idle_timer = gevent.Timeout(idle)
-    timer.start()
-    try:
-        get_hub().wait(watcher)
-    except gevent.Timeout as exc:
-        if exc is not timer:
-            raise
-        raise StopIteration("keep-alive timeout") from None
-    finally:
-        timer.cancel()
+    timer = conn.idle_timer = timer_for(conn.idle_timer, idle)
+    if not wait_watcher(watcher, timer):
+        raise StopIteration("keep-alive timeout")
 
 
 def _answer_timeout(sock: Any, message: str) -> None:

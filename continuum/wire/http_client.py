@@ -29,6 +29,8 @@ from typing import Any
 import gevent
 from gevent import get_hub
 
+from continuum.wire.waits import timer_for, wait_watcher
+
 #: Limits on a response head (and on chunk-size and trailer lines).
 MAX_LINE = 64 * 1024
 MAX_HEADERS = 200
@@ -123,20 +125,9 @@ class Connection:
         if seconds is None:
             get_hub().wait(sock._read_event)
             return
-        timer = self._timer
-        if timer is None or timer.seconds != seconds:
-            if timer is not None:
-                timer.close()
-            timer = self._timer = gevent.Timeout(seconds)
-        timer.start()
-        try:
-            get_hub().wait(sock._read_event)
-        except gevent.Timeout as exc:
-            if exc is not timer:
-                raise
-            raise TimeoutError("timed out") from None
-        finally:
-            timer.cancel()
+        timer = self._timer = timer_for(self._timer, seconds)
+        if not wait_watcher(sock._read_event, timer):
+            raise TimeoutError("timed out")
 
     def dropped(self) -> bool:
         """Whether the peer has closed (or written unasked): readable while idle."""
