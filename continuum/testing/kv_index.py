@@ -425,4 +425,17 @@ class KvIndexContract(EntryCountCases):
     :meth:`~KvIndexCases.make_index`; the cases of capabilities it lacks are skipped."""
 
 
+class StartedIndexCases(KvIndexCases):
+    """Put before a contract class (``class TestStarted(StartedIndexCases, TestMine)``) to
+    run its cases on started indexes, as in a worker, for an index whose background work
+    (a writer greenlet) must still answer as if every write were done at once."""
+
+    def make_index(self, *, storage_offloading: bool = False,
+                   treat_eviction_as_offload: bool = True, ttl: int = 600) -> KvCacheIndex:
+        index = super().make_index(storage_offloading=storage_offloading,
+                                   treat_eviction_as_offload=treat_eviction_as_offload, ttl=ttl)
+        index.start()
+        return index
+
+
 KvIndexCases.full_contract = KvIndexContract

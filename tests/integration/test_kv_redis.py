@@ -21,7 +21,7 @@ from continuum.interfaces import (
     KvCacheIndex,
 )
 from continuum.resources import WorkerResources
-from continuum.testing.kv_index import KvIndexCases
+from continuum.testing.kv_index import KvIndexCases, StartedIndexCases
 from stores.kv_memory import EMPTY
 from stores.kv_redis import RedisKvIndex
 from stores.redis_link import RedisLink
@@ -341,16 +341,9 @@ def test_a_chain_query_is_one_round_trip_whatever_the_chain_length(
     index.clear()
 
 
-class TestStartedRedisKvContract(TestRedisKvContract):
+class TestStartedRedisKvContract(StartedIndexCases, TestRedisKvContract):
     """The same contract on a started index (as in a worker): approximate records go
     through the writer greenlet, and the index still answers as if written at once."""
-
-    def make_index(self, *, storage_offloading: bool = False,
-                   treat_eviction_as_offload: bool = True, ttl: int = 600) -> KvCacheIndex:
-        index = super().make_index(storage_offloading=storage_offloading,
-                                   treat_eviction_as_offload=treat_eviction_as_offload, ttl=ttl)
-        index.start()
-        return index
 
 
 def _routed(index: RedisKvIndex, backend: str, chain: list[str], ttl: float = 60) -> None:

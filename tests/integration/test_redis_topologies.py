@@ -18,7 +18,7 @@ from continuum.devtools.procs import wait_until
 from continuum.devtools.redis_server import unique_prefix
 from continuum.devtools.redis_topologies import ClusterSet, SentinelSet
 from continuum.interfaces import CACHE_CREATED, CacheStore, KvCacheIndex
-from continuum.testing.kv_index import KvIndexCases
+from continuum.testing.kv_index import KvIndexCases, StartedIndexCases
 from continuum.testing.stores import CacheStoreCases
 from stores.kv_redis import RedisKvIndex
 from stores.redis_link import RedisLink
@@ -119,16 +119,9 @@ class TestClusterKvContract(KvIndexCases):
         return index
 
 
-class TestStartedClusterKvContract(TestClusterKvContract):
+class TestStartedClusterKvContract(StartedIndexCases, TestClusterKvContract):
     """The same on started indexes (as in a worker): routed records go through the writer
     greenlet, one script call each (a cluster pipeline takes no scripts)."""
-
-    def make_index(self, *, storage_offloading: bool = False,
-                   treat_eviction_as_offload: bool = True, ttl: int = 600) -> KvCacheIndex:
-        index = super().make_index(storage_offloading=storage_offloading,
-                                   treat_eviction_as_offload=treat_eviction_as_offload, ttl=ttl)
-        index.start()
-        return index
 
 
 class TestSentinelStoreContract(CacheStoreCases):
