@@ -509,6 +509,27 @@ class ApproximateConfig:
 
 
 @dataclass(frozen=True)
+class PlacementConfig:
+    """``kv_cache_index.placement``: where a request goes whose best match is its first
+    message at most (a new session or a new document over a shared system prompt). With
+    the adaptive guard, such a request goes to the candidate whose cost is least: the
+    prefill it would redo there beyond the best holder's, plus ``weight`` times the KV it
+    would join there, the tokens the router sent that backend to store recently beyond the
+    least-filled candidate's (decayed over ``window_seconds``), plus its queue. Sessions
+    then spread over the fleet's KV capacity instead of following their system prompt's
+    holder, whose cache they would overrun."""
+
+    enabled: bool = setting(True, doc="place requests that match only their first message "
+                            "by KV pressure (adaptive guard only)", restart=True)
+    window_seconds: float = setting(8.0, doc="time constant over which the tokens sent to "
+                                    "a backend to store count as its pressure",
+                                    min=0.1, max=3600.0, restart=True)
+    weight: float = setting(0.3, doc="prefill tokens one token of pressure beyond the "
+                            "least-filled candidate's is worth", min=0.0, max=100.0,
+                            restart=True)
+
+
+@dataclass(frozen=True)
 class KvCacheIndexConfig:
     """``kv_cache_index``: Tier 4, the index of what each engine's GPU holds.
 
@@ -533,6 +554,8 @@ class KvCacheIndexConfig:
     approximate: ApproximateConfig = setting(default_factory=ApproximateConfig,
                                              doc="router-recorded chains (match: chain)")
     scoring: KvScoringConfig = setting(default_factory=KvScoringConfig, doc="scorer weights")
+    placement: PlacementConfig = setting(default_factory=PlacementConfig,
+                                         doc="first-message matches placed by KV pressure")
     storage_offloading: StorageOffloadingConfig = setting(
         default_factory=StorageOffloadingConfig, doc="storage-tier awareness"
     )

@@ -272,6 +272,16 @@ def check_scenarios(scenarios: Sequence[Scenario]) -> list[str]:
     return problems
 
 
+def write_records(directory: Path, row: str, records: list[dict[str, Any]]) -> Path:
+    """``--records``: one JSON line per measured request of ``row``, in DIR/<row>.jsonl."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{slug(row)}.jsonl"
+    with path.open("w", encoding="utf-8") as out:
+        for record in records:
+            out.write(json.dumps(record, sort_keys=True) + "\n")
+    return path
+
+
 def run_scenario(
     scenario: Scenario, children: Children, http: requests.Session, workload: Workload,
     fleet: Fleet, args: argparse.Namespace, warmup: Workload | None = None,
@@ -349,6 +359,8 @@ def run_scenario(
         result = replay(targets or target, workload, concurrency=args.concurrency,
                         max_seconds=args.duration, timeout=args.request_timeout)
         after = engine_stats(http, engines)
+        if getattr(args, "records", None):
+            write_records(Path(args.records), scenario.name, result.to_dicts())
         texts = [http.get(t + "/metrics", timeout=5).text for t in targets]
         metrics = texts[0] if texts else ""
         if routers:
@@ -515,6 +527,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--keep-logs", action="store_true",
                    help="keep the work directory with every process's log and config")
+    p.add_argument("--records", metavar="DIR",
+                   help="write every measured request of each row (session, turn, start, "
+                   "TTFT, prompt and cached tokens, backend) to DIR/<row>.jsonl")
     return p
 
 

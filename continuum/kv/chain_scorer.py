@@ -56,6 +56,18 @@ Load guard (``scoring.load_guard``):
   pipeline's threshold is passed exactly when ``saved > extra``. A hot prefix's holder
   stops qualifying once its queue costs more than the prefill it saves, and the
   configured strategy (bounded-load hashing) takes the request.
+* placement (``kv_cache_index.placement``, adaptive mode): a request whose best match
+  is its first message at most (a new session over a shared system prompt), with an
+  overlap worth scoring, goes to the candidate whose cost is least::
+
+      cost = (best holder's saved tokens - its saved tokens) * prefill_ms_per_token
+           + weight * (its pressure - the least pressure of the candidates) * prefill_ms_per_token
+           + its queue beyond the mean (as above)
+
+  where a backend's pressure is the prompt tokens beyond their match this worker sent it
+  to store, decayed over ``window_seconds``. Sessions that will grow then spread over the
+  fleet's KV capacity instead of following their system prompt's first holder, whose
+  cache they would overrun (``agent`` demo: about 75% prefix hits without it).
 * ``bound``: the seed's composite score (overlap, load, health weights) on the overlap
   above, and a holder qualifies only under the CHWBL bound, as with ``match: seed``.
 * ``enabled: false``: the composite score alone.
@@ -91,7 +103,8 @@ _MAX_SNAPSHOTS = 4096
 class _Credit:
     """What one backend's match is worth for one request (computed once per request)."""
 
-    __slots__ = ("depth", "match", "overlap", "prompt_tokens", "saved_tokens", "tokens")
+    __slots__ = ("depth", "match", "matched_bytes", "overlap", "prompt_tokens", "saved_tokens",
+                 "tokens")
 
     def __init__(self, match: ChainMatch, chain: PrefixChain, weight: float) -> None:
         covered = chain.ends[-1] if chain.ends else 1
@@ -105,6 +118,7 @@ class _Credit:
             tokens = min(tokens, estimate)
         self.match = match
         self.depth = match.depth
+        self.matched_bytes = matched_bytes
         self.tokens = tokens
         self.prompt_tokens = max(tokens, round(tokens * covered / max(matched_bytes, 1)))
         self.overlap = min(1.0, matched_bytes / covered) * weight
@@ -116,7 +130,7 @@ class _ChainSnapshot:
     credit, the candidates' mean in-flight count, and for the composite score the seed
     scorer's in-flight snapshot (None in adaptive mode, which reads the queue live)."""
 
-    __slots__ = ("bound", "chain", "credits", "least_wait", "load", "mean_in_flight")
+    __slots__ = ("bound", "chain", "credits", "least_wait", "load", "mean_in_flight", "placed")
 
     def __init__(self, chain: PrefixChain, credits: dict[str, _Credit], bound: int,
                  mean_in_flight: float, load: _Snapshot | None, least_wait: float = 0.0) -> None:
@@ -127,6 +141,9 @@ class _ChainSnapshot:
         self.load = load
         #: The shortest learned wait for a first token among the candidates (seconds).
         self.least_wait = least_wait
+        #: With placement: the backend a first-message match goes to, and each
+        #: candidate's cost (lost prefill, pressure, queue, in ms).
+        self.placed: tuple[str, dict[str, tuple[float, float, float]]] | None = None
 
 
 class ChainOverlapScorer(KvOverlapScorer):
@@ -155,6 +172,12 @@ class ChainOverlapScorer(KvOverlapScorer):
         self.max_keys = kv.chain.max_keys
         self.threshold = threshold
         self._matches: dict[str, tuple[float, Sequence[ChainMatch]]] = {}
+        placement = kv.placement
+        self.placement = self.adaptive and placement.enabled
+        self.pressure_window = placement.window_seconds
+        self.pressure_weight = placement.weight
+        #: backend name -> [tokens sent to store, decayed to the time beside it]
+        self._pressure: dict[str, list[float]] = {}
 
     @classmethod
     def from_config(
@@ -186,7 +209,11 @@ class ChainOverlapScorer(KvOverlapScorer):
         the ``backend`` it was sent to, with its own TTL, token counts estimated from the
         bytes. A failing index costs the record, never the request."""
         chain, ttl = ctx.chain, self.approximate_ttl
-        if chain is None or ttl is None or not chain.keys:
+        if chain is None or not chain.keys:
+            return
+        if self.placement:
+            self._add_pressure(backend.name, ctx, chain)
+        if ttl is None:
             return
         self._matches.pop(chain.keys[-1], None)  # the next query of this chain sees it
         entries = [(key, end // BYTES_PER_TOKEN)
@@ -195,6 +222,62 @@ class ChainOverlapScorer(KvOverlapScorer):
             self.index.apply_chain(backend.name, CACHE_CREATED, entries, ttl=ttl)
         except StoreError as exc:
             log.debug("KV index: recording a routed chain failed (%s)", exc.kind)
+
+    def pressure(self, name: str, now: float | None = None) -> float:
+        """Tokens the router sent backend ``name`` to store (prompt tokens beyond its
+        match), decayed over ``placement.window_seconds``: how hard this worker is filling
+        that backend's KV cache."""
+        entry = self._pressure.get(name)
+        if entry is None:
+            return 0.0
+        at = self.clock() if now is None else now
+        return entry[0] * math.exp(-max(0.0, at - entry[1]) / self.pressure_window)
+
+    def _add_pressure(self, name: str, ctx: RequestContext, chain: PrefixChain) -> None:
+        snapshot = ctx.kv_snapshot
+        credit = snapshot.credits.get(name) if isinstance(snapshot, _ChainSnapshot) else None
+        matched = credit.matched_bytes if credit is not None else 0
+        new_tokens = max(0, chain.total_bytes - matched) // BYTES_PER_TOKEN
+        now = self.clock()
+        self._pressure[name] = [self.pressure(name, now) + new_tokens, now]
+
+    def _place(self, credits: dict[str, _Credit], chain: PrefixChain,
+               candidates: Sequence[Backend], mean_in_flight: float, bound: int, now: float,
+               ) -> tuple[str, dict[str, tuple[float, float, float]]] | None:
+        """Placement (``kv_cache_index.placement``): when the best match covers the
+        request's first message at most and is worth scoring (``min_overlap_threshold``),
+        the candidate whose lost prefill + pressure + queue costs least, and every
+        candidate's three costs; None otherwise (a longer match, or a small one: a new
+        document behind a short system prompt is left to the strategy, which spreads it
+        by its first chunk)."""
+        best = max(credits.values(), key=lambda c: c.saved_tokens, default=None)
+        if best is None or best.matched_bytes > chain.anchor_end \
+                or best.overlap < self.min_overlap:
+            return None
+        per_token = self.prefill_ms_per_token
+        pressures = {b.name: self.pressure(b.name, now) for b in candidates}
+        least = min(pressures.values(), default=0.0)
+        costs: dict[str, tuple[float, float, float]] = {}
+        chosen, chosen_cost = None, math.inf
+        for backend in candidates:
+            credit = credits.get(backend.name)
+            saved = credit.saved_tokens if credit is not None else 0.0
+            lost_ms = (best.saved_tokens - saved) * per_token
+            pressure_ms = self.pressure_weight * (pressures[backend.name] - least) * per_token
+            queue_ms = self._queue_ms(backend, mean_in_flight, bound)
+            costs[backend.name] = (lost_ms, pressure_ms, queue_ms)
+            cost = lost_ms + pressure_ms + queue_ms
+            if cost < chosen_cost:
+                chosen, chosen_cost = backend.name, cost
+        return (chosen, costs) if chosen is not None else None
+
+    def _queue_ms(self, backend: Backend, mean_in_flight: float, bound: int) -> float:
+        """The adaptive guard's price of ``backend``'s queue beyond the candidates' mean."""
+        in_flight = backend.in_flight
+        per_request = self.queue_ms
+        if in_flight + 1 > bound and backend.latency_ewma is not None:
+            per_request = max(per_request, backend.latency_ewma * 1000.0 / max(in_flight, 1))
+        return max(0.0, in_flight - mean_in_flight) * per_request
 
     def prepare(self, ctx: RequestContext, candidates: Sequence[Backend]) -> None:
         """Query the index for the request's chain (cached 100 ms per chain) and work out
@@ -229,8 +312,12 @@ class ChainOverlapScorer(KvOverlapScorer):
                                                     self.guard_floor)
         least_wait = min((b.queue_wait() for b in candidates), default=0.0) \
             if self.learned_wait else 0.0
-        ctx.kv_snapshot = _ChainSnapshot(chain, credits, bound,
-                                         total / max(len(candidates), 1), load, least_wait)
+        mean_in_flight = total / max(len(candidates), 1)
+        snapshot = _ChainSnapshot(chain, credits, bound, mean_in_flight, load, least_wait)
+        if self.placement:
+            snapshot.placed = self._place(credits, chain, candidates, mean_in_flight, bound,
+                                          now)
+        ctx.kv_snapshot = snapshot
 
     def score_with_tier(self, backend: Backend, ctx: RequestContext) -> tuple[float, str]:
         """Score and held tier of ``backend`` (0 for non-holders and unqualified holders)."""
@@ -243,6 +330,8 @@ class ChainOverlapScorer(KvOverlapScorer):
     def _verdict(self, backend: Backend, snapshot: _ChainSnapshot) -> tuple[float, str, str]:
         """``(score, tier, why)`` of ``backend`` for the request ``snapshot`` was taken for."""
         credit = snapshot.credits.get(backend.name)
+        if snapshot.placed is not None:
+            return self._placement_verdict(backend, credit, snapshot.placed)
         if credit is None:
             return 0.0, TIER_NONE, "holds no key of this request's chain"
         tier = credit.match.tier
@@ -262,6 +351,21 @@ class ChainOverlapScorer(KvOverlapScorer):
                  + self.health_weight * backend.success_rate)
         return score, tier, "composite of overlap, load and health"
 
+    def _placement_verdict(
+        self, backend: Backend, credit: _Credit | None,
+        placed: tuple[str, dict[str, tuple[float, float, float]]],
+    ) -> tuple[float, str, str]:
+        chosen, costs = placed
+        tier = credit.match.tier if credit is not None else TIER_NONE
+        lost_ms, pressure_ms, queue_ms = costs.get(backend.name, (0.0, 0.0, 0.0))
+        why = (f"placement (the best match is the first message at most): redoes "
+               f"~{lost_ms:.0f} ms of prefill beyond the best holder's, KV pressure "
+               f"~{pressure_ms:.0f} ms, queue ~{queue_ms:.0f} ms")
+        if backend.name != chosen:
+            return 0.0, tier, why + f"; {chosen} costs less"
+        score = self.threshold + (1.0 - self.threshold) * backend.success_rate * 0.5
+        return score, tier, why + "; the least cost"
+
     def _adaptive(self, backend: Backend, credit: _Credit,
                   snapshot: _ChainSnapshot) -> tuple[float, str]:
         """The adaptive guard's ``(score, why)`` for holder ``backend``."""
@@ -273,10 +377,7 @@ class ChainOverlapScorer(KvOverlapScorer):
         # nothing: a bonus would move a growing session off the engine holding its
         # history to one holding a little less of it (5 points of hit rate on `agent`).
         extra = max(0.0, in_flight - snapshot.mean_in_flight)
-        per_request = self.queue_ms
-        if in_flight + 1 > snapshot.bound and backend.latency_ewma is not None:
-            per_request = max(per_request, backend.latency_ewma * 1000.0 / max(in_flight, 1))
-        extra_ms = extra * per_request
+        extra_ms = self._queue_ms(backend, snapshot.mean_in_flight, snapshot.bound)
         queue = f"its queue ({extra:.1f} in flight over the mean, load bound {snapshot.bound})"
         if self.learned_wait:
             # An engine batches up to its slots and queues beyond them, wherever the
@@ -296,6 +397,17 @@ class ChainOverlapScorer(KvOverlapScorer):
         score = self.threshold + (1.0 - self.threshold) * backend.success_rate * net
         return score, (f"saves ~{saved_ms:.0f} ms of prefill for ~{extra_ms:.0f} "
                        f"ms of extra queue")
+
+    @staticmethod
+    def _placement_row(backend: Backend, snapshot: _ChainSnapshot) -> dict[str, Any] | None:
+        """``explain``'s placement costs of ``backend`` (None: the request was not placed)."""
+        if snapshot.placed is None:
+            return None
+        chosen, costs = snapshot.placed
+        lost_ms, pressure_ms, queue_ms = costs.get(backend.name, (0.0, 0.0, 0.0))
+        return {"chosen": backend.name == chosen, "lost_prefill_ms": round(lost_ms, 1),
+                "pressure_ms": round(pressure_ms, 1), "queue_ms": round(queue_ms, 1),
+                "cost_ms": round(lost_ms + pressure_ms + queue_ms, 1)}
 
     def explain(self, ctx: RequestContext, candidates: Sequence[Backend]) -> list[dict[str, Any]]:
         """Every candidate's match, queue, verdict and score for ``ctx`` (after ``prepare``);
@@ -321,6 +433,8 @@ class ChainOverlapScorer(KvOverlapScorer):
                 "tier": tier,
                 "in_flight": backend.in_flight,
                 "queue_wait_ms": round(backend.queue_wait() * 1000.0, 1),
+                "kv_pressure_tokens": round(self.pressure(backend.name)),
+                "placement": self._placement_row(backend, snapshot),
                 "health": round(backend.success_rate, 4),
                 "score": round(score, 4),
                 "why": why,

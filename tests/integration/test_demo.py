@@ -152,6 +152,36 @@ def test_demo_load_scenario_guard_keeps_tail_latency_down() -> None:
 
 @pytest.mark.slow
 @pytest.mark.e2e
+def test_demo_agent_sessions_are_placed_over_the_fleet_and_records_are_written(
+    tmp_path: Path,
+) -> None:
+    """``--scenario agent --quick``: 16 sessions over two system prompts. Placement spreads
+    the sessions' first requests over the engines (before it, they followed their system
+    prompt's holder: two engines took them all), and each session's later requests stay
+    where its history is. ``--records`` writes one line per measured request."""
+    doc = _run_demo("--scenario", "agent", "--quick", "--strategies", "KV index",
+                    "--records", str(tmp_path), timeout=180)
+    (row,) = doc["scenarios"]
+    lines = (tmp_path / "kv-index.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert len(records) == row["requests"] == doc["workload"]["requests"]
+    assert {"session", "turn", "start", "ttft", "prompt_tokens", "cached_tokens",
+            "backend"} <= set(records[0])
+    sessions: dict[str, list[dict[str, Any]]] = {}
+    for record in sorted(records, key=lambda r: (r["session"], r["turn"])):
+        sessions.setdefault(record["session"], []).append(record)
+    firsts = [turns[0]["backend"] for turns in sessions.values()]
+    assert len(set(firsts)) == doc["engines"], firsts
+    assert max(firsts.count(b) for b in set(firsts)) <= len(firsts) // 2, firsts
+    moved = sum(a["backend"] != b["backend"] for turns in sessions.values()
+                for a, b in itertools.pairwise(turns))
+    later = sum(len(turns) - 1 for turns in sessions.values())
+    assert moved <= later * 0.1, (moved, later)
+    assert row["prefix_hit_rate"] >= 0.7, row
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_demo_rag_chain_index_wins_where_the_seed_key_cannot_see() -> None:
     """``--scenario rag --quick``: the document in the user turn is invisible to the seed's
     key; the chain index finds its holder (quick runs measured 65-79% against 54-59% for

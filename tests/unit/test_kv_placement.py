@@ -1,0 +1,147 @@
+"""Placement (``kv_cache_index.placement``): a request whose best match is its first
+message at most goes where lost prefill + KV pressure + queue cost least."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from continuum.config import parse_config
+from continuum.kv.chain_scorer import ChainOverlapScorer
+from continuum.metrics import RouterMetrics
+from continuum.prefix_chain import BYTES_PER_TOKEN
+from continuum.testing import make_backends
+from stores.kv_memory import InMemoryKvIndex
+from tests.unit.test_kv_chain_scorer import HISTORY, hold, pick, request
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def placing(index: InMemoryKvIndex, clock: Clock | None = None, **kv: Any
+            ) -> ChainOverlapScorer:
+    config = parse_config({"kv_cache_index": kv}).kv_cache_index
+    return ChainOverlapScorer(index, config, RouterMetrics(), clock=clock or Clock())
+
+
+def first_turn(task: str = "Task: find the cargo manifest.") -> Any:
+    """A new session: the shared system prompt and a short task (the system prompt is most
+    of the prompt, so its holder's overlap is high)."""
+    return request(task)
+
+
+def fill(scorer: ChainOverlapScorer, backend: Any, tokens: int) -> None:
+    """Route to ``backend`` a request that makes it store about ``tokens`` new tokens."""
+    ctx = request(("Tool output: " + "x" * 60 + ". ") * (tokens * BYTES_PER_TOKEN // 75))
+    scorer.record_route(ctx, backend)
+
+
+def test_with_no_pressure_a_new_session_goes_to_its_system_prompts_holder() -> None:
+    index = InMemoryKvIndex()
+    ctx = first_turn()
+    hold(index, "b2", ctx, 1)
+    scorer = placing(index)
+    assert pick(scorer, make_backends(4), ctx) == ("b2", "scorer")
+    scorer.prepare(ctx, make_backends(4))
+    rows = {r["backend"]: r for r in scorer.explain(ctx, make_backends(4))}
+    assert rows["b2"]["placement"]["chosen"] and rows["b2"]["placement"]["cost_ms"] == 0.0
+    # the others would redo the system prompt's prefill
+    assert rows["b0"]["placement"]["lost_prefill_ms"] > 0 and not rows["b0"]["placement"][
+        "chosen"]
+    assert "placement" in rows["b0"]["why"] and "b2 costs less" in rows["b0"]["why"]
+
+
+def test_a_new_session_leaves_a_holder_whose_cache_is_filling_faster_than_it_saves() -> None:
+    index = InMemoryKvIndex()
+    backends = make_backends(3)
+    ctx = first_turn()
+    hold(index, "b0", ctx, 1)
+    scorer = placing(index, placement={"weight": 0.1})
+    saved_tokens = ctx.chain.anchor_end // 5  # hold() counts 5 bytes a token
+    # pressure below saved / weight: the holder keeps the new session
+    fill(scorer, backends[0], int(saved_tokens / 0.1 * 0.5))
+    assert pick(scorer, backends, first_turn()) == ("b0", "scorer")
+    # twice as much beyond the others: the least-filled candidate takes it
+    fill(scorer, backends[0], int(saved_tokens / 0.1 * 1.5))
+    fill(scorer, backends[2], 50)
+    ctx = first_turn()
+    assert pick(scorer, backends, ctx) == ("b1", "scorer")
+    scorer.prepare(ctx, backends)
+    rows = {r["backend"]: r for r in scorer.explain(ctx, backends)}
+    assert rows["b1"]["placement"]["chosen"]
+    assert rows["b0"]["placement"]["pressure_ms"] > rows["b1"]["placement"][
+        "lost_prefill_ms"]
+    assert rows["b0"]["kv_pressure_tokens"] > rows["b2"]["kv_pressure_tokens"] > 0
+
+
+def test_pressure_is_what_a_backend_was_sent_beyond_its_match_and_decays() -> None:
+    index = InMemoryKvIndex()
+    clock = Clock()
+    backends = make_backends(2)
+    scorer = placing(index, clock, placement={"window_seconds": 10.0})
+    ctx = request(HISTORY + "Next?")
+    scorer.prepare(ctx, backends)  # nothing held: the whole prompt is new
+    scorer.record_route(ctx, backends[0])
+    whole = ctx.chain.total_bytes // BYTES_PER_TOKEN
+    assert scorer.pressure("b0") == whole and scorer.pressure("b1") == 0.0
+    # the same conversation again: b0 holds it (the record above), only the tail is new
+    again = request(HISTORY + "Next?")
+    scorer.prepare(again, backends)
+    scorer.record_route(again, backends[0])
+    tail = (again.chain.total_bytes - again.chain.ends[-1]) // BYTES_PER_TOKEN
+    assert scorer.pressure("b0") == whole + tail
+    clock.now += 10.0  # one time constant: 1/e of it is left
+    assert abs(scorer.pressure("b0") - (whole + tail) / 2.718281828459045) < 1.0
+
+
+def test_a_match_beyond_the_first_message_is_never_placed() -> None:
+    """A session's later turn stays with the backend holding its history, however full
+    that backend's cache is filling."""
+    index = InMemoryKvIndex()
+    backends = make_backends(3)
+    ctx = request(HISTORY + "Next?")
+    hold(index, "b0", ctx, len(ctx.chain.keys))
+    scorer = placing(index)
+    fill(scorer, backends[0], 100_000)
+    assert pick(scorer, backends, ctx) == ("b0", "scorer")
+    scorer.prepare(ctx, backends)
+    assert all(r["placement"] is None for r in scorer.explain(ctx, backends))
+
+
+def test_a_small_first_message_match_is_left_to_the_strategy() -> None:
+    """A short system prompt in front of a long new document: its holder's overlap is below
+    min_overlap_threshold, so the strategy spreads the document as before."""
+    index = InMemoryKvIndex()
+    ctx = request(HISTORY * 3 + "What does it say?")
+    hold(index, "b0", ctx, 1)
+    scorer = placing(index)
+    assert pick(scorer, make_backends(3), ctx)[1] == "scorer_fallback"
+
+
+def test_placement_off_keeps_the_holder_however_full() -> None:
+    index = InMemoryKvIndex()
+    backends = make_backends(3)
+    ctx = first_turn()
+    hold(index, "b0", ctx, 1)
+    scorer = placing(index, placement={"enabled": False})
+    fill(scorer, backends[0], 100_000)
+    assert scorer.pressure("b0") == 0.0  # not even tracked
+    assert pick(scorer, backends, ctx) == ("b0", "scorer")
+    on = placing(index)
+    fill(on, backends[0], 100_000)
+    assert pick(on, backends, first_turn())[0] != "b0"
+
+
+def test_the_queue_counts_in_a_placement() -> None:
+    index = InMemoryKvIndex()
+    backends = make_backends(3)
+    ctx = first_turn()
+    for name in ("b0", "b1"):
+        hold(index, name, ctx, 1)
+    scorer = placing(index)
+    backends[0].in_flight = 3
+    assert pick(scorer, backends, ctx) == ("b1", "scorer")
