@@ -524,7 +524,7 @@ class PlacementConfig:
     window_seconds: float = setting(8.0, doc="time constant over which the tokens sent to "
                                     "a backend to store count as its pressure",
                                     min=0.1, max=3600.0, restart=True)
-    weight: float = setting(0.3, doc="prefill tokens one token of pressure beyond the "
+    weight: float = setting(0.1, doc="prefill tokens one token of pressure beyond the "
                             "least-filled candidate's is worth", min=0.0, max=100.0,
                             restart=True)
 

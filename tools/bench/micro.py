@@ -21,7 +21,8 @@ Groups and the seed's goals (figures from a native implementation):
   < 20 µs), ``InMemoryKvIndex.query_chain`` of that chain with 8 backends holding parts of
   it among 100,000 chain keys, ``ChainOverlapScorer`` prepare + score of 8 backends, and
   the Redis chain query on loopback: one ``EVALSHA`` round trip (counted) for chains of 16
-  and 128 keys.
+  and 128 keys; a new session's placement pass (prepare + score of 8 backends with their
+  KV pressure) and its pressure update.
 
 Each figure is the median of ``--repeat`` runs of ``--number`` calls.
 """
@@ -270,8 +271,43 @@ def chain(number: int, repeat: int) -> dict[str, float]:
             scorer.score_with_tier(backend, ctx)
 
     results["prepare_and_score_8"] = measure(prepare_and_score, n, repeat)
+    results.update(_placement(scorer, backends, n, repeat))
     results.update(_redis_chain_query(number, repeat))
     return results
+
+
+def _placement(scorer: Any, backends: list[Any], n: int, repeat: int) -> dict[str, float]:
+    """A new session's first request (2 KiB system prompt, a short task) that half the
+    backends hold up to its system prompt, with every backend's KV pressure known: the
+    placement pass (``prepare`` + 8 scores) and the pressure update of ``record_route``."""
+    from continuum.interfaces import CACHE_CREATED
+    from continuum.prefix_chain import request_chain
+    from continuum.testing import make_context
+
+    body = _chat("You are a careful analyst of harbour logs. " * 47, "Task: find the logs.")
+    first = request_chain(body, "m")
+    assert first is not None
+    anchor = first.ends.index(first.anchor_end) + 1
+    for backend in backends[::2]:
+        scorer.index.apply_chain(backend.name, CACHE_CREATED,
+                                 [(k, e // 4) for k, e in zip(first.keys[:anchor],
+                                                              first.ends, strict=False)])
+    ctx = make_context()
+    ctx.chain = first
+    for i, backend in enumerate(backends):  # the pressure alone (a record_route would
+        for _ in range(i + 1):              # also record the whole chain as held)
+            scorer._add_pressure(backend.name, ctx, first)
+
+    def placed() -> None:
+        scorer.prepare(ctx, backends)
+        for backend in backends:
+            scorer.score_with_tier(backend, ctx)
+
+    placed()
+    assert ctx.kv_snapshot.placed is not None, "the first request was not placed"
+    return {"placement_prepare_and_score_8": measure(placed, n, repeat),
+            "placement_record_route": measure(
+                lambda: scorer._add_pressure(backends[0].name, ctx, first), n, repeat)}
 
 
 def _redis_chain_query(number: int, repeat: int) -> dict[str, float]:
