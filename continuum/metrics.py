@@ -350,6 +350,13 @@ class RouterMetrics:
             ["decision", "tier"],
             registry=r,
         )
+        self.kv_placements = Counter(
+            "continuum_kv_index_placements_total",
+            "Requests placed by KV pressure (best match = their first message at most): "
+            "to the best holder, or elsewhere (another backend cost less)",
+            ["outcome"],
+            registry=r,
+        )
         self.kv_overlap_score = Histogram(
             "continuum_kv_index_overlap_score",
             "Best composite score of kv_aware decisions",

@@ -319,6 +319,21 @@ class ChainOverlapScorer(KvOverlapScorer):
                                           now)
         ctx.kv_snapshot = snapshot
 
+    def observe(self, ctx: RequestContext, chosen: Backend | None, score: float,
+                tier: str) -> None:
+        """The seed scorer's decision counts, and with placement
+        ``continuum_kv_index_placements_total``: whether a placed request went to the best
+        holder of its first message or elsewhere."""
+        super().observe(ctx, chosen, score, tier)
+        snapshot = ctx.kv_snapshot
+        if (chosen is None or self.metrics is None or not isinstance(snapshot, _ChainSnapshot)
+                or snapshot.placed is None):
+            return
+        credits = snapshot.credits
+        best = max(credits.values(), key=lambda c: c.saved_tokens)
+        outcome = "holder" if credits.get(chosen.name) is best else "elsewhere"
+        self.metrics.child(self.metrics.kv_placements, outcome).inc()
+
     def score_with_tier(self, backend: Backend, ctx: RequestContext) -> tuple[float, str]:
         """Score and held tier of ``backend`` (0 for non-holders and unqualified holders)."""
         snapshot = ctx.kv_snapshot

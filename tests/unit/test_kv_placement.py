@@ -28,6 +28,15 @@ def placing(index: InMemoryKvIndex, clock: Clock | None = None, **kv: Any
     return ChainOverlapScorer(index, config, RouterMetrics(), clock=clock or Clock())
 
 
+def placements(scorer: ChainOverlapScorer) -> dict[str, float]:
+    """``continuum_kv_index_placements_total`` by outcome."""
+    assert scorer.metrics is not None
+    registry = scorer.metrics.registry
+    return {outcome: registry.get_sample_value("continuum_kv_index_placements_total",
+                                               {"outcome": outcome}) or 0.0
+            for outcome in ("holder", "elsewhere")}
+
+
 def first_turn(task: str = "Task: find the cargo manifest.") -> Any:
     """A new session: the shared system prompt and a short task (the system prompt is most
     of the prompt, so its holder's overlap is high)."""
@@ -53,6 +62,8 @@ def test_with_no_pressure_a_new_session_goes_to_its_system_prompts_holder() -> N
     assert rows["b0"]["placement"]["lost_prefill_ms"] > 0 and not rows["b0"]["placement"][
         "chosen"]
     assert "placement" in rows["b0"]["why"] and "b2 costs less" in rows["b0"]["why"]
+    # one pipeline pass counted (explain's own prepare is not)
+    assert placements(scorer) == {"holder": 1.0, "elsewhere": 0.0}
 
 
 def test_a_new_session_leaves_a_holder_whose_cache_is_filling_faster_than_it_saves() -> None:
@@ -76,6 +87,7 @@ def test_a_new_session_leaves_a_holder_whose_cache_is_filling_faster_than_it_sav
     assert rows["b0"]["placement"]["pressure_ms"] > rows["b1"]["placement"][
         "lost_prefill_ms"]
     assert rows["b0"]["kv_pressure_tokens"] > rows["b2"]["kv_pressure_tokens"] > 0
+    assert placements(scorer) == {"holder": 1.0, "elsewhere": 1.0}
 
 
 def test_pressure_is_what_a_backend_was_sent_beyond_its_match_and_decays() -> None:

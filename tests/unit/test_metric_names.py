@@ -55,6 +55,7 @@ EXPORTED = {
     "continuum_cache_redis_errors_total": "counter",
     "continuum_cache_fallback_active": "gauge",
     "continuum_kv_index_routing_decisions_total": "counter",
+    "continuum_kv_index_placements_total": "counter",
     "continuum_kv_index_overlap_score": "histogram",
     "continuum_kv_index_query_latency_seconds": "histogram",
     "continuum_workers": "gauge",

@@ -5,15 +5,17 @@ a shared one), to compare two versions of the hot path.
 Run::
 
     python -m tools.bench.instructions [--router-src DIR] [ns32 ns1 s1 long1 ...]
+    python -m tools.bench.instructions --strategy RoundRobin --keep /tmp/rr ns1
 
 Phases: ``ns<c>`` non-streaming at concurrency c, ``s<c>`` 8-record streams, ``long<c>``
 200-record streams with 1 ms between records (reported per record; run these on their own:
 the upstream is started for the phases' shape). The router (PrefixAwareHash, prefix
-routing on, one worker) runs under ``valgrind --tool=callgrind``; after a warm-up its
-counters are zeroed, the phase runs, and the dumped total is divided by the requests. User
-space only: syscalls count as the instructions that make them. Background greenlets (health,
-fleet poll) run by wall time, so the long-stream figure moves a little between runs. Needs
-valgrind (``apt-get install valgrind``); a few minutes per phase.
+routing on, one worker; ``--strategy RoundRobin`` without prefix routing) runs under
+``valgrind --tool=callgrind``; after a warm-up its counters are zeroed, the phase runs,
+and the dumped total is divided by the requests. User space only: syscalls count as the
+instructions that make them. Background greenlets (health, fleet poll) run by wall time,
+so the long-stream figure moves a little between runs. Needs valgrind (``apt-get install
+valgrind``); a few minutes per phase.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import shutil
 import subprocess
 import tempfile
 import time
@@ -48,7 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench.instructions")
     parser.add_argument("phases", nargs="*", default=["ns32"])
     parser.add_argument("--router-src", default=str(ob.ROOT))
+    parser.add_argument("--strategy", choices=["PrefixAwareHash", "RoundRobin"],
+                        default="PrefixAwareHash",
+                        help="RoundRobin: without prefix routing, to count what it costs")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="copy each phase's callgrind file to DIR/<phase>.callgrind "
+                        "(for callgrind_annotate --inclusive=yes)")
     args = parser.parse_args(argv)
+    routing = ob.PREFIX_ROUTING if args.strategy == "PrefixAwareHash" else {
+        "selection_strategy": "RoundRobin"}
     tmp = Path(tempfile.mkdtemp(prefix="continuum-instr-"))
     long = any(p.startswith("long") for p in args.phases)
     chunks = 200 if long else 8
@@ -63,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             "health_check": {"enabled": True, "interval_seconds": 3600},
             "backends": [{"name": "bench", "url": f"http://127.0.0.1:{up_port}",
                           "models": [ob.MODEL]}],
-            **ob.PREFIX_ROUTING}))
+            **routing}))
         (tmp / "metrics").mkdir()
         env = ob._child_env(args.router_src)
         env["CONTINUUM_CONFIG"] = str(config)
@@ -101,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["callgrind_control", "-d", str(worker)], capture_output=True,
                            check=True)
             time.sleep(1)
-            per = _total(glob.glob(f"{tmp}/cg.{worker}*")) / done
+            dumped = glob.glob(f"{tmp}/cg.{worker}*")
+            per = _total(dumped) / done
+            if args.keep and dumped:
+                Path(args.keep).mkdir(parents=True, exist_ok=True)
+                shutil.copy(max(dumped, key=lambda p: Path(p).stat().st_size),
+                            Path(args.keep) / f"{phase}.callgrind")
             unit = "request"
             if kind == "long":
                 per, unit = per / chunks, "record"
