@@ -24,9 +24,11 @@ Later tiers add a row by appending a :class:`Scenario` to :data:`SCENARIOS`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import secrets
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -272,8 +274,27 @@ def check_scenarios(scenarios: Sequence[Scenario]) -> list[str]:
     return problems
 
 
+def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """``--rounds``: one row from every round's row of a scenario: the median of each
+    number (the rounds themselves under ``rounds`` when there are several), everything
+    else from the first round; errors and skipped turns are summed, so none is hidden."""
+    if len(runs) == 1:
+        return runs[0]
+    row = dict(runs[0])
+    for key, first in runs[0].items():
+        values = [run.get(key) for run in runs]
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(numbers) < len(values) or not isinstance(first, (int, float)):
+            continue
+        row[key] = sum(numbers) if key in ("errors", "skipped") else statistics.median(numbers)
+    row["error_samples"] = [s for run in runs for s in run["error_samples"]][:5]
+    row["rounds"] = runs
+    return row
+
+
 def write_records(directory: Path, row: str, records: list[dict[str, Any]]) -> Path:
-    """``--records``: one JSON line per measured request of ``row``, in DIR/<row>.jsonl."""
+    """``--records``: one JSON line per measured request of ``row``, in DIR/<row>.jsonl
+    (``<row>-round<k>.jsonl`` with ``--rounds``)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{slug(row)}.jsonl"
     with path.open("w", encoding="utf-8") as out:
@@ -360,7 +381,8 @@ def run_scenario(
                         max_seconds=args.duration, timeout=args.request_timeout)
         after = engine_stats(http, engines)
         if getattr(args, "records", None):
-            write_records(Path(args.records), scenario.name, result.to_dicts())
+            write_records(Path(args.records), scenario.name + getattr(args, "round_suffix", ""),
+                          result.to_dicts())
         texts = [http.get(t + "/metrics", timeout=5).text for t in targets]
         metrics = texts[0] if texts else ""
         if routers:
@@ -527,6 +549,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--keep-logs", action="store_true",
                    help="keep the work directory with every process's log and config")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="replay every row N times, the rows taking turns (round 1 of every "
+                   "row, then round 2, ...), and print each row's median of every number; "
+                   "--json keeps every round's row under 'rounds'")
     p.add_argument("--records", metavar="DIR",
                    help="write every measured request of each row (session, turn, start, "
                    "TTFT, prompt and cached tokens, backend) to DIR/<row>.jsonl")
@@ -561,6 +587,9 @@ def _print_results(doc: dict[str, Any], args: argparse.Namespace) -> None:
     print("\nprefix hit % = cached prompt tokens / prompt tokens, from the engines' "
           "/sim/stats; KV-aware % = requests the KV scorer routed (the rest fell back to "
           f"the strategy); finished in {doc['wall_seconds']:.1f}s")
+    if getattr(args, "rounds", 1) > 1:
+        print(f"each number is the median of {args.rounds} rounds (errors: their sum; "
+              "requests per engine: the first round's); --json has every round")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -581,9 +610,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.concurrency is None:
         args.concurrency = LOAD_CONCURRENCY if load else 64
     if args.engines < 1 or args.concurrency < 1 or args.max_num_seqs < 1 \
-            or (args.workers or 1) < 1 or (args.routers or 1) < 1:
-        print("continuum-router demo: --engines, --concurrency, --max-num-seqs, --workers "
-              "and --routers must be >= 1", file=sys.stderr)
+            or (args.workers or 1) < 1 or (args.routers or 1) < 1 or args.rounds < 1:
+        print("continuum-router demo: --engines, --concurrency, --max-num-seqs, --workers, "
+              "--routers and --rounds must be >= 1", file=sys.stderr)
         return 2
     began = time.monotonic()
 
@@ -623,10 +652,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 if args.push_setup else None)
             progress(f"workload {workload.name!r} seed {args.seed}: "
                      f"{len(workload.sessions)} sessions, {workload.requests} requests")
-            for scenario in scenarios:
-                progress(f"{scenario.name}: replaying")
+            rounds: list[list[dict[str, Any]]] = [[] for _ in scenarios]
+            for number, scenario in itertools.product(range(args.rounds), scenarios):
+                which = f" (round {number + 1} of {args.rounds})" if args.rounds > 1 else ""
+                progress(f"{scenario.name}: replaying{which}")
+                args.round_suffix = f"-round{number + 1}" if args.rounds > 1 else ""
                 row = run_scenario(scenario, children, http, workload, fleet, args, warmup)
-                rows.append(row)
+                rounds[scenarios.index(scenario)].append(row)
                 progress(f"{scenario.name}: {row['ok']} ok, {row['errors']} errors, "
                          f"hit rate {row['prefix_hit_rate']:.1%}, "
                          f"{row['requests_per_second']} req/s")
@@ -635,6 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if row["errors"] and not scenario.direct:
                     progress("  router log:\n" + children.log_tail(
                         f"router-{slug(scenario.name)}.log"))
+            rows.extend(median_row(runs) for runs in rounds)
             if fleet.listener is not None:
                 listener = listener_stats(http, fleet.listener)
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:

@@ -1,0 +1,53 @@
+"""``continuum-router demo --rounds N``: one row per scenario from N rounds of it, and
+``--records`` writing every measured request."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from continuum.devtools.demo import median_row, write_records
+
+
+def row(p99: float, hit: float, errors: int = 0, **more: Any) -> dict[str, Any]:
+    return {"name": "KV index", "direct": False, "ttft_ms_p99": p99, "prefix_hit_rate": hit,
+            "errors": errors, "skipped": 0, "engine_requests": [3, 1],
+            "kv_aware_share": None, "error_samples": [f"e{p99}"] if errors else [], **more}
+
+
+def test_one_round_is_the_row_itself() -> None:
+    only = row(100.0, 0.9)
+    assert median_row([only]) is only
+    assert "rounds" not in only
+
+
+def test_numbers_are_medians_errors_are_summed_and_the_rest_is_the_first_rounds() -> None:
+    runs = [row(300.0, 0.95, errors=1), row(100.0, 0.97), row(200.0, 0.90, errors=2)]
+    merged = median_row(runs)
+    assert merged["ttft_ms_p99"] == 200.0
+    assert merged["prefix_hit_rate"] == 0.95
+    assert merged["errors"] == 3  # no failed request is hidden by a median
+    assert merged["error_samples"] == ["e300.0", "e200.0"]
+    assert merged["direct"] is False and merged["name"] == "KV index"
+    assert merged["engine_requests"] == [3, 1] and merged["kv_aware_share"] is None
+    assert merged["rounds"] == runs
+    # a number some round lacks is not a median of the others: the first round's stays
+    runs[1]["ttft_ms_p99"] = None
+    assert median_row(runs)["ttft_ms_p99"] == 300.0
+
+
+def test_records_are_one_json_line_per_request(tmp_path: Path) -> None:
+    records = [{"session": "s", "turn": t, "ttft": 0.01 * t} for t in range(3)]
+    path = write_records(tmp_path / "out", "KV index (seed key) + load guard", records)
+    assert path.name == "kv-index-seed-key-load-guard.jsonl"
+    assert [json.loads(line) for line in path.read_text().splitlines()] == records
+
+
+def test_rounds_below_one_are_refused_before_anything_starts() -> None:
+    proc = subprocess.run([sys.executable, "-m", "continuum.cli", "demo", "--rounds", "0"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "--rounds must be >= 1" in proc.stderr
