@@ -14,7 +14,10 @@ creates it in ``on_starting``, a worker that finds none creates it under the loc
   :mod:`continuum.routing.shared_load`;
 * an **elsewhere row**: ``elsewhere[backend column]``, the other routers' in-flight counts
   as last read from Redis by one worker of the host (:mod:`continuum.routing.fleet_load`),
-  0 when nothing shares them.
+  0 when nothing shares them;
+* a **pressure table**: ``pressure[backend column][worker slot]``, two float64 each (the
+  KV pressure the worker put on the backend and when), which the KV placement reads as
+  the host's, decayed to now (:mod:`continuum.kv.chain_scorer`).
 
 Writes: a worker writes only its own slot's row, with aligned 8-byte stores (which readers
 never see torn on the platforms gunicorn runs on), so the hot path takes no lock. Claiming a
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import mmap
 import os
 import struct
@@ -57,7 +61,9 @@ _WORKERS_AT = _HEADER_WORDS
 _NAMES_AT = _WORKERS_AT + MAX_WORKERS * WORKER_FIELDS  # in words; names are bytes
 _LOAD_AT = _NAMES_AT + MAX_BACKENDS * NAME_BYTES // 8
 _ELSEWHERE_AT = _LOAD_AT + MAX_WORKERS * MAX_BACKENDS
-SIZE = (_ELSEWHERE_AT + MAX_BACKENDS) * 8
+_PRESSURE_AT = _ELSEWHERE_AT + MAX_BACKENDS  # 2 words (value, at) per cell
+SIZE = (_PRESSURE_AT + 2 * MAX_BACKENDS * MAX_WORKERS) * 8
+_PAIR = struct.Struct("<dd")
 _UNPACK = [struct.Struct(f"<{n}q").unpack_from for n in range(MAX_WORKERS + 1)]
 
 
@@ -141,6 +147,8 @@ class HostSegment:
             words[self._worker(slot, field)] = 0
         for col in range(MAX_BACKENDS):
             words[_LOAD_AT + col * MAX_WORKERS + slot] = 0
+            cell = _PRESSURE_AT + 2 * (col * MAX_WORKERS + slot)
+            words[cell] = words[cell + 1] = 0  # 0.0 as float64
 
     def sweep(self) -> int:
         """Wipe the slots of workers that died; how many were wiped."""
@@ -239,6 +247,25 @@ class HostSegment:
     def set_elsewhere(self, col: int, count: int) -> None:
         """The other routers' in-flight count of backend ``col`` (one aligned store)."""
         self.words[_ELSEWHERE_AT + col] = count
+
+    def set_pressure(self, col: int, value: float, at: float) -> None:
+        """This worker's KV pressure on backend ``col``: ``value`` tokens as of ``at``
+        (``time.monotonic()``, which every process of the host shares)."""
+        _PAIR.pack_into(self._map, (_PRESSURE_AT + 2 * (col * MAX_WORKERS + self.slot)) * 8,
+                        value, at)
+
+    def host_pressure(self, col: int, now: float, window: float) -> float:
+        """Backend ``col``'s KV pressure over this host's workers, each worker's decayed
+        over ``window`` seconds to ``now``. A reader may see a worker's value and time
+        from two different writes; the error is one update's decay at most."""
+        total = 0.0
+        unpack, buf = _PAIR.unpack_from, self._map
+        at = (_PRESSURE_AT + 2 * col * MAX_WORKERS) * 8
+        for slot in range(self.words[_HDR_SLOTS_USED]):
+            value, then = unpack(buf, at + 16 * slot)
+            if value > 0.0:
+                total += value * math.exp(-max(0.0, now - then) / window)
+        return total
 
     def close(self) -> None:
         """Unmap (the slot is kept: call :meth:`release` first to give it back)."""

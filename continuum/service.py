@@ -221,6 +221,9 @@ class RouterService:
         self.kv_scorer = next((s for s in built if isinstance(s, KvOverlapScorer)), None)
         self._chain_scorer = self.kv_scorer \
             if isinstance(self.kv_scorer, ChainOverlapScorer) else None
+        if self._chain_scorer is not None and self.host_load is not None:
+            # the host's workers place new sessions on one picture of the KV pressure
+            self._chain_scorer.share_pressure(self.host)
 
     def _make_strategy(self, config: RouterConfig) -> SelectionStrategy:
         strategy: SelectionStrategy = self.registry.create(

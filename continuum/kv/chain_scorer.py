@@ -93,6 +93,7 @@ from continuum.prefix_chain import BYTES_PER_TOKEN, PrefixChain, request_chain
 
 if TYPE_CHECKING:
     from continuum.config import KvCacheIndexConfig, RouterConfig
+    from continuum.hostshm import HostSegment
     from continuum.metrics import RouterMetrics
     from continuum.request import RequestContext
     from continuum.routing.backends import Backend
@@ -176,8 +177,19 @@ class ChainOverlapScorer(KvOverlapScorer):
         self.placement = self.adaptive and placement.enabled
         self.pressure_window = placement.window_seconds
         self.pressure_weight = placement.weight
-        #: backend name -> [tokens sent to store, decayed to the time beside it]
+        #: backend name -> [tokens this worker sent it to store, decayed to the time beside it]
         self._pressure: dict[str, list[float]] = {}
+        #: The host segment the workers share their pressure through (None: this worker's).
+        self._host: HostSegment | None = None
+
+    def share_pressure(self, segment: HostSegment | None) -> None:
+        """Publish this worker's KV pressure in ``segment`` and read the host's from it, so
+        that every worker of a host places new sessions on the same picture (None: each
+        worker's own)."""
+        self._host = segment
+        if segment is not None:
+            for name, (value, at) in self._pressure.items():
+                segment.set_pressure(segment.column(name), value, at)
 
     @classmethod
     def from_config(
@@ -225,13 +237,19 @@ class ChainOverlapScorer(KvOverlapScorer):
 
     def pressure(self, name: str, now: float | None = None) -> float:
         """Tokens the router sent backend ``name`` to store (prompt tokens beyond its
-        match), decayed over ``placement.window_seconds``: how hard this worker is filling
-        that backend's KV cache."""
+        match), decayed over ``placement.window_seconds``: how hard the router is filling
+        that backend's KV cache. With a host segment, the sum over the host's workers."""
+        at = self.clock() if now is None else now
+        host = self._host
+        if host is not None:
+            return host.host_pressure(host.column(name), at, self.pressure_window)
+        return self._own_pressure(name, at)
+
+    def _own_pressure(self, name: str, now: float) -> float:
         entry = self._pressure.get(name)
         if entry is None:
             return 0.0
-        at = self.clock() if now is None else now
-        return entry[0] * math.exp(-max(0.0, at - entry[1]) / self.pressure_window)
+        return entry[0] * math.exp(-max(0.0, now - entry[1]) / self.pressure_window)
 
     def _add_pressure(self, name: str, ctx: RequestContext, chain: PrefixChain) -> None:
         snapshot = ctx.kv_snapshot
@@ -239,7 +257,11 @@ class ChainOverlapScorer(KvOverlapScorer):
         matched = credit.matched_bytes if credit is not None else 0
         new_tokens = max(0, chain.total_bytes - matched) // BYTES_PER_TOKEN
         now = self.clock()
-        self._pressure[name] = [self.pressure(name, now) + new_tokens, now]
+        value = self._own_pressure(name, now) + new_tokens
+        self._pressure[name] = [value, now]
+        host = self._host
+        if host is not None:
+            host.set_pressure(host.column(name), value, now)
 
     def _place(self, credits: dict[str, _Credit], chain: PrefixChain,
                candidates: Sequence[Backend], mean_in_flight: float, bound: int, now: float,

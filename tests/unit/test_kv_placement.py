@@ -3,9 +3,13 @@ message at most goes where lost prefill + KV pressure + queue cost least."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from continuum.config import parse_config
+from continuum.hostshm import HostSegment
 from continuum.kv.chain_scorer import ChainOverlapScorer
 from continuum.metrics import RouterMetrics
 from continuum.prefix_chain import BYTES_PER_TOKEN
@@ -157,3 +161,53 @@ def test_the_queue_counts_in_a_placement() -> None:
     scorer = placing(index)
     backends[0].in_flight = 3
     assert pick(scorer, backends, ctx) == ("b1", "scorer")
+
+
+def test_the_workers_of_a_host_share_their_pressure_through_the_host_segment(
+    tmp_path: Path,
+) -> None:
+    """Worker one filled b0; worker two, which sent b0 nothing, places away from it too.
+    Each worker's part decays on its own clock reading; a dead worker's part is swept."""
+    index = InMemoryKvIndex()
+    clock = Clock()
+    one, two = HostSegment(tmp_path), HostSegment(tmp_path, pid=1)
+    first, second = placing(index, clock), placing(index, clock)
+    first.share_pressure(one)
+    second.share_pressure(two)
+    backends = make_backends(3)
+    ctx = first_turn()
+    hold(index, "b0", ctx, 1)
+    saved_tokens = ctx.chain.anchor_end // 5
+    fill(first, backends[0], int(saved_tokens / 0.1 * 2))
+    assert second.pressure("b0") == first.pressure("b0") > saved_tokens / 0.1
+    assert pick(second, backends, first_turn())[0] != "b0"
+    fill(second, backends[1], 1000)
+    both = first.pressure("b1")
+    assert both == second.pressure("b1") and both >= 1000
+    clock.now += 8.0  # one time constant
+    assert abs(first.pressure("b0") - second._own_pressure("b0", clock.now)
+               - first._own_pressure("b0", clock.now)) < 1e-6
+    assert second._own_pressure("b0", clock.now) == 0.0  # it never sent b0 anything
+    # a worker that dies leaves no pressure behind once swept
+    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                            capture_output=True, text=True, check=True)
+    dead = HostSegment(tmp_path, pid=int(exited.stdout))
+    dead.set_pressure(dead.column("b2"), 5000.0, clock.now)
+    assert first.pressure("b2") == 5000.0
+    assert one.sweep() == 1
+    assert first.pressure("b2") == 0.0
+    for segment in (one, two):
+        segment.release()
+        segment.close()
+
+
+def test_sharing_starts_from_what_the_worker_already_sent(tmp_path: Path) -> None:
+    clock = Clock()
+    scorer = placing(InMemoryKvIndex(), clock)
+    fill(scorer, make_backends(1)[0], 500)
+    own = scorer.pressure("b0")
+    segment = HostSegment(tmp_path)
+    scorer.share_pressure(segment)
+    assert scorer.pressure("b0") == own > 0
+    segment.release()
+    segment.close()
