@@ -337,7 +337,9 @@ def run_scenario(
         else:
             config = router_config(scenario, fleet.engines, fleet.listener,
                                    getattr(args, "push_setup", None))
-            config = scale_config(config, args.workers or 1, redis_url, scenario.name,
+            # each round its own Redis prefixes: a round must not find the last one's cache
+            config = scale_config(config, args.workers or 1, redis_url,
+                                  scenario.name + getattr(args, "round_suffix", ""),
                                   sharing=not args.no_sharing)
             for i in range(args.routers or 1):
                 name = scenario.name if i == 0 else f"{scenario.name} r{i + 1}"
