@@ -321,6 +321,7 @@ def run_scenario(
     targets: list[str] = []
     scale: dict[str, Any] | None = None
     redis_url = getattr(args, "redis_url", None)
+    run_name = scenario.name + getattr(args, "round_suffix", "")  # this row's this round
     engines = fleet.single if scenario.direct else fleet.engines
     kv: dict[str, Any] | None = None
     start: dict[str, Any] = {}
@@ -338,8 +339,7 @@ def run_scenario(
             config = router_config(scenario, fleet.engines, fleet.listener,
                                    getattr(args, "push_setup", None))
             # each round its own Redis prefixes: a round must not find the last one's cache
-            config = scale_config(config, args.workers or 1, redis_url,
-                                  scenario.name + getattr(args, "round_suffix", ""),
+            config = scale_config(config, args.workers or 1, redis_url, run_name,
                                   sharing=not args.no_sharing)
             for i in range(args.routers or 1):
                 name = scenario.name if i == 0 else f"{scenario.name} r{i + 1}"
@@ -383,8 +383,7 @@ def run_scenario(
                         max_seconds=args.duration, timeout=args.request_timeout)
         after = engine_stats(http, engines)
         if getattr(args, "records", None):
-            write_records(Path(args.records), scenario.name + getattr(args, "round_suffix", ""),
-                          result.to_dicts())
+            write_records(Path(args.records), run_name, result.to_dicts())
         texts = [http.get(t + "/metrics", timeout=5).text for t in targets]
         metrics = texts[0] if texts else ""
         if routers:
@@ -655,12 +654,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress(f"workload {workload.name!r} seed {args.seed}: "
                      f"{len(workload.sessions)} sessions, {workload.requests} requests")
             rounds: list[list[dict[str, Any]]] = [[] for _ in scenarios]
-            for number, scenario in itertools.product(range(args.rounds), scenarios):
+            for number, (which_row, scenario) in itertools.product(range(args.rounds),
+                                                                   enumerate(scenarios)):
                 which = f" (round {number + 1} of {args.rounds})" if args.rounds > 1 else ""
                 progress(f"{scenario.name}: replaying{which}")
                 args.round_suffix = f"-round{number + 1}" if args.rounds > 1 else ""
                 row = run_scenario(scenario, children, http, workload, fleet, args, warmup)
-                rounds[scenarios.index(scenario)].append(row)
+                rounds[which_row].append(row)
                 progress(f"{scenario.name}: {row['ok']} ok, {row['errors']} errors, "
                          f"hit rate {row['prefix_hit_rate']:.1%}, "
                          f"{row['requests_per_second']} req/s")

@@ -64,10 +64,12 @@ Load guard (``scoring.load_guard``):
            + weight * (its pressure - the least pressure of the candidates) * prefill_ms_per_token
            + its queue beyond the mean (as above)
 
-  where a backend's pressure is the prompt tokens beyond their match this worker sent it
-  to store, decayed over ``window_seconds``. Sessions that will grow then spread over the
-  fleet's KV capacity instead of following their system prompt's first holder, whose
-  cache they would overrun (``agent`` demo: about 75% prefix hits without it).
+  where a backend's pressure is the prompt tokens beyond their match the router sent it
+  to store, decayed over ``window_seconds`` (summed over the host's workers through the
+  host segment when there is one, see :meth:`ChainOverlapScorer.share_pressure`).
+  Sessions that will grow then spread over the fleet's KV capacity instead of following
+  their system prompt's first holder, whose cache they would overrun (``agent`` demo:
+  about 75% prefix hits without it).
 * ``bound``: the seed's composite score (overlap, load, health weights) on the overlap
   above, and a holder qualifies only under the CHWBL bound, as with ``match: seed``.
 * ``enabled: false``: the composite score alone.
@@ -99,6 +101,12 @@ if TYPE_CHECKING:
     from continuum.routing.backends import Backend
 
 _MAX_SNAPSHOTS = 4096
+
+#: Costs of one placement candidate, in ms: (lost prefill, KV pressure, queue).
+Costs = tuple[float, float, float]
+#: A placement: the chosen backend's name and every candidate's costs.
+Placed = tuple[str, dict[str, Costs]]
+_NO_COSTS: Costs = (0.0, 0.0, 0.0)
 
 
 class _Credit:
@@ -144,7 +152,7 @@ class _ChainSnapshot:
         self.least_wait = least_wait
         #: With placement: the backend a first-message match goes to, and each
         #: candidate's cost (lost prefill, pressure, queue, in ms).
-        self.placed: tuple[str, dict[str, tuple[float, float, float]]] | None = None
+        self.placed: Placed | None = None
 
 
 class ChainOverlapScorer(KvOverlapScorer):
@@ -265,7 +273,7 @@ class ChainOverlapScorer(KvOverlapScorer):
 
     def _place(self, credits: dict[str, _Credit], chain: PrefixChain,
                candidates: Sequence[Backend], mean_in_flight: float, bound: int, now: float,
-               ) -> tuple[str, dict[str, tuple[float, float, float]]] | None:
+               ) -> Placed | None:
         """Placement (``kv_cache_index.placement``): when the best match covers the
         request's first message at most and is worth scoring (``min_overlap_threshold``),
         the candidate whose lost prefill + pressure + queue costs least, and every
@@ -279,7 +287,7 @@ class ChainOverlapScorer(KvOverlapScorer):
         per_token = self.prefill_ms_per_token
         pressures = {b.name: self.pressure(b.name, now) for b in candidates}
         least = min(pressures.values(), default=0.0)
-        costs: dict[str, tuple[float, float, float]] = {}
+        costs: dict[str, Costs] = {}
         chosen, chosen_cost = None, math.inf
         for backend in candidates:
             credit = credits.get(backend.name)
@@ -390,11 +398,11 @@ class ChainOverlapScorer(KvOverlapScorer):
 
     def _placement_verdict(
         self, backend: Backend, credit: _Credit | None,
-        placed: tuple[str, dict[str, tuple[float, float, float]]],
+        placed: Placed,
     ) -> tuple[float, str, str]:
         chosen, costs = placed
         tier = credit.match.tier if credit is not None else TIER_NONE
-        lost_ms, pressure_ms, queue_ms = costs.get(backend.name, (0.0, 0.0, 0.0))
+        lost_ms, pressure_ms, queue_ms = costs.get(backend.name, _NO_COSTS)
         why = (f"placement (the best match is the first message at most): redoes "
                f"~{lost_ms:.0f} ms of prefill beyond the best holder's, KV pressure "
                f"~{pressure_ms:.0f} ms, queue ~{queue_ms:.0f} ms")
@@ -441,7 +449,7 @@ class ChainOverlapScorer(KvOverlapScorer):
         if snapshot.placed is None:
             return None
         chosen, costs = snapshot.placed
-        lost_ms, pressure_ms, queue_ms = costs.get(backend.name, (0.0, 0.0, 0.0))
+        lost_ms, pressure_ms, queue_ms = costs.get(backend.name, _NO_COSTS)
         return {"chosen": backend.name == chosen, "lost_prefill_ms": round(lost_ms, 1),
                 "pressure_ms": round(pressure_ms, 1), "queue_ms": round(queue_ms, 1),
                 "cost_ms": round(lost_ms + pressure_ms + queue_ms, 1)}
