@@ -62,14 +62,20 @@ Load guard (``scoring.load_guard``):
 
       cost = (best holder's saved tokens - its saved tokens) * prefill_ms_per_token
            + weight * (its pressure - the least pressure of the candidates) * prefill_ms_per_token
-           + its queue beyond the mean (as above)
+           + its queue beyond the mean * its latency EWMA / its in-flight count
+                                        (at least queue_ms_per_request, bound or not)
 
   where a backend's pressure is the prompt tokens beyond their match the router sent it
   to store, decayed over ``window_seconds`` (summed over the host's workers through the
   host segment when there is one, see :meth:`ChainOverlapScorer.share_pressure`).
   Sessions that will grow then spread over the fleet's KV capacity instead of following
   their system prompt's first holder, whose cache they would overrun (``agent`` demo:
-  about 75% prefix hits without it).
+  about 75% prefix hits without it). The queue is priced at the backend's latency even
+  under the CHWBL bound, because a session's later turns follow where it was placed: a
+  holder busier than the mean then hands a hot system prompt's next session to a second
+  holder for one prefill of the prompt, instead of queueing every session of it on one
+  engine (``load`` demo, two slots per engine: p99 TTFT 1.03-1.15x the bound guard's
+  instead of 1.11-1.20x, the hit rate within 0.3 points).
 * ``bound``: the seed's composite score (overlap, load, health weights) on the overlap
   above, and a holder qualifies only under the CHWBL bound, as with ``match: seed``.
 * ``enabled: false``: the composite score alone.
@@ -272,7 +278,7 @@ class ChainOverlapScorer(KvOverlapScorer):
             host.set_pressure(host.column(name), value, now)
 
     def _place(self, credits: dict[str, _Credit], chain: PrefixChain,
-               candidates: Sequence[Backend], mean_in_flight: float, bound: int, now: float,
+               candidates: Sequence[Backend], mean_in_flight: float, now: float,
                ) -> Placed | None:
         """Placement (``kv_cache_index.placement``): when the best match covers the
         request's first message at most and is worth scoring (``min_overlap_threshold``),
@@ -294,12 +300,26 @@ class ChainOverlapScorer(KvOverlapScorer):
             saved = credit.saved_tokens if credit is not None else 0.0
             lost_ms = (best.saved_tokens - saved) * per_token
             pressure_ms = self.pressure_weight * (pressures[backend.name] - least) * per_token
-            queue_ms = self._queue_ms(backend, mean_in_flight, bound)
+            queue_ms = self._placement_queue_ms(backend, mean_in_flight)
             costs[backend.name] = (lost_ms, pressure_ms, queue_ms)
             cost = lost_ms + pressure_ms + queue_ms
             if cost < chosen_cost:
                 chosen, chosen_cost = backend.name, cost
         return (chosen, costs) if chosen is not None else None
+
+    def _placement_queue_ms(self, backend: Backend, mean_in_flight: float) -> float:
+        """Placement's price of ``backend``'s queue beyond the candidates' mean: what its
+        latency says one request holds it for (latency EWMA / in-flight, at least
+        ``queue_ms_per_request``), under the CHWBL bound as at it. A placed session's
+        later turns follow it, so a holder busier than the mean is a poor home before it
+        reaches the bound, and one prefill of the first message elsewhere gives a hot
+        prefix a second holder (``load`` demo: every session of a popular system prompt
+        on one engine, queued, without it)."""
+        in_flight = backend.in_flight
+        per_request = self.queue_ms
+        if backend.latency_ewma is not None:
+            per_request = max(per_request, backend.latency_ewma * 1000.0 / max(in_flight, 1))
+        return max(0.0, in_flight - mean_in_flight) * per_request
 
     def _queue_ms(self, backend: Backend, mean_in_flight: float, bound: int) -> float:
         """The adaptive guard's price of ``backend``'s queue beyond the candidates' mean."""
@@ -345,8 +365,7 @@ class ChainOverlapScorer(KvOverlapScorer):
         mean_in_flight = total / max(len(candidates), 1)
         snapshot = _ChainSnapshot(chain, credits, bound, mean_in_flight, load, least_wait)
         if self.placement:
-            snapshot.placed = self._place(credits, chain, candidates, mean_in_flight, bound,
-                                          now)
+            snapshot.placed = self._place(credits, chain, candidates, mean_in_flight, now)
         ctx.kv_snapshot = snapshot
 
     def observe(self, ctx: RequestContext, chosen: Backend | None, score: float,

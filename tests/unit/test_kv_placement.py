@@ -211,3 +211,28 @@ def test_sharing_starts_from_what_the_worker_already_sent(tmp_path: Path) -> Non
     assert scorer.pressure("b0") == own > 0
     segment.release()
     segment.close()
+
+
+def test_a_busy_holder_prices_its_queue_at_its_latency_under_the_bound() -> None:
+    """The holder of a hot system prompt, busier than the mean but under the CHWBL bound,
+    hands the next new session to another backend for one prefill of the prompt once its
+    latency says its queue costs more: the session's later turns would queue behind it."""
+    index = InMemoryKvIndex()
+    backends = make_backends(3)
+    ctx = first_turn()
+    hold(index, "b0", ctx, 1)
+    scorer = placing(index)
+    backends[0].in_flight = 2  # under the bound (the floor, 4)
+    # no latency known yet: each request beyond the mean costs queue_ms_per_request
+    assert pick(scorer, backends, ctx) == ("b0", "scorer")
+    backends[0].record(True, 0.9)  # 900 ms a request at two in flight: 450 ms each
+    ctx = first_turn()
+    assert pick(scorer, backends, ctx)[0] in ("b1", "b2")
+    scorer.prepare(ctx, backends)
+    rows = {r["backend"]: r["placement"] for r in scorer.explain(ctx, backends)}
+    assert rows["b0"]["queue_ms"] == round((2 - 2 / 3) * 450.0, 1)
+    assert rows["b1"]["queue_ms"] == 0.0
+    assert 0 < rows["b1"]["lost_prefill_ms"] < rows["b0"]["queue_ms"]
+    # the same latency with the holder at the mean costs nothing: it keeps the session
+    backends[1].in_flight = backends[2].in_flight = 2
+    assert pick(scorer, backends, first_turn()) == ("b0", "scorer")
