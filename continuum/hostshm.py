@@ -17,7 +17,9 @@ creates it in ``on_starting``, a worker that finds none creates it under the loc
   0 when nothing shares them;
 * a **pressure table**: ``pressure[backend column][worker slot]``, two float64 each (the
   KV pressure the worker put on the backend and when), which the KV placement reads as
-  the host's, decayed to now (:mod:`continuum.kv.chain_scorer`).
+  the host's, decayed to now (:mod:`continuum.kv.chain_scorer`);
+* an **elsewhere pressure row**: ``elsewhere_pressure[backend column]``, two float64 each,
+  the other routers' KV pressure as last read from Redis with the in-flight counts.
 
 Writes: a worker writes only its own slot's row, with aligned 8-byte stores (which readers
 never see torn on the platforms gunicorn runs on), so the hot path takes no lock. Claiming a
@@ -62,7 +64,8 @@ _NAMES_AT = _WORKERS_AT + MAX_WORKERS * WORKER_FIELDS  # in words; names are byt
 _LOAD_AT = _NAMES_AT + MAX_BACKENDS * NAME_BYTES // 8
 _ELSEWHERE_AT = _LOAD_AT + MAX_WORKERS * MAX_BACKENDS
 _PRESSURE_AT = _ELSEWHERE_AT + MAX_BACKENDS  # 2 words (value, at) per cell
-SIZE = (_PRESSURE_AT + 2 * MAX_BACKENDS * MAX_WORKERS) * 8
+_ELSEWHERE_PRESSURE_AT = _PRESSURE_AT + 2 * MAX_BACKENDS * MAX_WORKERS  # (value, at)
+SIZE = (_ELSEWHERE_PRESSURE_AT + 2 * MAX_BACKENDS) * 8
 _PAIR = struct.Struct("<dd")
 _UNPACK = [struct.Struct(f"<{n}q").unpack_from for n in range(MAX_WORKERS + 1)]
 
@@ -256,8 +259,18 @@ class HostSegment:
 
     def host_pressure(self, col: int, now: float, window: float) -> float:
         """Backend ``col``'s KV pressure over this host's workers, each worker's decayed
-        over ``window`` seconds to ``now``. A reader may see a worker's value and time
-        from two different writes; the error is one update's decay at most."""
+        over ``window`` seconds to ``now``, plus the other routers' (the elsewhere
+        pressure row, decayed the same way; 0 unless shared). A reader may see a value
+        and its time from two different writes; the error is one update's decay at most."""
+        value, then = _PAIR.unpack_from(self._map, (_ELSEWHERE_PRESSURE_AT + 2 * col) * 8)
+        total = self.workers_pressure(col, now, window)
+        if value > 0.0:
+            total += value * math.exp(-max(0.0, now - then) / window)
+        return total
+
+    def workers_pressure(self, col: int, now: float, window: float) -> float:
+        """Backend ``col``'s KV pressure over this host's workers only (what it tells the
+        other routers)."""
         total = 0.0
         unpack, buf = _PAIR.unpack_from, self._map
         at = (_PRESSURE_AT + 2 * col * MAX_WORKERS) * 8
@@ -266,6 +279,11 @@ class HostSegment:
             if value > 0.0:
                 total += value * math.exp(-max(0.0, now - then) / window)
         return total
+
+    def set_elsewhere_pressure(self, col: int, value: float, at: float) -> None:
+        """The other routers' KV pressure on backend ``col``, ``value`` tokens as of ``at``
+        (``time.monotonic()``)."""
+        _PAIR.pack_into(self._map, (_ELSEWHERE_PRESSURE_AT + 2 * col) * 8, value, at)
 
     def close(self) -> None:
         """Unmap (the slot is kept: call :meth:`release` first to give it back)."""

@@ -735,7 +735,8 @@ class FleetConfig:
     share_in_flight_across_routers: bool = setting(
         True, doc="with share_in_flight and a Redis response cache or KV index, one worker "
         "per host exchanges the host's in-flight counts with the other routers' through "
-        "Redis, so load bounds see the fleet's load", restart=True,
+        "Redis (and, with KV placement, its KV pressure), so load bounds and placement see "
+        "the fleet's", restart=True,
     )
     fleet_load_interval_ms: int = setting(
         250, doc="how often the host's in-flight counts go to Redis and the other routers' "

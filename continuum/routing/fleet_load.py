@@ -15,7 +15,15 @@ call (a Lua script):
 It writes the sum per backend into the host segment's elsewhere row, which
 :meth:`~continuum.hostshm.HostSegment.host_total` adds to the workers' counts: so
 ``Backend.in_flight`` and everything reading it (CHWBL's bound, the KV load guard) see the
-fleet's load with no Redis call on the request path, at most about one interval old. A
+fleet's load with no Redis call on the request path, at most about one interval old.
+
+With KV placement on (``kv_cache_index.placement``) the same call carries each backend's
+KV pressure: the host's (:meth:`~continuum.hostshm.HostSegment.workers_pressure`, decayed
+to now, in whole tokens) as the field ``p:<backend>`` beside the count (backend names
+have no colon, and a router of an earlier version adds the field to a backend it does not
+have, that is nowhere), and the other hosts' sum goes into the elsewhere pressure row,
+which :meth:`~continuum.hostshm.HostSegment.host_pressure` decays and adds: new sessions
+are placed on the fleet's picture of which caches are filling, not one router's share. A
 router that stops (or dies) stops counting within four intervals. When Redis fails the
 elsewhere row is zeroed: each router bounds its own share again, as before. If the holder
 dies, the kernel drops its ``flock`` and another worker takes over within a second.
@@ -45,6 +53,8 @@ LOCK_FILE = "fleet-load.lock"
 TAKEOVER_SECONDS = 1.0
 #: A host's counts live this many intervals without a refresh.
 TTL_INTERVALS = 4
+#: The field of a backend's KV pressure in a host's hash: this prefix and its name.
+PRESSURE_FIELD = "p:"
 
 #: KEYS[1]: the hosts' sorted set. ARGV: host id, now (ms), ttl (ms), hash key prefix,
 #: then backend, count pairs. Returns the other live hosts' hashes as flat pairs.
@@ -80,7 +90,12 @@ class FleetLoad:
     """
 
     def __init__(self, pool: BackendPool, segment: HostSegment, client: Any, key_prefix: str,
-                 interval: float) -> None:
+                 interval: float, pressure_window: float | None = None) -> None:
+        #: ``kv_cache_index.placement.window_seconds`` when placement is on: the KV
+        #: pressure is exchanged too (None: counts only).
+        self.pressure_window = pressure_window
+        #: The other routers' KV pressure per backend as last read (tokens).
+        self.elsewhere_pressure: dict[str, float] = {}
         self.pool = pool
         self.segment = segment
         self.client = client
@@ -108,7 +123,10 @@ class FleetLoad:
         prefix = cache.redis.key_prefix.rstrip(":") + ".load:"
         if cache.redis.mode == "cluster":
             prefix = hash_tagged(prefix)
-        return cls(pool, segment, client, prefix, fleet.fleet_load_interval_ms / 1000)
+        placing = kv.enabled and kv.match == "chain" and kv.placement.enabled \
+            and kv.scoring.load_guard.enabled and kv.scoring.load_guard.mode == "adaptive"
+        return cls(pool, segment, client, prefix, fleet.fleet_load_interval_ms / 1000,
+                   kv.placement.window_seconds if placing else None)
 
     @property
     def holder(self) -> bool:
@@ -128,7 +146,7 @@ class FleetLoad:
             self._greenlet.kill(block=False)
             self._greenlet = None
         if self._lock_fd is not None:
-            self._set_elsewhere({})
+            self._set_elsewhere({}, {})
             os.close(self._lock_fd)
             self._lock_fd = None
         with contextlib.suppress(Exception):
@@ -160,31 +178,44 @@ class FleetLoad:
     def exchange(self) -> dict[str, int]:
         """One exchange: publish the host's counts, read the other routers'; what they
         have in flight per backend (empty, and the row zeroed, when Redis failed)."""
-        segment = self.segment
+        segment, window = self.segment, self.pressure_window
         args: list[str | int] = [self.host, int(time.time() * 1000), self.ttl_ms,
                                  self.key_prefix]
+        now = time.monotonic()
         for backend in self.pool:
-            args += [backend.name, segment.workers_total(segment.column(backend.name))]
+            col = segment.column(backend.name)
+            args += [backend.name, segment.workers_total(col)]
+            if window is not None:
+                args += [PRESSURE_FIELD + backend.name,
+                         round(segment.workers_pressure(col, now, window))]
+        elsewhere: dict[str, int] = {}
+        pressure: dict[str, float] = {}
         try:
             flat = self._script(keys=[self.key_prefix + "hosts"], args=args)
-            elsewhere: dict[str, int] = {}
             for i in range(0, len(flat), 2):
                 name = flat[i].decode() if isinstance(flat[i], bytes) else str(flat[i])
-                elsewhere[name] = elsewhere.get(name, 0) + int(flat[i + 1])
+                if name.startswith(PRESSURE_FIELD):
+                    name = name[len(PRESSURE_FIELD):]
+                    pressure[name] = pressure.get(name, 0.0) + float(flat[i + 1])
+                else:
+                    elsewhere[name] = elsewhere.get(name, 0) + int(flat[i + 1])
         except Exception as exc:  # Redis away or a bad reply: each router on its own share
             self.failures += 1
             log.debug("fleet load: exchange failed: %s", exc)
-            elsewhere = {}
+            elsewhere, pressure = {}, {}
         else:
             self.exchanges += 1
-        self._set_elsewhere(elsewhere)
+        self._set_elsewhere(elsewhere, pressure if window is not None else {})
         return elsewhere
 
-    def _set_elsewhere(self, elsewhere: dict[str, int]) -> None:
+    def _set_elsewhere(self, elsewhere: dict[str, int], pressure: dict[str, float]) -> None:
         segment = self.segment
+        now = time.monotonic()
+        self.elsewhere_pressure = pressure
         for backend in self.pool:
-            segment.set_elsewhere(segment.column(backend.name),
-                                  max(0, elsewhere.get(backend.name, 0)))
+            col = segment.column(backend.name)
+            segment.set_elsewhere(col, max(0, elsewhere.get(backend.name, 0)))
+            segment.set_elsewhere_pressure(col, max(0.0, pressure.get(backend.name, 0.0)), now)
 
 
 __all__ = ["EXCHANGE_SCRIPT", "FleetLoad"]

@@ -214,3 +214,55 @@ def test_in_flight_counts_are_the_fleets_across_routers(upstreams, router_factor
     finally:
         for conn in [*held, watcher]:
             conn.close()
+
+
+def test_kv_pressure_is_the_fleets_across_routers(upstreams, router_factory,
+                                                  redis_server) -> None:
+    """Two routers on one Redis with KV placement: the prompt tokens one router sends a
+    backend to store show in the other router's placement view (``kv_pressure_tokens``
+    of explain), through the same exchange as the in-flight counts."""
+    ups = [upstreams(name) for name in ("a", "b")]
+    config = {
+        "backends": [{"name": up.name, "url": up.url, "models": ["m"]} for up in ups],
+        "selection_strategy": "PrefixAwareHash",
+        "prefix_routing": {"enabled": True},
+        "response_cache": {"enabled": False, "backend": "redis",
+                           "redis": {"url": redis_server.url,
+                                     "key_prefix": unique_prefix("fp")}},
+        "kv_cache_index": {"enabled": True, "backend": "redis"},
+        "health_check": {"interval_seconds": 30},
+        "fleet": {"fleet_load_interval_ms": 100},
+    }
+    first, second = router_factory(config), router_factory(config)
+
+    def chat(router: Any, n: int) -> dict[str, Any]:
+        return {"model": "m", "messages": [
+            {"role": "system", "content": "You are a careful assistant. " * 40},
+            {"role": "user", "content": f"Question {n}: " + "tell me more. " * 200}]}
+
+    def pressure(router: Any) -> dict[str, int]:
+        conn = Conn(router.url)
+        try:
+            status, _, raw = conn.post("/admin/routing/explain",
+                                       json.dumps(chat(router, 999)).encode())
+        finally:
+            conn.close()
+        assert status == 200, raw
+        return {row["backend"]: row["kv_pressure_tokens"]
+                for row in json.loads(raw)["kv_scores"]}
+
+    assert pressure(second) == {"a": 0, "b": 0}
+    sent = Conn(first.url)
+    try:
+        for n in range(4):
+            status, _, _ = sent.post("/v1/chat/completions",
+                                     json.dumps(chat(first, n)).encode())
+            assert status == 200
+    finally:
+        sent.close()
+    own = pressure(first)
+    assert sum(own.values()) > 4 * 500  # each request stored its ~900 new tokens somewhere
+    wait_until(lambda: all(pressure(second)[name] > 0.9 * own[name] for name in own
+                           if own[name]), "the other router to see the pressure", 5)
+    seen = pressure(second)
+    assert all(seen[name] <= own[name] + 1 for name in own)

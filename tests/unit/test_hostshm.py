@@ -3,6 +3,7 @@ processes sharing one mmap'd file)."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,25 @@ def test_the_other_routers_count_adds_to_the_hosts(tmp_path: Path) -> None:
     one.set_elsewhere(col, 0)
     assert backend.in_flight == 5
     one.release()
+
+
+def test_the_other_routers_pressure_adds_to_the_hosts_and_decays(tmp_path: Path) -> None:
+    """The elsewhere pressure row counts in the host's KV pressure, decayed from the time
+    it was written, and not in what the host tells the other routers."""
+    one, two = HostSegment(tmp_path), HostSegment(tmp_path, pid=1)
+    col = one.column("b")
+    one.set_pressure(col, 100.0, 50.0)
+    two.set_pressure(col, 300.0, 50.0)
+    assert one.workers_pressure(col, 50.0, 10.0) == one.host_pressure(col, 50.0, 10.0) == 400.0
+    two.set_elsewhere_pressure(col, 1000.0, 40.0)
+    assert one.workers_pressure(col, 50.0, 10.0) == 400.0
+    expected = 400.0 + 1000.0 * math.exp(-1.0)  # written one window before
+    assert abs(one.host_pressure(col, 50.0, 10.0) - expected) < 1e-9
+    assert one.host_pressure(one.column("other"), 50.0, 10.0) == 0.0
+    two.set_elsewhere_pressure(col, 0.0, 50.0)
+    assert one.host_pressure(col, 50.0, 10.0) == 400.0
+    one.release()
+    two.release()
 
 
 def test_fresh_segment_forgets_the_previous_run(tmp_path: Path) -> None:

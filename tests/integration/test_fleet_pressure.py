@@ -1,0 +1,95 @@
+"""KV pressure exchanged between router hosts through a real Redis, with the in-flight
+counts (continuum.routing.fleet_load): one host's placement sees the other's pressure."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from continuum.devtools.redis_server import unique_prefix
+from continuum.hostshm import HostSegment
+from continuum.routing.fleet_load import PRESSURE_FIELD, FleetLoad
+from continuum.testing import make_backends
+
+WINDOW = 8.0
+
+
+@pytest.fixture
+def hosts(tmp_path: Path) -> Iterator[Any]:
+    made: list[tuple[HostSegment, Any]] = []
+
+    def host(name: str, url: str, prefix: str, window: float | None = WINDOW,
+             ) -> tuple[HostSegment, FleetLoad]:
+        directory = tmp_path / name
+        directory.mkdir()
+        segment = HostSegment(directory)
+        client = redis.Redis.from_url(url)
+        made.append((segment, client))
+        return segment, FleetLoad(make_backends(2), segment, client, prefix, 0.1, window)
+
+    yield host
+    for segment, client in made:
+        segment.release()
+        segment.close()
+        client.close()
+
+
+def test_a_hosts_pressure_reaches_the_other_router_and_not_its_own_count(
+        hosts: Any, redis_server: Any) -> None:
+    prefix = unique_prefix("fp")
+    one, one_load = hosts("one", redis_server.url, prefix)
+    two, two_load = hosts("two", redis_server.url, prefix)
+    col = one.column("b0")
+    one.set_pressure(col, 500.0, time.monotonic())
+    one.words[one.cell(col)] = 2  # two requests in flight on b0 from host one
+    assert one_load.exchange() == {}  # nobody else yet
+    counts = two_load.exchange()
+    assert counts == {"b0": 2, "b1": 0}  # the pressure fields are not counts
+    assert two_load.elsewhere_pressure == {"b0": 500.0, "b1": 0.0}
+    now = time.monotonic()
+    col_two = two.column("b0")
+    assert two.workers_pressure(col_two, now, WINDOW) == 0.0
+    assert 490.0 < two.host_pressure(col_two, now, WINDOW) <= 500.0
+    assert two.host_total(col_two) == 2
+    # host one hears nothing back of its own pressure: two has none
+    one_load.exchange()
+    assert one_load.elsewhere_pressure == {"b0": 0.0, "b1": 0.0}
+    assert one.host_pressure(col, time.monotonic(), WINDOW) <= 500.0
+
+
+def test_without_placement_no_pressure_is_sent_or_kept(hosts: Any, redis_server: Any) -> None:
+    prefix = unique_prefix("fp")
+    one, one_load = hosts("one", redis_server.url, prefix, window=None)
+    two, two_load = hosts("two", redis_server.url, prefix)
+    one.set_pressure(one.column("b0"), 500.0, time.monotonic())
+    one_load.exchange()
+    fields = redis.Redis.from_url(redis_server.url).hkeys(prefix + one.host_id)
+    assert not any(f.decode().startswith(PRESSURE_FIELD) for f in fields)
+    two_load.exchange()
+    assert two_load.elsewhere_pressure == {}
+    # and a host without placement ignores the pressure others send
+    two.set_pressure(two.column("b0"), 900.0, time.monotonic())
+    two_load.exchange()
+    assert one_load.exchange() == {"b0": 0, "b1": 0}
+    assert one_load.elsewhere_pressure == {}
+    assert one.host_pressure(one.column("b0"), time.monotonic(), WINDOW) <= 500.0
+
+
+def test_redis_gone_zeroes_the_elsewhere_pressure(hosts: Any, fresh_redis: Any) -> None:
+    prefix = unique_prefix("fp")
+    one, one_load = hosts("one", fresh_redis.url, prefix)
+    two, two_load = hosts("two", fresh_redis.url, prefix)
+    one.set_pressure(one.column("b0"), 500.0, time.monotonic())
+    one_load.exchange()
+    two_load.exchange()
+    col = two.column("b0")
+    assert two.host_pressure(col, time.monotonic(), WINDOW) > 400.0
+    fresh_redis.stop()
+    assert two_load.exchange() == {}
+    assert two_load.failures == 1 and two_load.elsewhere_pressure == {}
+    assert two.host_pressure(col, time.monotonic(), WINDOW) == 0.0
