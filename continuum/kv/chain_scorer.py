@@ -67,7 +67,8 @@ Load guard (``scoring.load_guard``):
 
   where a backend's pressure is the prompt tokens beyond their match the router sent it
   to store, decayed over ``window_seconds`` (summed over the host's workers through the
-  host segment when there is one, see :meth:`ChainOverlapScorer.share_pressure`).
+  host segment when there is one, see :meth:`ChainOverlapScorer.share_pressure`, and
+  over the other routers' with :mod:`continuum.routing.fleet_load`).
   Sessions that will grow then spread over the fleet's KV capacity instead of following
   their system prompt's first holder, whose cache they would overrun (``agent`` demo:
   about 75% prefix hits without it). The queue is priced at the backend's latency even

@@ -20,8 +20,8 @@ fleet's load with no Redis call on the request path, at most about one interval 
 With KV placement on (``kv_cache_index.placement``) the same call carries each backend's
 KV pressure: the host's (:meth:`~continuum.hostshm.HostSegment.workers_pressure`, decayed
 to now, in whole tokens) as the field ``p:<backend>`` beside the count (backend names
-have no colon, and a router of an earlier version adds the field to a backend it does not
-have, that is nowhere), and the other hosts' sum goes into the elsewhere pressure row,
+have no colon, so a router of an earlier version takes the field for a backend it does
+not have and ignores it), and the other hosts' sum goes into the elsewhere pressure row,
 which :meth:`~continuum.hostshm.HostSegment.host_pressure` decays and adds: new sessions
 are placed on the fleet's picture of which caches are filling, not one router's share. A
 router that stops (or dies) stops counting within four intervals. When Redis fails the
