@@ -573,6 +573,13 @@ class KvCacheIndexConfig:
     listener_token_env: str | None = setting(
         None, doc="environment variable holding that token", restart=True)
 
+    @property
+    def adaptive_placement(self) -> bool:
+        """Whether the chain scorer places first-message matches: ``placement.enabled``
+        under the adaptive load guard (which prices placement's queue)."""
+        guard = self.scoring.load_guard
+        return guard.enabled and guard.mode == "adaptive" and self.placement.enabled
+
     def source_token(self, source: KvEventSourceConfig) -> str | None:
         """The bearer token for ``source``'s stream: its own, else the index-wide one."""
         return source.resolved_token() or secret_from_file_or_env(

@@ -193,7 +193,7 @@ class ChainOverlapScorer(KvOverlapScorer):
         self.threshold = threshold
         self._matches: dict[str, tuple[float, Sequence[ChainMatch]]] = {}
         placement = kv.placement
-        self.placement = self.adaptive and placement.enabled
+        self.placement = kv.adaptive_placement
         self.pressure_window = placement.window_seconds
         self.pressure_weight = placement.weight
         #: backend name -> [tokens this worker sent it to store, decayed to the time beside it]
@@ -305,29 +305,23 @@ class ChainOverlapScorer(KvOverlapScorer):
             saved = credit.saved_tokens if credit is not None else 0.0
             lost_ms = (best.saved_tokens - saved) * per_token
             pressure_ms = self.pressure_weight * (pressures[backend.name] - least) * per_token
-            queue_ms = self._placement_queue_ms(backend, mean_in_flight)
+            queue_ms = self._queue_ms(backend, mean_in_flight, bound=0)
             costs[backend.name] = (lost_ms, pressure_ms, queue_ms)
             cost = lost_ms + pressure_ms + queue_ms
             if cost < chosen_cost:
                 chosen, chosen_cost = backend.name, cost
         return (chosen, costs) if chosen is not None else None
 
-    def _placement_queue_ms(self, backend: Backend, mean_in_flight: float) -> float:
-        """Placement's price of ``backend``'s queue beyond the candidates' mean: what its
-        latency says one request holds it for (latency EWMA / in-flight, at least
-        ``queue_ms_per_request``), under the CHWBL bound as at it. A placed session's
-        later turns follow it, so a holder busier than the mean is a poor home before it
-        reaches the bound, and one prefill of the first message elsewhere gives a hot
-        prefix a second holder (``load`` demo: every session of a popular system prompt
-        on one engine, queued, without it)."""
-        in_flight = backend.in_flight
-        per_request = self.queue_ms
-        if backend.latency_ewma is not None:
-            per_request = max(per_request, backend.latency_ewma * 1000.0 / max(in_flight, 1))
-        return max(0.0, in_flight - mean_in_flight) * per_request
-
     def _queue_ms(self, backend: Backend, mean_in_flight: float, bound: int) -> float:
-        """The adaptive guard's price of ``backend``'s queue beyond the candidates' mean."""
+        """The price of ``backend``'s queue beyond the candidates' mean: each request
+        beyond it costs ``queue_ms_per_request``, or, once ``backend`` is at ``bound``,
+        what its latency says one request holds it for (latency EWMA / in-flight) when
+        that is more. The adaptive guard passes the CHWBL bound; placement passes 0, so
+        it prices the latency under the bound too: a placed session's later turns follow
+        it, so a holder busier than the mean is a poor home before it reaches the bound,
+        and one prefill of the first message elsewhere gives a hot prefix a second holder
+        (``load`` demo: every session of a popular system prompt on one engine, queued,
+        without it)."""
         in_flight = backend.in_flight
         per_request = self.queue_ms
         if in_flight + 1 > bound and backend.latency_ewma is not None:

@@ -123,8 +123,7 @@ class FleetLoad:
         prefix = cache.redis.key_prefix.rstrip(":") + ".load:"
         if cache.redis.mode == "cluster":
             prefix = hash_tagged(prefix)
-        placing = kv.enabled and kv.match == "chain" and kv.placement.enabled \
-            and kv.scoring.load_guard.enabled and kv.scoring.load_guard.mode == "adaptive"
+        placing = kv.enabled and kv.match == "chain" and kv.adaptive_placement
         return cls(pool, segment, client, prefix, fleet.fleet_load_interval_ms / 1000,
                    kv.placement.window_seconds if placing else None)
 
