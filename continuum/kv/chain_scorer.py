@@ -62,8 +62,7 @@ Load guard (``scoring.load_guard``):
 
       cost = (best holder's saved tokens - its saved tokens) * prefill_ms_per_token
            + weight * (its pressure - the least pressure of the candidates) * prefill_ms_per_token
-           + its queue beyond the mean * its latency EWMA / its in-flight count
-                                        (at least queue_ms_per_request, bound or not)
+           + its queue beyond the mean, priced as the adaptive guard prices it
 
   where a backend's pressure is the prompt tokens beyond their match the router sent it
   to store, decayed over ``window_seconds`` (summed over the host's workers through the
@@ -71,16 +70,20 @@ Load guard (``scoring.load_guard``):
   over the other routers' with :mod:`continuum.routing.fleet_load`).
   Sessions that will grow then spread over the fleet's KV capacity instead of following
   their system prompt's first holder, whose cache they would overrun (``agent`` demo:
-  about 75% prefix hits without it). The queue is priced at the backend's latency even
-  under the CHWBL bound, because a session's later turns follow where it was placed: a
-  holder busier than the mean then hands a hot system prompt's next session to a second
-  holder for one prefill of the prompt, instead of queueing every session of it on one
-  engine. Medians of three rounds on the ``load`` demo (two slots per engine): seed 1,
-  p99 TTFT 307 ms against 427 without it (the bound guard's: 349-360), mean 67 against
-  96 ms; seed 0, p99 1.03-1.20x the bound guard's against 1.11-1.20x. It costs the
-  ``default`` demo, whose engines do not queue, about 1.4 points of prefix hits (93.0%
-  to 91.6%): its latency EWMA counts decode time, so busy engines look dearer there
-  than they are.
+  about 75% prefix hits without it). When that cost sends the request away from the
+  holders of its prompt (to a backend losing more than half the best holder's saving),
+  it redoes the prompt's prefill wherever it goes and its session's later turns follow
+  it, so the destination is chosen again among those backends with each queue priced
+  beyond the *least busy* candidate's, at its latency EWMA / its in-flight count (at
+  least ``queue_ms_per_request``) however far under the bound: the second home of a hot
+  system prompt is the idlest engine, not whichever engine under the mean comes first.
+  On the ``load`` demo (two slots per engine) one engine had been left with the small
+  prompts and a quarter of the others' queue; choosing the idlest brought the KV row's
+  p99 TTFT there under the other rows' (the README's ``load`` table). Pricing the queue
+  at the latency under the bound in the first step too (a busy holder handing its next
+  session away before it reaches the bound) cost a point of prefix hits on ``default``
+  (92.0% against 93.0%) and 0.2 on ``load``, for a ``load`` tail no better beyond noise
+  (513 against 535 ms, three rounds of the KV row alone) once the second step existed.
 * ``bound``: the seed's composite score (overlap, load, health weights) on the overlap
   above, and a holder qualifies only under the CHWBL bound, as with ``match: seed``.
 * ``enabled: false``: the composite score alone.
@@ -283,50 +286,64 @@ class ChainOverlapScorer(KvOverlapScorer):
             host.set_pressure(host.column(name), value, now)
 
     def _place(self, credits: dict[str, _Credit], chain: PrefixChain,
-               candidates: Sequence[Backend], mean_in_flight: float, now: float,
-               ) -> Placed | None:
+               candidates: Sequence[Backend], mean_in_flight: float, bound: int,
+               now: float) -> Placed | None:
         """Placement (``kv_cache_index.placement``): when the best match covers the
         request's first message at most and is worth scoring (``min_overlap_threshold``),
         the candidate whose lost prefill + pressure + queue costs least, and every
         candidate's three costs; None otherwise (a longer match, or a small one: a new
         document behind a short system prompt is left to the strategy, which spreads it
-        by its first chunk)."""
+        by its first chunk).
+
+        Two steps. Whether the request stays with a holder of its prompt (one that loses
+        less than half the best holder's saving) prices each queue as the guard does:
+        beyond the candidates' mean, at the backend's latency once it is at the CHWBL
+        ``bound``. A request that leaves them redoes the prompt's prefill wherever it
+        goes, and its session's later turns follow it, so among the others each queue is
+        priced beyond the least busy candidate's, at the backend's latency however far
+        under the bound: the second home of a hot prompt is the idlest engine, not
+        whichever engine under the mean comes first."""
         best = max(credits.values(), key=lambda c: c.saved_tokens, default=None)
-        if best is None or best.matched_bytes > chain.anchor_end \
+        if not candidates or best is None or best.matched_bytes > chain.anchor_end \
                 or best.overlap < self.min_overlap:
             return None
         per_token = self.prefill_ms_per_token
         pressures = {b.name: self.pressure(b.name, now) for b in candidates}
-        least = min(pressures.values(), default=0.0)
+        least = min(pressures.values())
         costs: dict[str, Costs] = {}
-        chosen, chosen_cost = None, math.inf
         for backend in candidates:
             credit = credits.get(backend.name)
             saved = credit.saved_tokens if credit is not None else 0.0
-            lost_ms = (best.saved_tokens - saved) * per_token
-            pressure_ms = self.pressure_weight * (pressures[backend.name] - least) * per_token
-            queue_ms = self._queue_ms(backend, mean_in_flight, bound=0)
-            costs[backend.name] = (lost_ms, pressure_ms, queue_ms)
-            cost = lost_ms + pressure_ms + queue_ms
-            if cost < chosen_cost:
-                chosen, chosen_cost = backend.name, cost
-        return (chosen, costs) if chosen is not None else None
+            costs[backend.name] = (
+                (best.saved_tokens - saved) * per_token,
+                self.pressure_weight * (pressures[backend.name] - least) * per_token,
+                self._queue_ms(backend, mean_in_flight, bound),
+            )
+        chosen = min(costs, key=lambda name: sum(costs[name]))
+        half = best.saved_tokens * per_token / 2.0
+        if costs[chosen][0] > half:  # it leaves the prompt's holders: the idlest of the rest
+            idlest = min(b.in_flight for b in candidates)
+            leaving = [b for b in candidates if costs[b.name][0] > half]
+            for backend in leaving:
+                lost_ms, pressure_ms, _ = costs[backend.name]
+                costs[backend.name] = (lost_ms, pressure_ms,
+                                       self._queue_ms(backend, idlest, bound=0))
+            chosen = min((b.name for b in leaving), key=lambda name: sum(costs[name]))
+        return chosen, costs
 
-    def _queue_ms(self, backend: Backend, mean_in_flight: float, bound: int) -> float:
-        """The price of ``backend``'s queue beyond the candidates' mean: each request
-        beyond it costs ``queue_ms_per_request``, or, once ``backend`` is at ``bound``,
-        what its latency says one request holds it for (latency EWMA / in-flight) when
-        that is more. The adaptive guard passes the CHWBL bound; placement passes 0, so
-        it prices the latency under the bound too: a placed session's later turns follow
-        it, so a holder busier than the mean is a poor home before it reaches the bound,
-        and one prefill of the first message elsewhere gives a hot prefix a second holder
-        (``load`` demo: every session of a popular system prompt on one engine, queued,
-        without it)."""
+    def _queue_ms(self, backend: Backend, reference: float, bound: int) -> float:
+        """The price of ``backend``'s queue beyond ``reference`` in-flight requests (the
+        candidates' mean, or for placement's second step the least busy candidate's): each
+        request beyond it costs ``queue_ms_per_request``, or, once ``backend`` is at
+        ``bound``, what its latency says one request holds it for (latency EWMA /
+        in-flight) when that is more. The adaptive guard and placement's first step pass
+        the CHWBL bound; placement's second step passes 0, so the latency prices every
+        queue there."""
         in_flight = backend.in_flight
         per_request = self.queue_ms
         if in_flight + 1 > bound and backend.latency_ewma is not None:
             per_request = max(per_request, backend.latency_ewma * 1000.0 / max(in_flight, 1))
-        return max(0.0, in_flight - mean_in_flight) * per_request
+        return max(0.0, in_flight - reference) * per_request
 
     def prepare(self, ctx: RequestContext, candidates: Sequence[Backend]) -> None:
         """Query the index for the request's chain (cached 100 ms per chain) and work out
@@ -364,7 +381,8 @@ class ChainOverlapScorer(KvOverlapScorer):
         mean_in_flight = total / max(len(candidates), 1)
         snapshot = _ChainSnapshot(chain, credits, bound, mean_in_flight, load, least_wait)
         if self.placement:
-            snapshot.placed = self._place(credits, chain, candidates, mean_in_flight, now)
+            snapshot.placed = self._place(credits, chain, candidates, mean_in_flight, bound,
+                                          now)
         ctx.kv_snapshot = snapshot
 
     def observe(self, ctx: RequestContext, chosen: Backend | None, score: float,

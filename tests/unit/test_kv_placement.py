@@ -213,26 +213,81 @@ def test_sharing_starts_from_what_the_worker_already_sent(tmp_path: Path) -> Non
     segment.close()
 
 
-def test_a_busy_holder_prices_its_queue_at_its_latency_under_the_bound() -> None:
-    """The holder of a hot system prompt, busier than the mean but under the CHWBL bound,
-    hands the next new session to another backend for one prefill of the prompt once its
-    latency says its queue costs more: the session's later turns would queue behind it."""
+def test_a_holder_at_the_load_bound_prices_its_queue_at_its_latency() -> None:
+    """The holder of a hot system prompt keeps new sessions while it is under the CHWBL
+    bound (each request beyond the mean at queue_ms_per_request); at the bound its latency
+    prices its queue, and the next new session goes elsewhere for one prefill of the
+    prompt: its later turns would queue behind the holder."""
     index = InMemoryKvIndex()
     backends = make_backends(3)
     ctx = first_turn()
     hold(index, "b0", ctx, 1)
     scorer = placing(index)
     backends[0].in_flight = 2  # under the bound (the floor, 4)
-    # no latency known yet: each request beyond the mean costs queue_ms_per_request
-    assert pick(scorer, backends, ctx) == ("b0", "scorer")
     backends[0].record(True, 0.9)  # 900 ms a request at two in flight: 450 ms each
+    assert pick(scorer, backends, ctx) == ("b0", "scorer")
+    scorer.prepare(ctx, backends)
+    rows = {r["backend"]: r["placement"] for r in scorer.explain(ctx, backends)}
+    assert rows["b0"]["queue_ms"] == round((2 - 2 / 3) * 10.0, 1)
+    backends[0].in_flight = 4  # at the bound: 225 ms a request
     ctx = first_turn()
     assert pick(scorer, backends, ctx)[0] in ("b1", "b2")
     scorer.prepare(ctx, backends)
     rows = {r["backend"]: r["placement"] for r in scorer.explain(ctx, backends)}
-    assert rows["b0"]["queue_ms"] == round((2 - 2 / 3) * 450.0, 1)
+    assert rows["b0"]["queue_ms"] == round((4 - 4 / 3) * 225.0, 1)
     assert rows["b1"]["queue_ms"] == 0.0
     assert 0 < rows["b1"]["lost_prefill_ms"] < rows["b0"]["queue_ms"]
     # the same latency with the holder at the mean costs nothing: it keeps the session
-    backends[1].in_flight = backends[2].in_flight = 2
+    backends[1].in_flight = backends[2].in_flight = 4
     assert pick(scorer, backends, first_turn()) == ("b0", "scorer")
+
+
+def test_a_session_that_leaves_its_holder_goes_to_the_least_busy_backend() -> None:
+    """Whether a new session leaves a busy holder is priced against the mean; where it goes
+    is priced against the least busy candidate, since its later turns follow it: of
+    backends all under the mean, the idlest, not merely the first."""
+    index = InMemoryKvIndex()
+    backends = make_backends(4)
+    ctx = first_turn()
+    hold(index, "b0", ctx, 1)
+    scorer = placing(index)
+    for backend, in_flight in zip(backends, (4, 1, 0, 1), strict=True):
+        backend.in_flight = in_flight
+    backends[0].record(True, 0.9)  # 900 ms at four in flight: 225 ms a request
+    assert pick(scorer, backends, ctx) == ("b2", "scorer")
+    scorer.prepare(ctx, backends)
+    rows = {r["backend"]: r["placement"] for r in scorer.explain(ctx, backends)}
+    assert rows["b0"]["queue_ms"] == round((4 - 1.5) * 225.0, 1)  # against the mean
+    # against the idlest: one request beyond it at queue_ms_per_request (no latency known)
+    assert rows["b1"]["queue_ms"] == rows["b3"]["queue_ms"] == 10.0
+    assert rows["b2"]["queue_ms"] == 0.0 and rows["b2"]["chosen"]
+    assert rows["b1"]["lost_prefill_ms"] == rows["b2"]["lost_prefill_ms"] > 0
+    # a holder no busier than the mean keeps its new session, however idle another is
+    for backend, in_flight in zip(backends, (1, 2, 0, 3), strict=True):
+        backend.in_flight = in_flight
+    assert pick(scorer, backends, first_turn()) == ("b0", "scorer")
+
+
+def test_a_backend_holding_most_of_the_prompt_counts_as_its_holder() -> None:
+    """Placement's second step (the queues against the least busy candidate) is for a
+    session that redoes its prompt wherever it goes. A backend holding most of the first
+    message loses little, so staying with it is the first step's choice, however busy the
+    least busy candidate makes it look."""
+    index = InMemoryKvIndex()
+    backends = make_backends(3)
+    ctx = first_turn()
+    anchored = [end for end in ctx.chain.ends if end <= ctx.chain.anchor_end]
+    assert len(anchored) >= 2  # the system prompt spans more than one key
+    hold(index, "b0", ctx, len(anchored))  # all of it
+    hold(index, "b1", ctx, len(anchored) - 1)  # most of it
+    scorer = placing(index)
+    for backend, in_flight in zip(backends, (4, 1, 0), strict=True):
+        backend.in_flight = in_flight
+    backends[0].record(True, 0.9)
+    backends[1].record(True, 0.5)  # priced against the idlest, b1 would cost 500 ms
+    assert pick(scorer, backends, ctx) == ("b1", "scorer")
+    scorer.prepare(ctx, backends)
+    rows = {r["backend"]: r["placement"] for r in scorer.explain(ctx, backends)}
+    assert 0 < rows["b1"]["lost_prefill_ms"] < rows["b2"]["lost_prefill_ms"] / 2
+    assert rows["b1"]["queue_ms"] == 0.0  # under the mean, as the first step prices it
+
