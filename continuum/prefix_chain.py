@@ -5,8 +5,9 @@ so every request behind one system prompt looks the same to the KV index. The ch
 every prefix of the whole prompt instead, so the index can answer "how far does this
 backend's cache go into *this* request":
 
-    root   = SHA256(b"cr-chain1" ++ 0x00 ++ model ++ 0x00 ++ SHA256(canonical tools JSON))[:8]
-    key_i  = SHA256(key_{i-1} ++ chunk_i)[:8]          (key_0 = root; keys are 8 bytes)
+    root   = SHA256(b"cr-chain2" ++ 0x00 ++ model ++ 0x00 ++ SHA256(canonical tools JSON))[:8]
+    key_i  = XXH3-64(key_{i-1} ++ chunk_i)             (key_0 = root; keys are 8 bytes,
+                                                         the digest big-endian)
 
 with ``chunk_bytes`` 1024 and at most ``max_keys`` 128 keys by default (128 KiB).
 
@@ -21,10 +22,15 @@ end inside one). Anthropic's top-level ``system`` is a first ``system`` message.
 
 Key *i* covers bytes ``0 .. ends[i]`` of the rendering, so two requests share key *i*
 exactly when they share that much of their prompt, and a backend that cached a prompt up to
-key *i* holds every shorter key of it. Cost: one SHA-256 call per chunk (SHA-256 is the
-fastest hash in ``hashlib`` on CPUs with SHA extensions) and about 0.4 µs of interpreter
-overhead per call, so the chunk size sets the cost: about 13 µs for a 16 KiB prompt in
-1024-byte chunks, twice that in 512-byte ones (``tools/bench/micro.py``).
+key *i* holds every shorter key of it. Cost: one XXH3-64 call per chunk (the ``xxhash``
+package), about 0.4 µs for a 1 KiB chunk with the call itself. The keys were SHA-256
+before (``cr-chain1``): SHA-256 is the fastest hash in ``hashlib`` on CPUs with SHA
+extensions, but each call creates and finalises an OpenSSL context, about 0.9 µs of its
+1.5 µs per 1 KiB chunk, so a 16 KiB prompt cost about 38 µs to key, and SHA-256 over
+the chunks alone could not get under 24 µs. A chain key only names a prefix for
+routing, never the content a client gets (the response cache keys on SHA-256), so a
+64-bit non-cryptographic hash is enough: a made-up collision could only route its own
+request to a backend that lacks the prefix. ``tools/bench/micro.py`` measures it.
 
 This is the only implementation: the router computes a request's chain with
 :func:`request_chain`, the KV listener computes the chain of a recovered prompt with
@@ -41,6 +47,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from xxhash import xxh3_64_digest
+
 from continuum.prefix import content_text
 
 DEFAULT_CHUNK_BYTES = 1024
@@ -49,7 +57,7 @@ KEY_BYTES = 8
 #: Rough bytes per token of English text, for token counts the router has to estimate
 #: (the chain entries it records itself; the listener reports real counts).
 BYTES_PER_TOKEN = 4
-_VERSION = b"cr-chain1"
+_VERSION = b"cr-chain2"
 
 #: One message of the canonical rendering: ``(role, text)``.
 Message = tuple[str, str]
@@ -89,6 +97,22 @@ class PrefixChain:
 
 def chain_root(model: str, tools: Any = None) -> bytes:
     """The chain's root key: the model and, when given, the tools (canonical JSON)."""
+    if not tools:
+        root = _ROOTS.get(model)
+        if root is None:
+            if len(_ROOTS) >= _MAX_ROOTS:
+                _ROOTS.clear()
+            root = _ROOTS[model] = _root(model, None)
+        return root
+    return _root(model, tools)
+
+
+#: model -> its root without tools (the common case: one SHA-256 call saved a request).
+_ROOTS: dict[str, bytes] = {}
+_MAX_ROOTS = 1024
+
+
+def _root(model: str, tools: Any) -> bytes:
     digest = hashlib.sha256(_VERSION + b"\x00" + model.encode("utf-8", "surrogatepass")
                             + b"\x00")
     if tools:
@@ -140,7 +164,6 @@ def message_keys(
     items = list(messages)
     prev = root
     made = 0
-    sha256 = hashlib.sha256
     for index, (role, text) in enumerate(items):
         complete = last_complete or index < len(items) - 1
         data = message_bytes(role, text, complete)
@@ -148,7 +171,7 @@ def message_keys(
         stop = size if complete else size - size % chunk_bytes
         for start in range(0, stop, chunk_bytes):
             end = min(start + chunk_bytes, size)
-            prev = sha256(prev + data[start:end]).digest()[:KEY_BYTES]
+            prev = xxh3_64_digest(prev + data[start:end])
             yield prev.hex(), index, end
             made += 1
             if made >= max_keys:
@@ -164,7 +187,7 @@ def request_chain(
 ) -> PrefixChain | None:
     """The chain of a parsed request body; None when it has no message text at all."""
     messages = request_messages(body)
-    if not any(text.strip() for _, text in messages):
+    if not any(text and not text.isspace() for _, text in messages):
         return None
     root = chain_root(model, body.get("tools"))
     digests: list[bytes] = []
@@ -172,7 +195,6 @@ def request_chain(
     add_digest, add_end = digests.append, ends.append
     total = anchor_end = 0
     route_depth = -1
-    sha256 = hashlib.sha256
     prev = root
     room = max_keys
     for index, (role, text) in enumerate(messages):
@@ -181,13 +203,10 @@ def request_chain(
         if index == 1 and size > chunk_bytes:
             route_depth = len(digests)
         start = 0
-        # the slices of a memoryview copy nothing; hashing ``prev`` then the chunk is
-        # SHA256(prev ++ chunk)
+        # the slices of a memoryview copy nothing until ``prev +`` joins them
         while start < size and room:
             end = start + chunk_bytes
-            hasher = sha256(prev)
-            hasher.update(data[start:end])
-            prev = hasher.digest()[:KEY_BYTES]
+            prev = xxh3_64_digest(prev + data[start:end])
             add_digest(prev)
             add_end(total + (end if end < size else size))
             start = end

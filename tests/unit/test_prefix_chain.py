@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+import xxhash
 
 from continuum.prefix_chain import (
     KEY_BYTES,
@@ -27,11 +28,13 @@ def test_key_i_is_the_hash_of_key_i_minus_1_and_chunk_i() -> None:
     chain = request_chain(body(("system", SYSTEM), ("user", doc)), "m", chunk_bytes=128)
     assert chain is not None
     prev = chain_root("m")
+    assert prev == hashlib.sha256(b"cr-chain2\x00m\x00").digest()[:KEY_BYTES]
+    assert chain_root("m") is prev  # kept per model (no tools)
     expected = []
     for role, text in (("system", SYSTEM), ("user", doc)):
         data = message_bytes(role, text)
         for start in range(0, len(data), 128):  # each message is cut on its own
-            prev = hashlib.sha256(prev + data[start:start + 128]).digest()[:KEY_BYTES]
+            prev = xxhash.xxh3_64(prev + data[start:start + 128]).digest()
             expected.append(prev.hex())
     assert list(chain.keys) == expected
     assert len(chain.keys) == 2 + 3  # 156 bytes -> 2 chunks, 305 bytes -> 3 chunks
