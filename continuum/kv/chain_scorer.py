@@ -79,7 +79,9 @@ Load guard (``scoring.load_guard``):
   system prompt is the idlest engine, not whichever engine under the mean comes first.
   On the ``load`` demo (two slots per engine) one engine had been left with the small
   prompts and a quarter of the others' queue; choosing the idlest brought the KV row's
-  p99 TTFT there under the other rows' (the README's ``load`` table). Pricing the queue
+  p99 TTFT there under the other rows' in one three-round run (505 ms against 527 and
+  584), though not in another (1.28x the bound guard's: the README's ``load``
+  paragraph). Pricing the queue
   at the latency under the bound in the first step too (a busy holder handing its next
   session away before it reaches the bound) cost a point of prefix hits on ``default``
   (92.0% against 93.0%) and 0.2 on ``load``, for a ``load`` tail no better beyond noise
