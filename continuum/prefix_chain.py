@@ -41,6 +41,7 @@ Message content that is not text (images, tool calls) adds nothing to the render
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
@@ -97,19 +98,14 @@ class PrefixChain:
 
 def chain_root(model: str, tools: Any = None) -> bytes:
     """The chain's root key: the model and, when given, the tools (canonical JSON)."""
-    if not tools:
-        root = _ROOTS.get(model)
-        if root is None:
-            if len(_ROOTS) >= _MAX_ROOTS:
-                _ROOTS.clear()
-            root = _ROOTS[model] = _root(model, None)
-        return root
-    return _root(model, tools)
+    return _root(model, tools) if tools else _toolless_root(model)
 
 
-#: model -> its root without tools (the common case: one SHA-256 call saved a request).
-_ROOTS: dict[str, bytes] = {}
-_MAX_ROOTS = 1024
+@functools.lru_cache(maxsize=1024)
+def _toolless_root(model: str) -> bytes:
+    """A root without tools, kept per model (the common case: one SHA-256 call saved a
+    request)."""
+    return _root(model, None)
 
 
 def _root(model: str, tools: Any) -> bytes:

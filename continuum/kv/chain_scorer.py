@@ -81,11 +81,11 @@ Load guard (``scoring.load_guard``):
   prompts and a quarter of the others' queue; choosing the idlest brought the KV row's
   p99 TTFT there under the other rows' in one three-round run (505 ms against 527 and
   584), though not in another (1.28x the bound guard's: the README's ``load``
-  paragraph). Pricing the queue
-  at the latency under the bound in the first step too (a busy holder handing its next
-  session away before it reaches the bound) cost a point of prefix hits on ``default``
-  (92.0% against 93.0%) and 0.2 on ``load``, for a ``load`` tail no better beyond noise
-  (513 against 535 ms, three rounds of the KV row alone) once the second step existed.
+  paragraph). Pricing the queue at the latency under the bound in the first step too (a
+  busy holder handing its next session away before it reaches the bound) cost a point
+  of prefix hits on ``default`` (92.0% against 93.0%) and 0.2 on ``load``, for a
+  ``load`` tail no better beyond noise (513 against 535 ms, three rounds of the KV row
+  alone) once the second step existed.
 * ``bound``: the seed's composite score (overlap, load, health weights) on the overlap
   above, and a holder qualifies only under the CHWBL bound, as with ``match: seed``.
 * ``enabled: false``: the composite score alone.

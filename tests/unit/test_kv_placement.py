@@ -290,4 +290,3 @@ def test_a_backend_holding_most_of_the_prompt_counts_as_its_holder() -> None:
     rows = {r["backend"]: r["placement"] for r in scorer.explain(ctx, backends)}
     assert 0 < rows["b1"]["lost_prefill_ms"] < rows["b2"]["lost_prefill_ms"] / 2
     assert rows["b1"]["queue_ms"] == 0.0  # under the mean, as the first step prices it
-
