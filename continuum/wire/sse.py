@@ -300,7 +300,9 @@ class SseTransport:
         raw: Any = self._response.raw
         try:
             raw.shutdown()  # urllib3 >= 2.3
-        except OSError:  # the loop closed the connection meanwhile: nothing left to wake
+        except (OSError, TypeError):
+            # the loop closed the connection meanwhile (urllib3 clears the socket's
+            # shutdown between its check and its call): nothing left to wake
             pass
         except (AttributeError, ValueError, RuntimeError):
             sock = getattr(getattr(raw, "connection", None), "sock", None)
