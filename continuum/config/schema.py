@@ -746,9 +746,10 @@ class FleetConfig:
         "the fleet's", restart=True,
     )
     fleet_load_interval_ms: int = setting(
-        250, doc="how often the host's in-flight counts go to Redis and the other routers' "
-        "are read; a router silent for 4 intervals stops counting", min=50, max=10000,
-        restart=True,
+        25, doc="how often, while the host has requests in flight, its in-flight counts go "
+        "to Redis and the other routers' are read (how stale they may be); an idle host "
+        "exchanges every 250 ms (or this, when longer), and a router silent for 4 of those "
+        "stops counting", min=10, max=10000, restart=True,
     )
 
 

@@ -4,11 +4,12 @@
 load; routers on other hosts (or other instances on this one) send to the same backends,
 so each router alone still sees only its share. With ``fleet.share_in_flight_across_routers``
 one worker per host (the holder of an ``flock`` on ``fleet-load.lock`` in the runtime
-directory) runs a greenlet that, every ``fleet.fleet_load_interval_ms``, makes one Redis
-call (a Lua script):
+directory) runs a greenlet that, every ``fleet.fleet_load_interval_ms`` while the host has
+requests in flight (and once more after, to publish its zeros), and every
+:data:`IDLE_SECONDS` while it has none, makes one Redis call (a Lua script):
 
 * it writes the host's counts (:meth:`~continuum.hostshm.HostSegment.workers_total`) to the
-  hash ``<prefix><host id>`` with a TTL of four intervals, and the host id into the sorted
+  hash ``<prefix><host id>`` with a TTL of four idle intervals, and the host id into the sorted
   set ``<prefix>hosts`` scored by the time;
 * it reads the hashes of the other hosts seen within those four intervals and returns them.
 
@@ -16,6 +17,10 @@ It writes the sum per backend into the host segment's elsewhere row, which
 :meth:`~continuum.hostshm.HostSegment.host_total` adds to the workers' counts: so
 ``Backend.in_flight`` and everything reading it (CHWBL's bound, the KV load guard) see the
 fleet's load with no Redis call on the request path, at most about one interval old.
+An idle host makes no decisions, so what it reads may be older; what it publishes (zeros)
+does not change. The busy interval is short (25 ms) because a request's time to its first
+token is of the order of the interval: at 250 ms the other router's counts were as old as
+the requests they counted, and two routers' placements piled onto the same engine.
 
 With KV placement on (``kv_cache_index.placement``) the same call carries each backend's
 KV pressure: the host's (:meth:`~continuum.hostshm.HostSegment.workers_pressure`, decayed
@@ -37,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import math
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -51,8 +57,10 @@ log = logging.getLogger(__name__)
 LOCK_FILE = "fleet-load.lock"
 #: How often a worker without the role tries for it.
 TAKEOVER_SECONDS = 1.0
-#: A host's counts live this many intervals without a refresh.
+#: A host's counts live this many idle intervals without a refresh.
 TTL_INTERVALS = 4
+#: Seconds between exchanges while the host has nothing in flight (at least the interval).
+IDLE_SECONDS = 0.25
 #: The field of a backend's KV pressure in a host's hash: this prefix and its name.
 PRESSURE_FIELD = "p:"
 
@@ -86,7 +94,7 @@ class FleetLoad:
         segment: the host segment.
         client: a Redis client (standalone, Cluster or Sentinel).
         key_prefix: where the keys go (``<prefix>hosts``, ``<prefix><host id>``).
-        interval: seconds between exchanges.
+        interval: seconds between exchanges while the host has requests in flight.
     """
 
     def __init__(self, pool: BackendPool, segment: HostSegment, client: Any, key_prefix: str,
@@ -101,7 +109,10 @@ class FleetLoad:
         self.client = client
         self.key_prefix = key_prefix
         self.interval = interval
-        self.ttl_ms = max(1, round(interval * 1000 * TTL_INTERVALS))
+        self.idle_interval = max(interval, IDLE_SECONDS)
+        self.ttl_ms = max(1, round(self.idle_interval * 1000 * TTL_INTERVALS))
+        self._last_at = self._retry_at = -math.inf
+        self._last_busy = False
         self.host = segment.host_id
         self.exchanges = self.failures = 0
         self._script = client.register_script(EXCHANGE_SCRIPT)
@@ -171,8 +182,22 @@ class FleetLoad:
         log.info("fleet load: this worker (pid %d) exchanges the host's in-flight counts",
                  os.getpid())
         while True:
-            self.exchange()
+            if self.due(time.monotonic()):
+                self.exchange()
             gevent.sleep(self.interval)
+
+    def due(self, now: float) -> bool:
+        """Whether to exchange at ``now``: while the host has requests in flight, or the
+        last exchange published some (so the zeros that follow go out at once), every
+        interval; otherwise every idle interval (an idle host decides nothing, and the
+        others already have its zeros). After a failed
+        exchange, not again for an idle interval."""
+        if now < self._retry_at:
+            return False
+        if self._last_busy or now - self._last_at >= self.idle_interval:
+            return True
+        segment = self.segment
+        return any(segment.workers_total(segment.column(b.name)) for b in self.pool)
 
     def exchange(self) -> dict[str, int]:
         """One exchange: publish the host's counts, read the other routers'; what they
@@ -181,9 +206,12 @@ class FleetLoad:
         args: list[str | int] = [self.host, int(time.time() * 1000), self.ttl_ms,
                                  self.key_prefix]
         now = time.monotonic()
+        busy = False
         for backend in self.pool:
             col = segment.column(backend.name)
-            args += [backend.name, segment.workers_total(col)]
+            count = segment.workers_total(col)
+            busy = busy or count > 0
+            args += [backend.name, count]
             if window is not None:
                 args += [PRESSURE_FIELD + backend.name,
                          round(segment.workers_pressure(col, now, window))]
@@ -202,8 +230,10 @@ class FleetLoad:
             self.failures += 1
             log.debug("fleet load: exchange failed: %s", exc)
             elsewhere, pressure = {}, {}
+            self._retry_at, busy = now + self.idle_interval, False
         else:
             self.exchanges += 1
+        self._last_at, self._last_busy = now, busy
         self._set_elsewhere(elsewhere, pressure if window is not None else {})
         return elsewhere
 
@@ -217,4 +247,4 @@ class FleetLoad:
             segment.set_elsewhere_pressure(col, max(0.0, pressure.get(backend.name, 0.0)), now)
 
 
-__all__ = ["EXCHANGE_SCRIPT", "FleetLoad"]
+__all__ = ["EXCHANGE_SCRIPT", "IDLE_SECONDS", "FleetLoad"]

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 import redis
 
+from continuum.devtools.procs import free_port
 from continuum.devtools.redis_server import unique_prefix
 from continuum.hostshm import HostSegment
-from continuum.routing.fleet_load import PRESSURE_FIELD, FleetLoad
+from continuum.routing.fleet_load import IDLE_SECONDS, PRESSURE_FIELD, FleetLoad
 from continuum.testing import make_backends
 
 WINDOW = 8.0
@@ -93,3 +94,37 @@ def test_redis_gone_zeroes_the_elsewhere_pressure(hosts: Any, fresh_redis: Any) 
     assert two_load.exchange() == {}
     assert two_load.failures == 1 and two_load.elsewhere_pressure == {}
     assert two.host_pressure(col, time.monotonic(), WINDOW) == 0.0
+
+
+def test_a_busy_host_exchanges_every_interval_and_an_idle_one_every_idle_interval(
+        hosts: Any, redis_server: Any) -> None:
+    one, load = hosts("one", redis_server.url, unique_prefix("fp"))
+    assert load.interval == 0.1 and load.idle_interval == IDLE_SECONDS
+    now = time.monotonic()
+    assert load.due(now)  # never exchanged
+    load.exchange()
+    t = time.monotonic()
+    assert not load.due(t + load.interval)  # idle: waits for the idle interval
+    assert load.due(t + IDLE_SECONDS)
+    col = one.column("b0")
+    one.words[one.cell(col)] = 1  # a request in flight on this host
+    assert load.due(t + load.interval)
+    load.exchange()
+    t = time.monotonic()
+    one.words[one.cell(col)] = 0
+    assert load.due(t + load.interval)  # the zeros go out at once
+    load.exchange()
+    assert not load.due(time.monotonic() + load.interval)
+    # a host's counts outlive four idle intervals, not four busy ones
+    ttl = redis.Redis.from_url(redis_server.url).pttl(load.key_prefix + one.host_id)
+    assert 3 * IDLE_SECONDS * 1000 < ttl <= 4 * IDLE_SECONDS * 1000
+
+
+def test_after_a_failed_exchange_a_busy_host_waits_an_idle_interval(
+        hosts: Any, redis_server: Any) -> None:
+    one, load = hosts("one", f"redis://127.0.0.1:{free_port()}/0", unique_prefix("fp"))
+    one.words[one.cell(one.column("b0"))] = 1
+    assert load.exchange() == {} and load.failures == 1
+    t = time.monotonic()
+    assert not load.due(t + load.interval)
+    assert load.due(t + IDLE_SECONDS)
