@@ -70,7 +70,7 @@ EXCHANGE_SCRIPT = """
 local host, now, ttl, prefix = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local own = prefix .. host
 redis.call('DEL', own)
-for i = 5, #ARGV, 2 do redis.call('HSET', own, ARGV[i], ARGV[i + 1]) end
+if #ARGV > 4 then redis.call('HSET', own, unpack(ARGV, 5)) end
 redis.call('PEXPIRE', own, ttl)
 redis.call('ZADD', KEYS[1], now, host)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)

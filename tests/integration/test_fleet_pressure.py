@@ -128,3 +128,29 @@ def test_after_a_failed_exchange_a_busy_host_waits_an_idle_interval(
     t = time.monotonic()
     assert not load.due(t + load.interval)
     assert load.due(t + IDLE_SECONDS)
+
+
+def test_two_hundred_backends_with_pressure_go_in_one_exchange(
+        tmp_path: Path, redis_server: Any) -> None:
+    # the script writes every field with one variadic HSET (unpack of the arguments)
+    prefix = unique_prefix("fp")
+    loads = []
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        segment = HostSegment(tmp_path / name)
+        loads.append((segment, FleetLoad(make_backends(200), segment,
+                                         redis.Redis.from_url(redis_server.url), prefix,
+                                         0.1, WINDOW)))
+    try:
+        (one, one_load), (_, two_load) = loads
+        one.words[one.cell(one.column("b199"))] = 3
+        one.set_pressure(one.column("b7"), 250.0, time.monotonic())
+        one_load.exchange()
+        counts = two_load.exchange()
+        assert len(counts) == 200 and counts["b199"] == 3 and sum(counts.values()) == 3
+        assert two_load.elsewhere_pressure["b7"] == 250.0
+    finally:
+        for segment, load in loads:
+            load.client.close()
+            segment.release()
+            segment.close()
