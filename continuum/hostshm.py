@@ -19,10 +19,14 @@ creates it in ``on_starting``, a worker that finds none creates it under the loc
   KV pressure the worker put on the backend and when), which the KV placement reads as
   the host's, decayed to now (:mod:`continuum.kv.chain_scorer`);
 * an **elsewhere pressure row**: ``elsewhere_pressure[backend column]``, two float64 each,
-  the other routers' KV pressure as last read from Redis with the in-flight counts.
+  the other routers' KV pressure as last read from Redis with the in-flight counts;
+* a **latency row**: ``latency[backend column]``, one float64, the host's latency EWMA of
+  the backend (``Backend.latency_ewma``), which every worker's finished requests update.
 
-Writes: a worker writes only its own slot's row, with aligned 8-byte stores (which readers
-never see torn on the platforms gunicorn runs on), so the hot path takes no lock. Claiming a
+Writes: a worker writes only its own slot's row (the latency row is the exception: any
+worker folds its sample in, and two that do so at once lose one sample), with aligned
+8-byte stores (which readers never see torn on the platforms gunicorn runs on), so the hot
+path takes no lock. Claiming a
 slot or a column, and bumping the generation, happen under ``flock`` on ``host.lock``.
 A slot whose PID is gone (a killed worker) is wiped and reused by the next claimer, and
 :meth:`HostSegment.sweep` wipes it sooner (every worker runs it now and then), so a dead
@@ -65,8 +69,10 @@ _LOAD_AT = _NAMES_AT + MAX_BACKENDS * NAME_BYTES // 8
 _ELSEWHERE_AT = _LOAD_AT + MAX_WORKERS * MAX_BACKENDS
 _PRESSURE_AT = _ELSEWHERE_AT + MAX_BACKENDS  # 2 words (value, at) per cell
 _ELSEWHERE_PRESSURE_AT = _PRESSURE_AT + 2 * MAX_BACKENDS * MAX_WORKERS  # (value, at)
-SIZE = (_ELSEWHERE_PRESSURE_AT + 2 * MAX_BACKENDS) * 8
+_LATENCY_AT = _ELSEWHERE_PRESSURE_AT + 2 * MAX_BACKENDS  # float64 per backend, 0.0: none
+SIZE = (_LATENCY_AT + MAX_BACKENDS) * 8
 _PAIR = struct.Struct("<dd")
+_DOUBLE = struct.Struct("<d")
 _UNPACK = [struct.Struct(f"<{n}q").unpack_from for n in range(MAX_WORKERS + 1)]
 
 
@@ -284,6 +290,25 @@ class HostSegment:
         """The other routers' KV pressure on backend ``col``, ``value`` tokens as of ``at``
         (``time.monotonic()``)."""
         _PAIR.pack_into(self._map, (_ELSEWHERE_PRESSURE_AT + 2 * col) * 8, value, at)
+
+    def latency(self, col: int) -> float | None:
+        """The host's latency EWMA of backend ``col`` in seconds, None before a sample."""
+        value: float = _DOUBLE.unpack_from(self._map, (_LATENCY_AT + col) * 8)[0]
+        return value if value > 0.0 else None
+
+    def add_latency(self, col: int, seconds: float, alpha: float) -> None:
+        """Fold one request's latency into backend ``col``'s EWMA (weight ``alpha``; the
+        first sample is the mean). Not under a lock: a sample another worker folds in at
+        the same moment may be lost, which an EWMA shrugs off."""
+        at = (_LATENCY_AT + col) * 8
+        prev: float = _DOUBLE.unpack_from(self._map, at)[0]
+        value = seconds if prev <= 0.0 else prev + alpha * (seconds - prev)
+        _DOUBLE.pack_into(self._map, at, max(value, 1e-9))
+
+    def set_latency(self, col: int, seconds: float | None) -> None:
+        """Set backend ``col``'s EWMA (None: no sample)."""
+        _DOUBLE.pack_into(self._map, (_LATENCY_AT + col) * 8,
+                          0.0 if seconds is None else max(seconds, 1e-9))
 
     def close(self) -> None:
         """Unmap (the slot is kept: call :meth:`release` first to give it back)."""

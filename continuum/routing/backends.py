@@ -41,7 +41,8 @@ class Backend:
         draining: taken out of rotation by ``POST /admin/backends/{name}/drain``: no new
             requests; the ones in flight finish.
         latency_ewma: exponentially weighted mean of request latency in seconds (None until
-            the first completed request).
+            the first completed request); with a shared host segment, the host's: every
+            worker's finished requests update it.
         models: model ids this backend serves (configured, or discovered when none are).
     """
 
@@ -49,6 +50,7 @@ class Backend:
         "_alpha",
         "_cell",
         "_col",
+        "_latency",
         "_local",
         "_outcomes",
         "_shared",
@@ -61,7 +63,6 @@ class Backend:
         "discovered_models",
         "draining",
         "healthy",
-        "latency_ewma",
         "name",
         "probed",
         "url",
@@ -86,7 +87,7 @@ class Backend:
         self.healthy = not unprobed
         self.probed = not unprobed
         self.draining = False
-        self.latency_ewma: float | None = None
+        self._latency: float | None = None
         # time to the first body piece of a stream, by this worker's in-flight count at
         # dispatch (EWMA, seconds), the samples behind each, and the waits they imply
         self._ttfp = [0.0] * WAIT_LEVELS
@@ -135,6 +136,22 @@ class Backend:
             self._col = segment.column(self.name)
             self._cell = segment.cell(self._col)
             segment.words[self._cell] = self._local
+            if self._latency is not None and segment.latency(self._col) is None:
+                segment.set_latency(self._col, self._latency)
+
+    @property
+    def latency_ewma(self) -> float | None:
+        """The latency EWMA in seconds: this worker's, or the host's when shared."""
+        shared = self._shared
+        return self._latency if shared is None else shared.latency(self._col)
+
+    @latency_ewma.setter
+    def latency_ewma(self, value: float | None) -> None:
+        # Tests and tools set it; finished requests go through record().
+        self._latency = value
+        shared = self._shared
+        if shared is not None:
+            shared.set_latency(self._col, value)
 
     @property
     def local_in_flight(self) -> int:
@@ -179,8 +196,11 @@ class Backend:
         if ok:
             self._successes += 1
         if latency is not None:
-            prev = self.latency_ewma
-            self.latency_ewma = latency if prev is None else prev + self._alpha * (latency - prev)
+            prev = self._latency
+            self._latency = latency if prev is None else prev + self._alpha * (latency - prev)
+            shared = self._shared
+            if shared is not None:
+                shared.add_latency(self._col, latency, self._alpha)
 
     def first_piece(self, level: int, seconds: float) -> None:
         """A stream sent when this worker had ``level`` requests in flight here got its

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from continuum.config import BackendConfig
 from continuum.hostshm import HostSegment, create
 from continuum.routing.backends import Backend
@@ -139,3 +141,26 @@ def test_fresh_segment_forgets_the_previous_run(tmp_path: Path) -> None:
     assert new.host_id != host_id and not list((tmp_path / "fleet").glob("*.json"))
     create(tmp_path)  # a worker finding a valid segment keeps it
     assert HostSegment(tmp_path).host_id == new.host_id
+
+
+def test_the_latency_ewma_is_the_hosts(tmp_path: Path) -> None:
+    """Every worker's finished requests fold into one latency EWMA per backend: a worker
+    sees the latency of requests another worker sent (LeastLatency, the KV guard's and
+    placement's queue price read it)."""
+    one, two = HostSegment(tmp_path), HostSegment(tmp_path, pid=1)
+    config = BackendConfig(name="b", url="http://127.0.0.1:1")
+    first, second = Backend(config, ewma_alpha=0.5), Backend(config, ewma_alpha=0.5)
+    first.record(True, 0.4)  # before sharing: this worker's own sample
+    first.share_load(one)
+    second.share_load(two)
+    assert first.latency_ewma == second.latency_ewma == 0.4  # the first sample went along
+    second.record(True, 0.2)
+    assert first.latency_ewma == second.latency_ewma == pytest.approx(0.3)
+    first.record(False, None)  # a failure without a latency leaves it
+    assert second.latency_ewma == pytest.approx(0.3)
+    second.latency_ewma = None  # tests and tools reset it
+    assert first.latency_ewma is None
+    other = Backend(BackendConfig(name="c", url="http://127.0.0.1:2"))
+    other.share_load(two)
+    assert other.latency_ewma is None  # a column of its own
+    one.release()
