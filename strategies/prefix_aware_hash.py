@@ -22,7 +22,7 @@ behind one system prompt spread over the fleet.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -73,7 +73,7 @@ class PrefixAwareHash(ConsistentHash):
         self.prefixes = DistinctCounter()
         #: (decision, backend) -> the two counters' children (labels are bounded: three
         #: decisions times the configured backends).
-        self._counters: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._counters: dict[tuple[str, str], tuple[Callable[[float], None], ...]] = {}
 
     def reconfigure(self, config: RouterConfig) -> list[str]:
         """Apply ``prefix_routing`` live: a new ``virtual_nodes`` rebuilds the rings
@@ -118,10 +118,10 @@ class PrefixAwareHash(ConsistentHash):
             counters = self._counters.get((label, backend.name))
             if counters is None:
                 counters = self._counters[(label, backend.name)] = (
-                    metrics.child(metrics.prefix_requests, label),
-                    metrics.child(metrics.prefix_distribution, backend.name))
-            counters[0].inc()
-            counters[1].inc()
+                    metrics.adder(metrics.prefix_requests, label),
+                    metrics.adder(metrics.prefix_distribution, backend.name))
+            counters[0](1)
+            counters[1](1)
         return backend
 
     def explain(self, candidates: Sequence[Backend], ctx: RequestContext) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import Any
 
 import gevent
 from gevent import socket
@@ -123,3 +124,77 @@ def test_cached_http_date_is_gunicorns() -> None:
         time.sleep(0.01)
     else:
         raise AssertionError("the clock turned a second in every try")
+
+
+_SAMPLES_SCRIPT = """
+import os, sys
+from prometheus_client import CollectorRegistry, generate_latest, multiprocess, values
+from prometheus_client.mmap_dict import MmapedDict
+from continuum.metrics import RouterMetrics
+if sys.argv[1] == "stock":
+    values.ValueClass = values.MultiProcessValue()
+m = RouterMetrics()
+m.adder(m.requests, "chat", "2xx", "upstream")(1)
+m.child(m.requests, "chat", "2xx", "upstream").inc(2.5)
+m.adder(m.requests, "chat", "5xx", "router_error")(1)
+add = m.adder(m.in_flight, "b")
+add(1); add(1); add(-1)
+m.child(m.in_flight, "b").dec()
+m.child(m.in_flight, "c").inc(3)
+m.child(m.healthy, "b").set(1)
+m.child(m.healthy, "b").set(0)
+m.child(m.draining, "b").set(1)
+m.workers.set(1)
+m.cache_entries.inc(3)
+m.cache_entries.dec(1)
+observe = m.observer(m.duration, "chat", "b", "strategy")
+for x in (0.0, 0.0005, 0.001, 0.0011, 0.25, 7, 120, 1e9, float("inf"), float("nan"), -1):
+    observe(x)
+m.child(m.ttft, "chat", "b", "strategy").observe(0.3)
+m.observer(m.kv_overlap_score)(0.55)
+m.kv_query_latency.observe(0.00002)
+pid = os.fork()
+if pid == 0:
+    m.adder(m.requests, "chat", "2xx", "upstream")(5)
+    m.child(m.healthy, "b").set(1)
+    m.observer(m.duration, "chat", "b", "strategy")(0.2)
+    m.adder(m.in_flight, "b")(1)
+    os._exit(0)
+os.waitpid(pid, 0)
+m.adder(m.requests, "chat", "2xx", "upstream")(1)
+names = {str(os.getpid()): "PARENT", str(pid): "CHILD"}
+def rename(text):
+    for p, name in names.items():
+        text = text.replace(p, name)
+    return text
+directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+for name in sorted(os.listdir(directory)):
+    print(rename(name), sorted(MmapedDict.read_all_values_from_file(os.path.join(directory, name))))
+registry = CollectorRegistry()
+multiprocess.MultiProcessCollector(registry)
+# the collector's order follows the directory listing's: compared as sorted lines
+for line in sorted(rename(generate_latest(registry).decode()).splitlines()):
+    print(line)
+"""
+
+
+def test_multiprocess_values_write_what_prometheus_client_writes(tmp_path: Any) -> None:
+    """The router's multiprocess value class (and the adders and observers over it) leave
+    the same files and the same exposition as prometheus-client's own class for the same
+    samples: counters, gauges of each mode, histogram buckets at and around their bounds
+    (+Inf, NaN, negative), and samples after a fork, which go to the child's own files."""
+    import subprocess
+    import sys
+
+    outputs = []
+    for kind in ("fast", "stock"):
+        directory = tmp_path / kind
+        directory.mkdir()
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)}
+        outputs.append(subprocess.run(
+            [sys.executable, "-c", _SAMPLES_SCRIPT, kind], env=env, capture_output=True,
+            text=True, timeout=60, check=True).stdout)
+    fast, stock = outputs
+    assert "continuum_request_duration_seconds_bucket" in fast
+    assert "counter_CHILD.db" in fast and "gauge_livesum_CHILD.db" in fast
+    assert fast == stock
