@@ -97,7 +97,19 @@ def format_access(record: RequestRecord, fmt: str) -> str:
     fields = access_fields(record)
     if fmt == JSON_FORMAT:
         return json.dumps(fields, separators=(",", ":"))
-    return " ".join(f"{key}={_text_value(value)}" for key, value in fields.items())
+    # ``key=_text_value(value)`` for each field, with the common types inline: ``str()`` of
+    # an int or a float never needs quotes (nor is it empty).
+    parts = []
+    for key, value in fields.items():
+        kind = type(value)
+        if value is None:
+            parts.append(f"{key}=-")
+        elif kind is int or kind is float:
+            parts.append(f"{key}={value!s}")
+        else:
+            text = value if kind is str else str(value)
+            parts.append(f"{key}={json.dumps(text) if not text or _NEEDS_QUOTES(text) else text}")
+    return " ".join(parts)
 
 
 def configure_access_log(fmt: str) -> None:
