@@ -43,6 +43,17 @@ _SINGLETONS = frozenset(("HOST", "CONTENT-TYPE"))
 class FastRequest(Request):  # type: ignore[misc]
     """gunicorn's ``Request``, parsed by the strict fast path when the head allows it."""
 
+    #: For a head the fast path parsed: what its ``Connection`` field and version say of
+    #: closing after this request (``should_close`` is asked three times per request).
+    _close: bool | None = None
+
+    def should_close(self) -> bool:
+        """gunicorn's answer: ``must_close``, else what the head says."""
+        close = self._close
+        if close is None:
+            return super().should_close()  # type: ignore[no-any-return]
+        return bool(self.must_close) or close
+
     def parse(self, unreader: Any) -> bytes:
         """Parse the head; the bytes read past it (gunicorn's contract)."""
         mode = getattr(self.cfg, "proxy_protocol", "off")
@@ -98,6 +109,16 @@ class FastRequest(Request):  # type: ignore[misc]
                 seen.add(name)
             headers.append((name, value))
         path, _, query = target.partition("?")
+        close = minor == "0"  # no Connection field: HTTP/1.0 closes, 1.1 keeps alive
+        for name, value in headers:
+            if name == "CONNECTION":  # the first one decides, as gunicorn reads it
+                token = value.lower().strip(" \t")
+                if token == "close":
+                    close = True
+                elif token == "keep-alive":
+                    close = False
+                break
+        self._close = close
         self.method, self.uri, self.version = method, target, (1, int(minor))
         self.path, self.query, self.fragment = path, query, ""
         self.headers = headers
