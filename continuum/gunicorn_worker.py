@@ -223,6 +223,35 @@ class _HttpDate:
         return self._text
 
 
+class _SettledConfig:
+    """The worker's gunicorn ``Config`` with each setting read once: gunicorn reads about
+    16 settings per request through ``Config.__getattr__`` and ``Setting.get`` (two Python
+    calls each); a worker's settings do not change while it lives (a reload of gunicorn's
+    config starts new workers), so the first read of a name is kept as an attribute and
+    later reads are plain lookups. Setting anything is refused, as ``Config`` refuses
+    settings assigned as attributes; ``set`` goes to the config and forgets the name's
+    value read before; everything else (methods) is the config's."""
+
+    __slots__ = ("__dict__", "_cfg")
+
+    def __init__(self, cfg: Any) -> None:
+        object.__setattr__(self, "_cfg", cfg)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._cfg, name)
+        if not name.startswith("__"):
+            self.__dict__[name] = value
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Invalid access!")
+
+    def set(self, name: str, value: Any) -> None:
+        """``Config.set``; the name is read afresh afterwards."""
+        self._cfg.set(name, value)
+        self.__dict__.pop(name, None)
+
+
 class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
     """gunicorn's gevent worker, with ``server.client_header_timeout_seconds``."""
 
@@ -244,11 +273,15 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         :class:`_HttpDate` (the same text, made once a second instead of per response),
         and ``SCRIPT_NAME`` is set empty in the environment when unset: gunicorn looks it
         up there for every request, and an unset name raises and catches a ``KeyError``
-        each time; empty and unset mean the same to it (no script name)."""
+        each time; empty and unset mean the same to it (no script name). The worker's
+        config reads each setting once (:class:`_SettledConfig`)."""
         RequestParser.mesg_class = FastRequest
         if not isinstance(gunicorn_util.http_date, _HttpDate):
             gunicorn_util.http_date = _HttpDate(gunicorn_util.http_date)
         os.environ.setdefault("SCRIPT_NAME", "")
+        cfg: Any = getattr(self, "cfg")  # noqa: B009 (gunicorn's base class is untyped)
+        if not isinstance(cfg, _SettledConfig):
+            self.cfg = _SettledConfig(cfg)
         super().init_process()
 
     def handle(self, listener: Any, client: Any, addr: Any) -> None:

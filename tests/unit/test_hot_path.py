@@ -198,3 +198,29 @@ def test_multiprocess_values_write_what_prometheus_client_writes(tmp_path: Any) 
     assert "continuum_request_duration_seconds_bucket" in fast
     assert "counter_CHILD.db" in fast and "gauge_livesum_CHILD.db" in fast
     assert fast == stock
+
+
+def test_settled_config_reads_what_gunicorns_config_holds() -> None:
+    """The worker's config gives each setting's value as gunicorn's ``Config`` does (hooks,
+    properties, methods and unknown names included), takes ``set`` afresh and refuses
+    attribute assignment like ``Config``."""
+    import pytest
+    from gunicorn.config import Config
+
+    from continuum.gunicorn_worker import _SettledConfig
+
+    cfg = Config()
+    cfg.set("keepalive", 7)
+    settled = _SettledConfig(cfg)
+    for name in ("keepalive", "limit_request_fields", "secure_scheme_headers", "is_ssl",
+                 "pre_request", "post_request", "workers", "forwarder_headers"):
+        assert getattr(settled, name) == getattr(cfg, name)
+        assert getattr(settled, name) == getattr(cfg, name)  # the kept value
+    assert settled.forwarded_allow_networks() == cfg.forwarded_allow_networks()
+    assert getattr(settled, "proxy_protocol", "off") == getattr(cfg, "proxy_protocol", "off")
+    with pytest.raises(AttributeError):
+        settled.no_such_setting  # noqa: B018
+    settled.set("keepalive", 9)
+    assert settled.keepalive == cfg.keepalive == 9
+    with pytest.raises(AttributeError):
+        settled.keepalive = 3
