@@ -30,10 +30,12 @@ from gunicorn.http.message import Request
 #: The request line of the fast path; anything else is left to gunicorn.
 _REQUEST_LINE = re.compile(
     r"(GET|POST|PUT|DELETE|PATCH|HEAD|OPTIONS) (/[\x21-\x22\x24-\x7e]*) HTTP/1\.([01])")
-#: ``name: value``; the value without its surrounding blanks (gunicorn strips them too).
-_FIELD = re.compile(r"([!#$%&'*+\-.^`|~0-9A-Za-z]+):[ \t]*(.*?)[ \t]*")
-#: Characters gunicorn refuses in a value (RFC 9110 5.5): controls but HTAB, and DEL.
-_BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]").search
+#: Every header line of the head at once (its bytes), each ``name:value`` and its CRLF: a token
+#: without ``_`` for the name, and a value without the characters gunicorn refuses
+#: there (RFC 9110 5.5: controls but HTAB, and DEL). One match for the whole block; each
+#: line is then split at its first colon and its value stripped of blanks, as gunicorn
+#: strips them.
+_FIELDS = re.compile(rb"(?:[!#$%&'*+\-.^`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*\r\n)*")
 #: Fields gunicorn gives rules of their own: always left to it.
 _SPECIAL = frozenset(("EXPECT", "TRANSFER-ENCODING"))
 #: Fields that may appear once (gunicorn refuses a second one).
@@ -73,7 +75,8 @@ class FastRequest(Request):  # type: ignore[misc]
         return False (nothing set) when gunicorn's parser must judge the head."""
         if end + 4 > self.max_buffer_headers:
             return False
-        lines = data[:end].decode("latin-1").split("\r\n")
+        head = data[:end].decode("latin-1")
+        lines = head.split("\r\n")
         if data.count(b"\n", 0, end) != len(lines) - 1 or \
                 data.count(b"\r", 0, end) != len(lines) - 1:
             return False  # a bare CR or LF
@@ -89,19 +92,21 @@ class FastRequest(Request):  # type: ignore[misc]
             return False
         if len(lines) - 1 > self.limit_request_fields:
             return False
+        fields = lines[1:]
+        # the field lines with their CRLFs: from the request line's end to the blank line
+        if fields and _FIELDS.fullmatch(data, len(line) + 2, end + 2) is None:
+            return False
         field_limit = self.limit_request_field_size
         secure = self.cfg.secure_scheme_headers
         headers = []
         seen = set()
-        for line in lines[1:]:
+        for line in fields:
             if len(line) + 2 > field_limit:
                 return False
-            field = _FIELD.fullmatch(line)
-            if field is None:
-                return False
-            name, value = field.groups()
+            name, _, value = line.partition(":")
             name = name.upper()
-            if name in _SPECIAL or name in secure or _BAD_VALUE(value):
+            value = value.strip(" \t")
+            if name in _SPECIAL or name in secure:
                 return False
             if name in _SINGLETONS:
                 if name in seen:
