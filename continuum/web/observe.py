@@ -21,6 +21,7 @@ import functools
 import hashlib
 import json
 import logging
+import operator
 import os
 import re
 import time
@@ -97,19 +98,17 @@ def format_access(record: RequestRecord, fmt: str) -> str:
     fields = access_fields(record)
     if fmt == JSON_FORMAT:
         return json.dumps(fields, separators=(",", ":"))
-    # ``key=_text_value(value)`` for each field, with the common types inline: ``str()`` of
-    # an int or a float never needs quotes (nor is it empty).
-    parts = []
-    for key, value in fields.items():
-        kind = type(value)
-        if value is None:
-            parts.append(f"{key}=-")
-        elif kind is int or kind is float:
-            parts.append(f"{key}={value!s}")
-        else:
-            text = value if kind is str else str(value)
-            parts.append(f"{key}={json.dumps(text) if not text or _NEEDS_QUOTES(text) else text}")
-    return " ".join(parts)
+    # ``key=_text_value(value)`` for each field. The common line first: when no value is
+    # empty or has a character to quote (one search over all of them), every value is its
+    # ``str()`` (``-`` for None) as it stands.
+    texts = ["-" if value is None else str(value) for value in fields.values()]
+    if all(texts) and not _NEEDS_QUOTES("".join(texts)):
+        return " ".join(map(operator.add, _TEXT_KEYS, texts))
+    return " ".join(f"{key}={_text_value(value)}" for key, value in fields.items())
+
+
+#: ``key=`` of every access-log field, in the order of :func:`access_fields`.
+_TEXT_KEYS = tuple(f"{key}=" for key in access_fields(RequestRecord(UNKNOWN)))
 
 
 def configure_access_log(fmt: str) -> None:
