@@ -277,6 +277,24 @@ class Response:
         while True:
             out: list[bytes] = []
             done = False
+            if state == _SIZE:
+                # The common case first: whole chunks (size line, data, CRLF) buffered, as
+                # a token stream's records come, consumed here without the steps below;
+                # anything else (a partial chunk, the last chunk, an over-long line) is
+                # left where it starts, to them.
+                buf, pos = conn.buf, conn.pos
+                have = len(buf)
+                while (end := buf.find(b"\r\n", pos)) >= 0 and end - pos <= MAX_LINE:
+                    left = _chunk_size(bytes(buf[pos:end]))
+                    start = end + 2
+                    stop = start + left
+                    if not left or stop + 2 > have:
+                        break
+                    if buf[stop:stop + 2] != b"\r\n":
+                        raise ProtocolError("chunk data not followed by CRLF")
+                    out.append(bytes(buf[start:stop]))
+                    pos = stop + 2
+                conn.pos = pos
             while True:
                 if state == _DATA:
                     avail = len(conn.buf) - conn.pos
