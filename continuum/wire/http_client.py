@@ -29,7 +29,7 @@ from typing import Any
 import gevent
 from gevent import get_hub
 
-from continuum.wire.waits import timer_for, wait_watcher
+from continuum.wire.waits import timer_for
 
 #: Limits on a response head (and on chunk-size and trailer lines).
 MAX_LINE = 64 * 1024
@@ -125,9 +125,19 @@ class Connection:
         if seconds is None:
             get_hub().wait(sock._read_event)
             return
-        timer = self._timer = timer_for(self._timer, seconds)
-        if not wait_watcher(sock._read_event, timer):
-            raise TimeoutError("timed out")
+        timer = self._timer
+        if timer is None or timer.seconds != seconds:
+            timer = self._timer = timer_for(timer, seconds)
+        # wait_watcher's wait, inline (once per streamed record)
+        timer.start()
+        try:
+            get_hub().wait(sock._read_event)
+        except gevent.Timeout as exc:
+            if exc is not timer:
+                raise
+            raise TimeoutError("timed out") from None
+        finally:
+            timer.cancel()
 
     def dropped(self) -> bool:
         """Whether the peer has closed (or written unasked): readable while idle."""
@@ -285,7 +295,10 @@ class Response:
                 buf, pos = conn.buf, conn.pos
                 have = len(buf)
                 while (end := buf.find(b"\r\n", pos)) >= 0 and end - pos <= MAX_LINE:
-                    left = _chunk_size(bytes(buf[pos:end]))
+                    digits = buf[pos:end]
+                    # plain hex digits (no extension, no blanks): what _chunk_size accepts
+                    left = int(digits, 16) if 0 < len(digits) <= 16 and \
+                        not digits.strip(_HEX) else _chunk_size(bytes(digits))
                     start = end + 2
                     stop = start + left
                     if not left or stop + 2 > have:
@@ -295,7 +308,10 @@ class Response:
                     out.append(bytes(buf[start:stop]))
                     pos = stop + 2
                 conn.pos = pos
-            while True:
+                idle = pos == have  # all that was buffered were whole chunks: wait
+            else:
+                idle = False
+            while not idle:
                 if state == _DATA:
                     avail = len(conn.buf) - conn.pos
                     if not avail:
