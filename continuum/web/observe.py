@@ -223,13 +223,13 @@ class Observer:
 
     def process_resource(self, req: falcon.Request, resp: falcon.Response, resource: Any,
                          params: dict[str, Any]) -> None:
-        record: RequestRecord | None = req.context.get("record")
+        record: RequestRecord | None = req.context.__dict__.get("record")  # (Context.get)
         if record is not None and resource is not None:
             record.endpoint = getattr(resource, "endpoint", UNKNOWN)
 
     def process_response(self, req: falcon.Request, resp: falcon.Response, resource: Any,
                          req_succeeded: bool) -> None:
-        record: RequestRecord | None = req.context.get("record")
+        record: RequestRecord | None = req.context.__dict__.get("record")  # (Context.get)
         if record is None:
             return
         record.request_id = request_id_of(req)
