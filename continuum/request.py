@@ -165,7 +165,10 @@ def load_json(raw: bytes, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> Any:
         raise RequestError(f"request body is not valid JSON: not UTF-8 (looks like {encoding})",
                            code="invalid_json")
     try:
-        value = json.loads(raw)
+        # json.loads(raw) decodes a UTF-8 body the same way (after detecting what was
+        # found above already)
+        value = json.loads(raw.decode("utf-8", "surrogatepass") if encoding == "utf-8"
+                           else raw)
     except RecursionError:
         value = _TOO_DEEP
     except (ValueError, UnicodeDecodeError) as exc:
