@@ -11,6 +11,7 @@ tests can build as many apps as they like.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import struct
@@ -36,6 +37,9 @@ _LATENCY_BUCKETS = (
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
+
+#: The amounts of :meth:`RouterMetrics.attempt_done`: in flight -1, attempts +1.
+_DONE = (-1, 1)
 
 #: ``outcome`` label values of ``continuum_requests_total``.
 UPSTREAM = "upstream"
@@ -236,7 +240,23 @@ def _multiprocess_value_class(pid: list[int]) -> type:
         def get_exemplar(self) -> Any:
             return None
 
+        @staticmethod
+        def inc_each(values: tuple[Any, ...], amounts: tuple[float, ...]) -> None:
+            """``values[i].inc(amounts[i])`` for each, under one taking of the lock."""
+            with lock:
+                if owner[0] != pid[0]:
+                    forked()
+                for value, amount in zip(values, amounts, strict=True):
+                    total = value._value = value._value + amount
+                    value._timestamp = 0.0
+                    pos = value._pos
+                    value._file._m[pos:pos + 16] = pack(total, 0.0)
+
     return MmapedValue
+
+
+#: The class :func:`_install_multiprocess_values` installed, if it did.
+_FAST_VALUE: Any = None
 
 
 def _install_multiprocess_values() -> None:
@@ -262,7 +282,8 @@ def _install_multiprocess_values() -> None:
                 for name in ("read_value", "_init_value", "close")) and \
         hasattr(mmap_dict, "mmap_key") and hasattr(values, "_multi_process_cleanups")
     if known:
-        values.ValueClass = _multiprocess_value_class(pid)
+        global _FAST_VALUE
+        values.ValueClass = _FAST_VALUE = _multiprocess_value_class(pid)
     else:  # pragma: no cover - another prometheus-client file layer
         values.ValueClass = values.MultiProcessValue(lambda: pid[0])  # type: ignore[no-untyped-call]
 
@@ -280,6 +301,22 @@ def adder(child: Any) -> Callable[[float], None]:
     return inc if callable(inc) else child.inc  # type: ignore[no-any-return]
 
 
+def joint(adds: tuple[Callable[[float], None], ...]) -> Callable[[tuple[float, ...]], None]:
+    """One callable for several :func:`adder` results: ``j(amounts)`` is ``adds[i](amounts[i])``
+    for each (adding 0 leaves a sample as it is), under one taking of the values' lock
+    when they are all of this module's multiprocess class."""
+    fast: Any = _FAST_VALUE
+    owners = tuple(getattr(add, "__self__", None) for add in adds)
+    if fast is not None and all(type(v) is fast for v in owners):
+        return functools.partial(fast.inc_each, owners)
+
+    def each(amounts: tuple[float, ...]) -> None:
+        for add, amount in zip(adds, amounts, strict=True):
+            add(amount)
+
+    return each
+
+
 def observer(child: Any) -> Callable[[float], None]:
     """``child.observe`` of a histogram child, adding to its sum and to the first bucket
     whose upper bound is at least the amount, as ``Histogram.observe`` does (a NaN lands
@@ -292,6 +329,20 @@ def observer(child: Any) -> Callable[[float], None]:
         return child.observe  # type: ignore[no-any-return]
     if len(bounds) != len(buckets) or not bounds or bounds[-1] != math.inf:
         return child.observe  # type: ignore[no-any-return]
+    fast: Any = _FAST_VALUE
+    inc_each = None if fast is None else fast.inc_each
+    sum_value = getattr(sum_inc, "__self__", None)
+    values = [getattr(inc, "__self__", None) for inc in buckets]
+    if inc_each is not None and type(sum_value) is fast and all(type(v) is fast for v in values):
+        pairs = [(sum_value, value) for value in values]
+
+        def observe_values(amount: float) -> None:
+            if amount == amount:  # not NaN
+                inc_each(pairs[bisect_left(bounds, amount)], (amount, 1))
+            else:
+                sum_inc(amount)
+
+        return observe_values
 
     def observe(amount: float) -> None:
         sum_inc(amount)
@@ -544,7 +595,8 @@ class RouterMetrics:
         self._children: dict[tuple[str, ...], Any] = {}
         self._adders: dict[tuple[str, ...], Callable[[float], None]] = {}
         self._observers: dict[tuple[str, ...], Callable[[float], None]] = {}
-        self._bundles: dict[tuple[Any, ...], tuple[Callable[[float], None], ...]] = {}
+        self._bundles: dict[tuple[Any, ...], tuple[Callable[..., None], ...]] = {}
+        self._attempts: dict[tuple[str, str, int], Callable[[tuple[float, ...]], None]] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
         """The labelled child of ``metric``, cached (``labels()`` costs microseconds)."""
@@ -563,6 +615,9 @@ class RouterMetrics:
         if add is None:
             add = self._adders[key] = adder(self.child(metric, *labels) if labels else metric)
         return add
+
+    #: :func:`joint`, for plugins that hold the metrics only.
+    joint = staticmethod(joint)
 
     def observer(self, metric: Any, *labels: str) -> Callable[[float], None]:
         """:func:`observer` of the labelled child of a histogram (of the histogram itself
@@ -586,30 +641,38 @@ class RouterMetrics:
         bundle = self._bundles.get(key)
         if bundle is None:
             bundle = self._bundles[key] = self._bundle(*key)
-        requests, duration, ttft, prompt, cached, created, completion = bundle
-        requests(1)
+        counters, duration, ttft = bundle
+        prompt = record.prompt_tokens
+        # requests, and the tokens the answer reported (0 where it reported none)
+        counters((1, prompt or 0, (record.cached_tokens or 0) if prompt is not None else 0,
+                  (record.cache_creation_tokens or 0) if prompt is not None else 0,
+                  record.completion_tokens or 0))
         duration(finished - record.started)
         if record.stream and record.first_byte is not None:
             ttft(record.first_byte - record.started)
-        if record.prompt_tokens is not None:
-            prompt(record.prompt_tokens)
-            cached(record.cached_tokens or 0)
-            if record.cache_creation_tokens:
-                created(record.cache_creation_tokens)
-        if record.completion_tokens:
-            completion(record.completion_tokens)
 
     def _bundle(self, endpoint: str, backend: str, decision: str, hundreds: int,
-                outcome: str) -> tuple[Callable[[float], None], ...]:
+                outcome: str) -> tuple[Callable[..., None], ...]:
         status_class = f"{hundreds}xx" if 1 <= hundreds <= 5 else "5xx"
         add, observe = self.adder, self.observer
-        return (add(self.requests, endpoint, status_class, outcome),
-                observe(self.duration, endpoint, backend, decision),
-                observe(self.ttft, endpoint, backend, decision),
-                add(self.prompt_tokens, backend, decision),
-                add(self.cached_prompt_tokens, backend, decision),
-                add(self.cache_creation_tokens, backend, decision),
-                add(self.completion_tokens, backend, decision))
+        counters = joint((add(self.requests, endpoint, status_class, outcome),
+                          add(self.prompt_tokens, backend, decision),
+                          add(self.cached_prompt_tokens, backend, decision),
+                          add(self.cache_creation_tokens, backend, decision),
+                          add(self.completion_tokens, backend, decision)))
+        return (counters, observe(self.duration, endpoint, backend, decision),
+                observe(self.ttft, endpoint, backend, decision))
+
+    def attempt_done(self, endpoint: str, backend: str, status: int) -> None:
+        """An upstream attempt ended with ``status``: one fewer in flight on ``backend``,
+        one more in ``continuum_upstream_attempts_total`` (both samples at once)."""
+        key = (endpoint, backend, status)
+        samples = self._attempts.get(key)
+        if samples is None:
+            samples = self._attempts[key] = joint((
+                self.adder(self.in_flight, backend),
+                self.adder(self.upstream_attempts, endpoint, backend, str(status))))
+        samples(_DONE)
 
     def exposition(self) -> bytes:
         """The text exposition for ``GET /metrics``."""

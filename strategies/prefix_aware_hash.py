@@ -43,6 +43,7 @@ PREFIX_HASH = "prefix_hash"
 OVERFLOW = "overflow"
 FALLBACK = "fallback"
 _in_flight = attrgetter("in_flight")
+_ONE_EACH = (1, 1)
 
 
 def load_bound(candidates: Sequence[Backend], epsilon: float) -> int:
@@ -77,7 +78,7 @@ class PrefixAwareHash(ConsistentHash):
         self.prefixes = DistinctCounter()
         #: (decision, backend) -> the two counters' children (labels are bounded: three
         #: decisions times the configured backends).
-        self._counters: dict[tuple[str, str], tuple[Callable[[float], None], ...]] = {}
+        self._counters: dict[tuple[str, str], Callable[[tuple[float, ...]], None]] = {}
 
     def reconfigure(self, config: RouterConfig) -> list[str]:
         """Apply ``prefix_routing`` live: a new ``virtual_nodes`` rebuilds the rings
@@ -125,11 +126,10 @@ class PrefixAwareHash(ConsistentHash):
         if metrics is not None:
             counters = self._counters.get((label, backend.name))
             if counters is None:
-                counters = self._counters[(label, backend.name)] = (
+                counters = self._counters[(label, backend.name)] = metrics.joint((
                     metrics.adder(metrics.prefix_requests, label),
-                    metrics.adder(metrics.prefix_distribution, backend.name))
-            counters[0](1)
-            counters[1](1)
+                    metrics.adder(metrics.prefix_distribution, backend.name)))
+            counters(_ONE_EACH)
         return backend
 
     def explain(self, candidates: Sequence[Backend], ctx: RequestContext) -> dict[str, Any]:

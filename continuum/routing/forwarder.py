@@ -110,8 +110,7 @@ class Lease:
         elapsed = time.perf_counter() - self.started
         if ok is not None:
             backend.record(ok, elapsed if ok else None)
-        metrics.adder(metrics.in_flight, backend.name)(-1)
-        metrics.adder(metrics.upstream_attempts, self.endpoint, backend.name, str(status))(1)
+        metrics.attempt_done(self.endpoint, backend.name, status)
 
 
 @dataclass

@@ -153,6 +153,24 @@ for x in (0.0, 0.0005, 0.001, 0.0011, 0.25, 7, 120, 1e9, float("inf"), float("na
 m.child(m.ttft, "chat", "b", "strategy").observe(0.3)
 m.observer(m.kv_overlap_score)(0.55)
 m.kv_query_latency.observe(0.00002)
+both = m.joint((m.adder(m.prefix_requests, "prefix_hash"), m.adder(m.prefix_distribution, "b")))
+both((1, 1)); both((2, 0))
+m.attempt_done("chat", "b", 200); m.attempt_done("chat", "b", 499)
+import time
+from continuum.metrics import CACHE, RequestRecord
+time.perf_counter = lambda: 100.0  # the durations observe_request takes
+for i, (prompt, cached, created, completion) in enumerate(
+        [(12, 3, None, 6), (None, None, None, None), (5, None, 7, 0), (0, 0, 0, 9)]):
+    record = RequestRecord("chat", f"id{i}")
+    record.started = 100.0 - 0.0011 * (i + 1) ** 3
+    record.backend, record.decision, record.status = "b", "strategy", 200 + 100 * (i % 4)
+    record.stream, record.first_byte = bool(i % 2), 100.0 - 0.0004 * i
+    record.prompt_tokens, record.cached_tokens = prompt, cached
+    record.cache_creation_tokens, record.completion_tokens = created, completion
+    m.observe_request(record)
+cached_answer = RequestRecord("chat", "hit")
+cached_answer.decision, cached_answer.status, cached_answer.started = CACHE, 200, 99.0
+m.observe_request(cached_answer)
 pid = os.fork()
 if pid == 0:
     m.adder(m.requests, "chat", "2xx", "upstream")(5)
@@ -182,7 +200,8 @@ def test_multiprocess_values_write_what_prometheus_client_writes(tmp_path: Any) 
     """The router's multiprocess value class (and the adders and observers over it) leave
     the same files and the same exposition as prometheus-client's own class for the same
     samples: counters, gauges of each mode, histogram buckets at and around their bounds
-    (+Inf, NaN, negative), and samples after a fork, which go to the child's own files."""
+    (+Inf, NaN, negative), joint samples, finished requests and attempts, and samples after
+    a fork, which go to the child's own files."""
     import subprocess
     import sys
 
