@@ -37,6 +37,7 @@ from typing import Any
 
 import gevent
 from gevent import get_hub
+from gevent.socket import socket as GeventSocket
 from gevent.socket import wait_read
 from gunicorn import util as gunicorn_util
 from gunicorn.http.parser import RequestParser
@@ -145,12 +146,15 @@ class _CoalescingSocket:
     or from the hub as soon as the request's greenlet blocks, or when the request is done
     (:meth:`flush`); everything else goes straight to the socket, in order."""
 
-    __slots__ = ("_first", "_pending", "_sock")
+    __slots__ = ("_first", "_pending", "_raw", "_sock")
 
     def __init__(self, sock: Any) -> None:
         self._sock = sock
         self._pending: bytes | None = None
         self._first = True
+        # A plain gevent TCP socket's OS socket (non-blocking): its send is tried first,
+        # without gevent's send wrapper around it; None for any other kind (TLS included).
+        self._raw = sock._sock if type(sock) is GeventSocket else None
 
     def sendall(self, data: bytes) -> None:
         if self._first:
@@ -164,7 +168,14 @@ class _CoalescingSocket:
             data = pending + data
         # One send first: gevent's sendall asks the kernel for the buffer size each call.
         sock = self._sock
-        sent = sock.send(data)
+        raw = self._raw
+        if raw is None:
+            sent = sock.send(data)
+        else:
+            try:
+                sent = raw.send(data)
+            except BlockingIOError:  # the buffer is full: gevent's sendall waits
+                sent = 0
         if sent < len(data):
             sock.sendall(memoryview(data)[sent:])
 
