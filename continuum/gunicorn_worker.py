@@ -45,7 +45,7 @@ from gunicorn.workers.ggevent import GeventWorker as _GunicornGeventWorker
 
 from continuum.config import ServerConfig
 from continuum.wire.request_head import FastRequest
-from continuum.wire.waits import timer_for, wait_watcher
+from continuum.wire.waits import arm, timer_for, wait_watcher
 
 #: The Python path gunicorn loads this worker by (``worker_class``).
 WORKER_CLASS = "continuum.gunicorn_worker.GeventWorker"
@@ -95,13 +95,13 @@ class _HeaderDeadline:
             _wait_readable(conn, self.worker.cfg.keepalive)
         self.seconds = seconds = self.worker.header_timeout()
         timer = conn.header_timer = timer_for(conn.header_timer, seconds)
-        timer.start()
+        arm(timer)  # timer.start()
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool:
         timer = self.conn.header_timer
         if timer is not None:
-            timer.cancel()
+            timer.timer.stop()  # timer.cancel() (timer_for's timers are not one-shot)
         if timer is None or exc is not timer:
             return False
         self.worker.log.info("client %s: no complete request header within %g s; 408",

@@ -29,7 +29,7 @@ from typing import Any
 import gevent
 from gevent import get_hub
 
-from continuum.wire.waits import timer_for
+from continuum.wire.waits import arm, timer_for
 
 #: Limits on a response head (and on chunk-size and trailer lines).
 MAX_LINE = 64 * 1024
@@ -129,7 +129,7 @@ class Connection:
         if timer is None or timer.seconds != seconds:
             timer = self._timer = timer_for(timer, seconds)
         # wait_watcher's wait, inline (once per streamed record)
-        timer.start()
+        clock = arm(timer)
         try:
             get_hub().wait(sock._read_event)
         except gevent.Timeout as exc:
@@ -137,7 +137,7 @@ class Connection:
                 raise
             raise TimeoutError("timed out") from None
         finally:
-            timer.cancel()
+            clock.stop()
 
     def dropped(self) -> bool:
         """Whether the peer has closed (or written unasked): readable while idle."""
