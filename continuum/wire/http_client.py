@@ -27,9 +27,9 @@ from collections.abc import Generator, Iterator, Mapping
 from typing import Any
 
 import gevent
-from gevent import get_hub
+from gevent import get_hub, getcurrent
 
-from continuum.wire.waits import arm, timer_for
+from continuum.wire.waits import timer_for
 
 #: Limits on a response head (and on chunk-size and trailer lines).
 MAX_LINE = 64 * 1024
@@ -128,8 +128,9 @@ class Connection:
         timer = self._timer
         if timer is None or timer.seconds != seconds:
             timer = self._timer = timer_for(timer, seconds)
-        # wait_watcher's wait, inline (once per streamed record)
-        clock = arm(timer)
+        # wait_watcher's wait, inline (once per streamed record), arm() inline too
+        clock = timer.timer
+        clock.start(timer._on_expiration, getcurrent(), timer, update=True)
         try:
             get_hub().wait(sock._read_event)
         except gevent.Timeout as exc:
@@ -153,7 +154,15 @@ class Connection:
         if self.pos:
             del self.buf[: self.pos]  # only an incomplete unit is left: bounded work
             self.pos = 0
-        data = self.recv(_RECV, wait_first)
+        raw = self._raw
+        if raw is not None and wait_first:  # recv(_RECV, True), inline (once per record)
+            self._wait_readable()
+            try:
+                data = raw.recv(_RECV)
+            except BlockingIOError:  # woken with nothing to read: recv waits again
+                data = self.recv(_RECV)
+        else:
+            data = self.recv(_RECV, wait_first)
         self.buf += data
         return bool(data)
 
