@@ -37,6 +37,7 @@ from typing import Any
 
 import gevent
 from gevent import get_hub
+from gevent.socket import socket as GeventSocket
 from gevent.socket import wait_read
 from gunicorn import util as gunicorn_util
 from gunicorn.http.parser import RequestParser
@@ -44,7 +45,7 @@ from gunicorn.workers.ggevent import GeventWorker as _GunicornGeventWorker
 
 from continuum.config import ServerConfig
 from continuum.wire.request_head import FastRequest
-from continuum.wire.waits import timer_for, wait_watcher
+from continuum.wire.waits import arm, timer_for, wait_watcher
 
 #: The Python path gunicorn loads this worker by (``worker_class``).
 WORKER_CLASS = "continuum.gunicorn_worker.GeventWorker"
@@ -94,13 +95,13 @@ class _HeaderDeadline:
             _wait_readable(conn, self.worker.cfg.keepalive)
         self.seconds = seconds = self.worker.header_timeout()
         timer = conn.header_timer = timer_for(conn.header_timer, seconds)
-        timer.start()
+        arm(timer)  # timer.start()
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool:
         timer = self.conn.header_timer
         if timer is not None:
-            timer.cancel()
+            timer.timer.stop()  # timer.cancel() (timer_for's timers are not one-shot)
         if timer is None or exc is not timer:
             return False
         self.worker.log.info("client %s: no complete request header within %g s; 408",
@@ -145,12 +146,15 @@ class _CoalescingSocket:
     or from the hub as soon as the request's greenlet blocks, or when the request is done
     (:meth:`flush`); everything else goes straight to the socket, in order."""
 
-    __slots__ = ("_first", "_pending", "_sock")
+    __slots__ = ("_first", "_pending", "_raw", "_sock")
 
     def __init__(self, sock: Any) -> None:
         self._sock = sock
         self._pending: bytes | None = None
         self._first = True
+        # A plain gevent TCP socket's OS socket (non-blocking): its send is tried first,
+        # without gevent's send wrapper around it; None for any other kind (TLS included).
+        self._raw = sock._sock if type(sock) is GeventSocket else None
 
     def sendall(self, data: bytes) -> None:
         if self._first:
@@ -164,7 +168,14 @@ class _CoalescingSocket:
             data = pending + data
         # One send first: gevent's sendall asks the kernel for the buffer size each call.
         sock = self._sock
-        sent = sock.send(data)
+        raw = self._raw
+        if raw is None:
+            sent = sock.send(data)
+        else:
+            try:
+                sent = raw.send(data)
+            except BlockingIOError:  # the buffer is full: gevent's sendall waits
+                sent = 0
         if sent < len(data):
             sock.sendall(memoryview(data)[sent:])
 
@@ -223,6 +234,35 @@ class _HttpDate:
         return self._text
 
 
+class _SettledConfig:
+    """The worker's gunicorn ``Config`` with each setting read once: gunicorn reads about
+    16 settings per request through ``Config.__getattr__`` and ``Setting.get`` (two Python
+    calls each); a worker's settings do not change while it lives (a reload of gunicorn's
+    config starts new workers), so the first read of a name is kept as an attribute and
+    later reads are plain lookups. Setting anything is refused, as ``Config`` refuses
+    settings assigned as attributes; ``set`` goes to the config and forgets the name's
+    value read before; everything else (methods) is the config's."""
+
+    __slots__ = ("__dict__", "_cfg")
+
+    def __init__(self, cfg: Any) -> None:
+        object.__setattr__(self, "_cfg", cfg)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._cfg, name)
+        if not name.startswith("__"):
+            self.__dict__[name] = value
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Invalid access!")
+
+    def set(self, name: str, value: Any) -> None:
+        """``Config.set``; the name is read afresh afterwards."""
+        self._cfg.set(name, value)
+        self.__dict__.pop(name, None)
+
+
 class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
     """gunicorn's gevent worker, with ``server.client_header_timeout_seconds``."""
 
@@ -244,11 +284,15 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         :class:`_HttpDate` (the same text, made once a second instead of per response),
         and ``SCRIPT_NAME`` is set empty in the environment when unset: gunicorn looks it
         up there for every request, and an unset name raises and catches a ``KeyError``
-        each time; empty and unset mean the same to it (no script name)."""
+        each time; empty and unset mean the same to it (no script name). The worker's
+        config reads each setting once (:class:`_SettledConfig`)."""
         RequestParser.mesg_class = FastRequest
         if not isinstance(gunicorn_util.http_date, _HttpDate):
             gunicorn_util.http_date = _HttpDate(gunicorn_util.http_date)
         os.environ.setdefault("SCRIPT_NAME", "")
+        cfg: Any = getattr(self, "cfg")  # noqa: B009 (gunicorn's base class is untyped)
+        if not isinstance(cfg, _SettledConfig):
+            self.cfg = _SettledConfig(cfg)
         super().init_process()
 
     def handle(self, listener: Any, client: Any, addr: Any) -> None:

@@ -11,8 +11,13 @@ tests can build as many apps as they like.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
+import struct
 import time
+from bisect import bisect_left
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import (
@@ -32,6 +37,9 @@ _LATENCY_BUCKETS = (
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
+
+#: The amounts of :meth:`RouterMetrics.attempt_done`: in flight -1, attempts +1.
+_DONE = (-1, 1)
 
 #: ``outcome`` label values of ``continuum_requests_total``.
 UPSTREAM = "upstream"
@@ -116,17 +124,153 @@ def multiprocess_enabled() -> bool:
     return bool(os.environ.get(MULTIPROC_ENV))
 
 
-def _cache_pid_in_values() -> None:
-    """In multiprocess mode, every ``inc``/``set``/``observe`` of prometheus-client calls
-    ``os.getpid()`` to notice a fork: a syscall per sample, about 16 per proxied request.
-    The value class takes the process identifier as a parameter; ours is the pid cached at
-    import and refreshed in every forked child (``os.register_at_fork``), so it is as
-    exact. It must be installed before any metric value exists in the process (values
-    built earlier would keep a second map of the same file): this module is imported
-    before any metric is built, and the gunicorn master builds none."""
+def _native_lock() -> Any:
+    """A lock of the operating system's threads, also in a gevent-patched process (where
+    ``threading.Lock`` is gevent's, a Python-level object taking two calls per acquire).
+    Nothing switches greenlets while a value's lock is held (no I/O that gevent patches:
+    a slice assignment to the mmap, and at worst opening a file), so greenlets cannot
+    deadlock on it; real threads are excluded from each other as before."""
+    try:
+        from gevent.monkey import get_original
+    except ImportError:  # pragma: no cover - gevent is a dependency
+        import threading
+
+        return threading.Lock()
+    return get_original("_thread", "allocate_lock")()
+
+
+def _multiprocess_value_class(pid: list[int]) -> type:
+    """The value class of prometheus-client's multiprocess mode, writing the same files
+    (``<type>[_<mode>]_<pid>.db`` through its own ``MmapedDict`` and ``mmap_key``) with the
+    same values, at a fraction of the work per sample.
+
+    prometheus-client's ``MultiProcessValue`` takes, on every ``inc``/``set``, a lock that
+    under gevent is Python-level, calls its process-identifier function to notice a fork,
+    and looks the sample's position up by its JSON key; about 115 bytecodes and 6 Python
+    calls per sample, 14 samples per proxied request. This class takes a native lock,
+    compares ``pid[0]`` (the pid cached at import and refreshed in every forked child,
+    ``os.register_at_fork``) with the pid its files belong to, and writes the two doubles
+    at the position it keeps (a key's position in its file never changes; the map object
+    may, when the file grows, so it is read from the file each time). The write is one
+    slice assignment, as prometheus-client's (``struct.pack_into`` could expose a
+    half-written value to a concurrent ``/metrics`` read). After a fork every value is
+    re-read from the child's own files, as prometheus-client does."""
+    from prometheus_client import values
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    lock = _native_lock()
+    files: dict[str, Any] = {}
+    live: list[Any] = []
+    owner = [pid[0]]  # the process the open files belong to
+    pack = struct.Struct("dd").pack
+
+    def cleanup() -> None:
+        for f in files.values():
+            f.close()
+        files.clear()
+        live.clear()
+
+    values._multi_process_cleanups.append(cleanup)
+
+    def forked() -> None:
+        """In a forked child (lock held): reopen the files under its pid, re-read all."""
+        owner[0] = pid[0]
+        for f in files.values():
+            f.close()
+        files.clear()
+        for value in live:
+            value._reset()
+
+    class MmapedValue:
+        """A float in this process's mmapped file (see the factory)."""
+
+        _multiprocess = True
+        __slots__ = ("_file", "_key", "_params", "_pos", "_timestamp", "_value")
+
+        def __init__(self, typ: str, metric_name: str, name: str, labelnames: Any,
+                     labelvalues: Any, help_text: str, multiprocess_mode: str = "",
+                     **kwargs: Any) -> None:
+            self._params = (typ, metric_name, name, labelnames, labelvalues, help_text,
+                            multiprocess_mode)
+            with lock:
+                if owner[0] != pid[0]:
+                    forked()
+                self._reset()
+                live.append(self)
+
+        def _reset(self) -> None:
+            typ, metric_name, name, labelnames, labelvalues, help_text, mode = self._params
+            prefix = f"{typ}_{mode}" if typ == "gauge" else typ
+            file = files.get(prefix)
+            if file is None:
+                file = files[prefix] = MmapedDict(os.path.join(
+                    os.environ[MULTIPROC_ENV], f"{prefix}_{owner[0]}.db"))  # type: ignore[no-untyped-call]
+            self._file = file
+            self._key = key = mmap_key(metric_name, name, labelnames, labelvalues, help_text)
+            self._value, self._timestamp = file.read_value(key)  # makes the entry if new
+            self._pos = file._positions[key]
+
+        def inc(self, amount: float) -> None:
+            with lock:
+                if owner[0] != pid[0]:
+                    forked()
+                value = self._value = self._value + amount
+                self._timestamp = 0.0
+                pos = self._pos
+                self._file._m[pos:pos + 16] = pack(value, 0.0)
+
+        def set(self, value: float, timestamp: float | None = None) -> None:
+            with lock:
+                if owner[0] != pid[0]:
+                    forked()
+                self._value = value
+                stamp = self._timestamp = timestamp or 0.0
+                pos = self._pos
+                self._file._m[pos:pos + 16] = pack(value, stamp)
+
+        def set_exemplar(self, exemplar: Any) -> None:
+            return  # not kept in multiprocess mode (as in prometheus-client)
+
+        def get(self) -> float:
+            with lock:
+                if owner[0] != pid[0]:
+                    forked()
+                return float(self._value)
+
+        def get_exemplar(self) -> Any:
+            return None
+
+        @staticmethod
+        def inc_each(values: tuple[Any, ...], amounts: tuple[float, ...]) -> None:
+            """``values[i].inc(amounts[i])`` for each, under one taking of the lock."""
+            with lock:
+                if owner[0] != pid[0]:
+                    forked()
+                for value, amount in zip(values, amounts, strict=True):
+                    total = value._value = value._value + amount
+                    value._timestamp = 0.0
+                    pos = value._pos
+                    value._file._m[pos:pos + 16] = pack(total, 0.0)
+
+    return MmapedValue
+
+
+#: The class :func:`_install_multiprocess_values` installed, if it did.
+_FAST_VALUE: Any = None
+
+
+def _install_multiprocess_values() -> None:
+    """In multiprocess mode, install :func:`_multiprocess_value_class` as
+    prometheus-client's value class, with the pid cached at import and refreshed in every
+    forked child (``os.register_at_fork``): prometheus-client's own calls ``os.getpid()``
+    on every sample to notice a fork, a syscall each. It must be installed before any
+    metric value exists in the process (values built earlier would keep a second map of
+    the same file): this module is imported before any metric is built, and the gunicorn
+    master builds none. A prometheus-client whose file layer is not the one this class
+    was written against keeps its own class (with the cached pid)."""
     if not multiprocess_enabled():
         return
-    from prometheus_client import values
+    from prometheus_client import mmap_dict, values
 
     pid = [os.getpid()]
 
@@ -134,10 +278,78 @@ def _cache_pid_in_values() -> None:
         pid[0] = os.getpid()
 
     os.register_at_fork(after_in_child=refresh)
-    values.ValueClass = values.MultiProcessValue(lambda: pid[0])  # type: ignore[no-untyped-call]
+    known = all(hasattr(mmap_dict.MmapedDict, name)
+                for name in ("read_value", "_init_value", "close")) and \
+        hasattr(mmap_dict, "mmap_key") and hasattr(values, "_multi_process_cleanups")
+    if known:
+        global _FAST_VALUE
+        values.ValueClass = _FAST_VALUE = _multiprocess_value_class(pid)
+    else:  # pragma: no cover - another prometheus-client file layer
+        values.ValueClass = values.MultiProcessValue(lambda: pid[0])  # type: ignore[no-untyped-call]
 
 
-_cache_pid_in_values()
+_install_multiprocess_values()
+
+
+def adder(child: Any) -> Callable[[float], None]:
+    """``child.inc`` of a counter or gauge child, as its value's own ``inc`` when it has
+    one: the same sample, without the metric's checks that a child always passes (it is
+    observable; our amounts are never negative for counters). ``adder(c)(-1)`` is a
+    gauge's ``dec()``."""
+    value = getattr(child, "_value", None)
+    inc = getattr(value, "inc", None)
+    return inc if callable(inc) else child.inc  # type: ignore[no-any-return]
+
+
+def joint(adds: tuple[Callable[[float], None], ...]) -> Callable[[tuple[float, ...]], None]:
+    """One callable for several :func:`adder` results: ``j(amounts)`` is ``adds[i](amounts[i])``
+    for each (adding 0 leaves a sample as it is), under one taking of the values' lock
+    when they are all of this module's multiprocess class."""
+    fast: Any = _FAST_VALUE
+    owners = tuple(getattr(add, "__self__", None) for add in adds)
+    if fast is not None and all(type(v) is fast for v in owners):
+        return functools.partial(fast.inc_each, owners)
+
+    def each(amounts: tuple[float, ...]) -> None:
+        for add, amount in zip(adds, amounts, strict=True):
+            add(amount)
+
+    return each
+
+
+def observer(child: Any) -> Callable[[float], None]:
+    """``child.observe`` of a histogram child, adding to its sum and to the first bucket
+    whose upper bound is at least the amount, as ``Histogram.observe`` does (a NaN lands
+    in no bucket), straight on the values."""
+    try:
+        sum_inc = child._sum.inc
+        bounds = list(child._upper_bounds)
+        buckets = [bucket.inc for bucket in child._buckets]
+    except AttributeError:  # pragma: no cover - another prometheus-client
+        return child.observe  # type: ignore[no-any-return]
+    if len(bounds) != len(buckets) or not bounds or bounds[-1] != math.inf:
+        return child.observe  # type: ignore[no-any-return]
+    fast: Any = _FAST_VALUE
+    inc_each = None if fast is None else fast.inc_each
+    sum_value = getattr(sum_inc, "__self__", None)
+    values = [getattr(inc, "__self__", None) for inc in buckets]
+    if inc_each is not None and type(sum_value) is fast and all(type(v) is fast for v in values):
+        pairs = [(sum_value, value) for value in values]
+
+        def observe_values(amount: float) -> None:
+            if amount == amount:  # not NaN
+                inc_each(pairs[bisect_left(bounds, amount)], (amount, 1))
+            else:
+                sum_inc(amount)
+
+        return observe_values
+
+    def observe(amount: float) -> None:
+        sum_inc(amount)
+        if amount == amount:  # not NaN
+            buckets[bisect_left(bounds, amount)](1)
+
+    return observe
 
 
 class RouterMetrics:
@@ -381,7 +593,10 @@ class RouterMetrics:
         for kind in ("connection", "timeout", "protocol", "other"):
             self.redis_errors.labels(kind)
         self._children: dict[tuple[str, ...], Any] = {}
-        self._bundles: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self._adders: dict[tuple[str, ...], Callable[[float], None]] = {}
+        self._observers: dict[tuple[str, ...], Callable[[float], None]] = {}
+        self._bundles: dict[tuple[Any, ...], tuple[Callable[..., None], ...]] = {}
+        self._attempts: dict[tuple[str, str, int], Callable[[tuple[float, ...]], None]] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
         """The labelled child of ``metric``, cached (``labels()`` costs microseconds)."""
@@ -391,9 +606,32 @@ class RouterMetrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
+    def adder(self, metric: Any, *labels: str) -> Callable[[float], None]:
+        """:func:`adder` of the labelled child of a counter or gauge (of the metric itself
+        without labels), cached: ``add(1)`` is its ``inc()``, ``add(-1)`` a gauge's
+        ``dec()``."""
+        key = (metric._name, *labels)
+        add = self._adders.get(key)
+        if add is None:
+            add = self._adders[key] = adder(self.child(metric, *labels) if labels else metric)
+        return add
+
+    #: :func:`joint`, for plugins that hold the metrics only.
+    joint = staticmethod(joint)
+
+    def observer(self, metric: Any, *labels: str) -> Callable[[float], None]:
+        """:func:`observer` of the labelled child of a histogram (of the histogram itself
+        without labels), cached."""
+        key = (metric._name, *labels)
+        observe = self._observers.get(key)
+        if observe is None:
+            observe = self._observers[key] = observer(
+                self.child(metric, *labels) if labels else metric)
+        return observe
+
     def observe_request(self, record: RequestRecord) -> None:
         """Count a finished client request: once in ``continuum_requests_total``, its
-        duration and TTFT, and the tokens its answer reported. The children of one label
+        duration and TTFT, and the tokens its answer reported. The samples of one label
         combination are looked up once and kept together (one dict lookup per request)."""
         finished = record.finished = time.perf_counter()
         status = record.final_status
@@ -403,30 +641,38 @@ class RouterMetrics:
         bundle = self._bundles.get(key)
         if bundle is None:
             bundle = self._bundles[key] = self._bundle(*key)
-        requests, duration, ttft, prompt, cached, created, completion = bundle
-        requests.inc()
-        duration.observe(finished - record.started)
+        counters, duration, ttft = bundle
+        prompt = record.prompt_tokens
+        # requests, and the tokens the answer reported (0 where it reported none)
+        counters((1, prompt or 0, (record.cached_tokens or 0) if prompt is not None else 0,
+                  (record.cache_creation_tokens or 0) if prompt is not None else 0,
+                  record.completion_tokens or 0))
+        duration(finished - record.started)
         if record.stream and record.first_byte is not None:
-            ttft.observe(record.first_byte - record.started)
-        if record.prompt_tokens is not None:
-            prompt.inc(record.prompt_tokens)
-            cached.inc(record.cached_tokens or 0)
-            if record.cache_creation_tokens:
-                created.inc(record.cache_creation_tokens)
-        if record.completion_tokens:
-            completion.inc(record.completion_tokens)
+            ttft(record.first_byte - record.started)
 
     def _bundle(self, endpoint: str, backend: str, decision: str, hundreds: int,
-                outcome: str) -> tuple[Any, ...]:
+                outcome: str) -> tuple[Callable[..., None], ...]:
         status_class = f"{hundreds}xx" if 1 <= hundreds <= 5 else "5xx"
-        child = self.child
-        return (child(self.requests, endpoint, status_class, outcome),
-                child(self.duration, endpoint, backend, decision),
-                child(self.ttft, endpoint, backend, decision),
-                child(self.prompt_tokens, backend, decision),
-                child(self.cached_prompt_tokens, backend, decision),
-                child(self.cache_creation_tokens, backend, decision),
-                child(self.completion_tokens, backend, decision))
+        add, observe = self.adder, self.observer
+        counters = joint((add(self.requests, endpoint, status_class, outcome),
+                          add(self.prompt_tokens, backend, decision),
+                          add(self.cached_prompt_tokens, backend, decision),
+                          add(self.cache_creation_tokens, backend, decision),
+                          add(self.completion_tokens, backend, decision)))
+        return (counters, observe(self.duration, endpoint, backend, decision),
+                observe(self.ttft, endpoint, backend, decision))
+
+    def attempt_done(self, endpoint: str, backend: str, status: int) -> None:
+        """An upstream attempt ended with ``status``: one fewer in flight on ``backend``,
+        one more in ``continuum_upstream_attempts_total`` (both samples at once)."""
+        key = (endpoint, backend, status)
+        samples = self._attempts.get(key)
+        if samples is None:
+            samples = self._attempts[key] = joint((
+                self.adder(self.in_flight, backend),
+                self.adder(self.upstream_attempts, endpoint, backend, str(status))))
+        samples(_DONE)
 
     def exposition(self) -> bytes:
         """The text exposition for ``GET /metrics``."""

@@ -52,14 +52,32 @@ def content_text(content: Any) -> str | None:
     return None
 
 
+#: Models whose ``SHA256(model ++ 0x00)`` state is kept; names come from clients: bounded.
+_MAX_MODELS = 256
+_model_states: dict[str, Any] = {}
+
+
 def prefix_key_from_text(
     model: str, tag: bytes, text: str, max_prefix_length: int = DEFAULT_MAX_PREFIX_LENGTH
 ) -> bytes:
-    """The prefix key of ``text`` in role ``tag`` (:data:`SYSTEM_TAG` or :data:`MESSAGE_TAG`)."""
-    digest = hashlib.sha256(model.encode("utf-8", "surrogatepass"))
-    digest.update(b"\x00")
-    digest.update(tag)
-    digest.update(truncate_utf8(text, max_prefix_length))
+    """The prefix key of ``text`` in role ``tag`` (:data:`SYSTEM_TAG` or :data:`MESSAGE_TAG`).
+
+    The hash state after ``model ++ 0x00`` is kept per model and copied (a copy costs less
+    than a new OpenSSL context); the digest is the same."""
+    state = _model_states.get(model)
+    if state is None:
+        if len(_model_states) >= _MAX_MODELS:
+            _model_states.clear()
+        state = _model_states[model] = hashlib.sha256(
+            model.encode("utf-8", "surrogatepass") + b"\x00")
+    digest = state.copy()
+    if len(text) <= max_prefix_length:  # often whole: one encode, no cut to look for
+        data = text.encode("utf-8", "surrogatepass")
+        if len(data) > max_prefix_length:
+            data = truncate_utf8(text, max_prefix_length)
+    else:
+        data = truncate_utf8(text, max_prefix_length)
+    digest.update(tag + data)
     return digest.digest()
 
 
@@ -69,9 +87,11 @@ def anchor_text(body: dict[str, Any]) -> tuple[bytes, str] | None:
     OpenAI shape: the first ``system``/``developer`` message, else the first other message.
     Anthropic shape: the top-level ``system`` (string or blocks), else the first message.
     """
-    system = content_text(body.get("system"))
-    if system is not None:
-        return SYSTEM_TAG, system
+    system = body.get("system")
+    if system is not None:  # content_text(None) is None
+        text = content_text(system)
+        if text is not None:
+            return SYSTEM_TAG, text
     messages = body.get("messages")
     if not isinstance(messages, list):
         return None
@@ -80,14 +100,17 @@ def anchor_text(body: dict[str, Any]) -> tuple[bytes, str] | None:
         if not isinstance(message, dict):
             continue
         if message.get("role") in _SYSTEM_ROLES:
-            text = content_text(message.get("content"))
+            content = message.get("content")
+            # content_text, with its common case (a non-empty string) inline
+            text = content if type(content) is str and content else content_text(content)
             if text is not None:
                 return SYSTEM_TAG, text
         elif first_other is None:
             first_other = message
     if first_other is None:
         return None
-    text = content_text(first_other.get("content"))
+    content = first_other.get("content")
+    text = content if type(content) is str and content else content_text(content)
     return None if text is None else (MESSAGE_TAG, text)
 
 

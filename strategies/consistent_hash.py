@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from continuum.errors import NoHealthyBackendError
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 _MAX_RINGS = 64
 #: Model-name hashes remembered; model names are few, but they come from clients.
 _MAX_KEYS = 4096
+_name = attrgetter("name")
 
 
 class ConsistentHash(SelectionStrategy):
@@ -65,7 +67,7 @@ class ConsistentHash(SelectionStrategy):
 
     def ring(self, candidates: Sequence[Backend]) -> HashRing:
         """The (cached) ring whose ``names`` are the candidates' names, in their order."""
-        names = tuple([backend.name for backend in candidates])
+        names = tuple(map(_name, candidates))
         ring = self._rings.get(names)
         if ring is None:
             if len(self._rings) >= _MAX_RINGS:

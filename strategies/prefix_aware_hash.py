@@ -22,8 +22,9 @@ behind one system prompt spread over the fleet.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from continuum.cardinality import DistinctCounter
@@ -41,14 +42,18 @@ if TYPE_CHECKING:
 PREFIX_HASH = "prefix_hash"
 OVERFLOW = "overflow"
 FALLBACK = "fallback"
+_in_flight = attrgetter("in_flight")
+_ONE_EACH = (1, 1)
 
 
 def load_bound(candidates: Sequence[Backend], epsilon: float) -> int:
     """Most in-flight requests one backend may hold, counting the one being placed."""
-    total = 0
-    for backend in candidates:
-        total += backend.in_flight
-    return math.ceil((1.0 + epsilon) * (total + 1) / len(candidates))
+    return _bound(list(map(_in_flight, candidates)), epsilon)
+
+
+def _bound(loads: list[int], epsilon: float) -> int:
+    """:func:`load_bound` of candidates carrying ``loads``."""
+    return math.ceil((1.0 + epsilon) * (sum(loads) + 1) / len(loads))
 
 
 class PrefixAwareHash(ConsistentHash):
@@ -73,7 +78,7 @@ class PrefixAwareHash(ConsistentHash):
         self.prefixes = DistinctCounter()
         #: (decision, backend) -> the two counters' children (labels are bounded: three
         #: decisions times the configured backends).
-        self._counters: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._counters: dict[tuple[str, str], Callable[[tuple[float, ...]], None]] = {}
 
     def reconfigure(self, config: RouterConfig) -> list[str]:
         """Apply ``prefix_routing`` live: a new ``virtual_nodes`` rebuilds the rings
@@ -96,20 +101,24 @@ class PrefixAwareHash(ConsistentHash):
         if key is None:
             return super().select(candidates, ctx), FALLBACK, None
         ring = self.ring(candidates)
-        bound = load_bound(candidates, self.settings.load_factor_epsilon)
+        # Each candidate's load is read once: nothing else runs until the choice is made,
+        # so a second read would give the same count.
+        loads = list(map(_in_flight, candidates))
+        bound = _bound(loads, self.settings.load_factor_epsilon)
         start = ring.lookup_probes(key)
-        owner = candidates[ring.owners[start]]
-        if owner.in_flight < bound:  # the common case, without the walk
+        first = ring.owners[start]
+        owner = candidates[first]
+        if loads[first] < bound:  # the common case, without the walk
             return owner, PREFIX_HASH, bound
         for index in ring.walk_indices_at(start):  # the owner first: it is full
-            backend = candidates[index]
-            if backend.in_flight < bound:
+            if loads[index] < bound:
+                backend = candidates[index]
                 return backend, (PREFIX_HASH if backend is owner else OVERFLOW), bound
         return owner, PREFIX_HASH, bound
 
     def select(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend:
         """Pick by prefix key with bounded loads (see the module docstring)."""
-        backend, label, _bound = self.decide(candidates, ctx)
+        backend, label, _limit = self.decide(candidates, ctx)
         self.decisions[label] += 1
         if ctx.prefix_key is not None:
             self.prefixes.add(ctx.prefix_key)
@@ -117,11 +126,10 @@ class PrefixAwareHash(ConsistentHash):
         if metrics is not None:
             counters = self._counters.get((label, backend.name))
             if counters is None:
-                counters = self._counters[(label, backend.name)] = (
-                    metrics.child(metrics.prefix_requests, label),
-                    metrics.child(metrics.prefix_distribution, backend.name))
-            counters[0].inc()
-            counters[1].inc()
+                counters = self._counters[(label, backend.name)] = metrics.joint((
+                    metrics.adder(metrics.prefix_requests, label),
+                    metrics.adder(metrics.prefix_distribution, backend.name)))
+            counters(_ONE_EACH)
         return backend
 
     def explain(self, candidates: Sequence[Backend], ctx: RequestContext) -> dict[str, Any]:

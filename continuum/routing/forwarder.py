@@ -85,7 +85,7 @@ class Lease:
         #: This worker's requests in flight on the backend when this one was sent.
         self.level = backend.local_in_flight
         backend.acquire()
-        metrics.child(metrics.in_flight, backend.name).inc()
+        metrics.adder(metrics.in_flight, backend.name)(1)
 
     def admit(self) -> None:
         """The stream's first body piece (its first token) arrived: tell the backend how
@@ -110,8 +110,7 @@ class Lease:
         elapsed = time.perf_counter() - self.started
         if ok is not None:
             backend.record(ok, elapsed if ok else None)
-        metrics.child(metrics.in_flight, backend.name).dec()
-        metrics.child(metrics.upstream_attempts, self.endpoint, backend.name, str(status)).inc()
+        metrics.attempt_done(self.endpoint, backend.name, status)
 
 
 @dataclass
@@ -290,9 +289,8 @@ class Forwarder:
                 f"backend '{backend.name}' ({backend.url}) closed the connection: {exc}",
                 backend=backend.name,
             ) from None
-        self.metrics.child(self.metrics.ttfb, ctx.endpoint, backend.name).observe(
-            time.perf_counter() - lease.started
-        )
+        self.metrics.observer(self.metrics.ttfb, ctx.endpoint, backend.name)(
+            time.perf_counter() - lease.started)
         if self.on_result is not None and response.status < 500:
             self.on_result(backend, True)
         return Upstream(backend, response, lease, ctx.request_id)

@@ -160,9 +160,9 @@ class ResponseAdapter:
 
     def _watch_openai(self, pieces: Iterator[bytes]) -> Iterator[bytes]:
         for piece in pieces:
-            if b'"cached_tokens"' in piece:
+            if piece.find(b'"cached_tokens"') >= 0:  # (``in`` first tries an integer)
                 for line in piece.split(b"\n"):
-                    if line.startswith(b"data: {") and b'"cached_tokens"' in line:
+                    if line.startswith(b"data: {") and line.find(b'"cached_tokens"') >= 0:
                         self._count_openai(line[6:])
             yield piece
 

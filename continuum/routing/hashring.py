@@ -112,10 +112,13 @@ class HashRing:
             raise LookupError("the hash ring is empty")
         best_index = 0
         best_distance = _RING
-        words = len(digest) // 8
-        unpack = _WORDS.get(words)
-        probes = unpack(digest[:words * 8]) if unpack is not None else \
-            struct.unpack(f">{words}Q", digest[:words * 8])
+        if len(digest) == 32:  # a SHA-256 key: its four words, without a slice
+            probes = _WORDS[4](digest)
+        else:
+            words = len(digest) // 8
+            unpack = _WORDS.get(words)
+            probes = unpack(digest[:words * 8]) if unpack is not None else \
+                struct.unpack(f">{words}Q", digest[:words * 8])
         for probe in probes:
             index = bisect_right(positions, probe)
             if index == total:

@@ -182,8 +182,10 @@ class UsageStream:
     piece sent.
 
     Pieces go on as they come when they hold whole records and no usage (the common case:
-    one ``in`` test per piece). Otherwise records are cut at blank lines; a record split
-    across pieces waits for its end (bounded by :data:`_MAX_PENDING`).
+    one ``find`` per piece: ``bytes in bytes`` first tries the key as an integer, and
+    formats and drops a ``TypeError``, about 1.8k instructions, before it searches).
+    Otherwise records are cut at blank lines; a record split across pieces waits for its
+    end (bounded by :data:`_MAX_PENDING`).
     """
 
     __slots__ = ("_pending", "sink", "source", "strip")
@@ -198,7 +200,7 @@ class UsageStream:
         key, end, sink, strip = _KEY, _RECORD_END, self.sink, self.strip
         try:
             for piece in self.source:
-                if not self._pending and key not in piece and piece.endswith(end):
+                if not self._pending and piece.find(key) < 0 and piece.endswith(end):
                     yield piece
                     continue
                 data = self._pending + piece
@@ -212,7 +214,7 @@ class UsageStream:
                     continue
                 self._pending = data[cut + 2:]
                 whole = data[:cut + 2]
-                if key in whole:
+                if whole.find(key) >= 0:
                     whole = self._records(whole, sink, strip)
                 if whole:
                     yield whole
@@ -233,7 +235,7 @@ class UsageStream:
             stop = len(data) if stop < 0 else stop + 2
             record = data[start:stop]
             start = stop
-            if _KEY in record:
+            if record.find(_KEY) >= 0:
                 doc = _event_json(record)
                 found = usage_of(doc)
                 if found is not None:

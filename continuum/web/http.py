@@ -46,7 +46,8 @@ def request_id_of(req: falcon.Request) -> str:
     log line and every 5xx body, so that a client's report finds the log entry."""
     rid: str | None = getattr(req.context, "request_id", None)
     if rid is None:
-        rid = req.context.request_id = rq.new_request_id(req.get_header("X-Request-Id"))
+        # (``get_header`` would raise and catch a KeyError when the client sent none)
+        rid = req.context.request_id = rq.new_request_id(req.env.get("HTTP_X_REQUEST_ID"))
     return rid
 
 

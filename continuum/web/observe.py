@@ -21,6 +21,7 @@ import functools
 import hashlib
 import json
 import logging
+import operator
 import os
 import re
 import time
@@ -97,7 +98,17 @@ def format_access(record: RequestRecord, fmt: str) -> str:
     fields = access_fields(record)
     if fmt == JSON_FORMAT:
         return json.dumps(fields, separators=(",", ":"))
+    # ``key=_text_value(value)`` for each field. The common line first: when no value is
+    # empty or has a character to quote (one search over all of them), every value is its
+    # ``str()`` (``-`` for None) as it stands.
+    texts = ["-" if value is None else str(value) for value in fields.values()]
+    if all(texts) and not _NEEDS_QUOTES("".join(texts)):
+        return " ".join(map(operator.add, _TEXT_KEYS, texts))
     return " ".join(f"{key}={_text_value(value)}" for key, value in fields.items())
+
+
+#: ``key=`` of every access-log field, in the order of :func:`access_fields`.
+_TEXT_KEYS = tuple(f"{key}=" for key in access_fields(RequestRecord(UNKNOWN)))
 
 
 def configure_access_log(fmt: str) -> None:
@@ -212,13 +223,13 @@ class Observer:
 
     def process_resource(self, req: falcon.Request, resp: falcon.Response, resource: Any,
                          params: dict[str, Any]) -> None:
-        record: RequestRecord | None = req.context.get("record")
+        record: RequestRecord | None = req.context.__dict__.get("record")  # (Context.get)
         if record is not None and resource is not None:
             record.endpoint = getattr(resource, "endpoint", UNKNOWN)
 
     def process_response(self, req: falcon.Request, resp: falcon.Response, resource: Any,
                          req_succeeded: bool) -> None:
-        record: RequestRecord | None = req.context.get("record")
+        record: RequestRecord | None = req.context.__dict__.get("record")  # (Context.get)
         if record is None:
             return
         record.request_id = request_id_of(req)

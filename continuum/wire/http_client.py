@@ -27,9 +27,9 @@ from collections.abc import Generator, Iterator, Mapping
 from typing import Any
 
 import gevent
-from gevent import get_hub
+from gevent import get_hub, getcurrent
 
-from continuum.wire.waits import timer_for, wait_watcher
+from continuum.wire.waits import timer_for
 
 #: Limits on a response head (and on chunk-size and trailer lines).
 MAX_LINE = 64 * 1024
@@ -125,9 +125,20 @@ class Connection:
         if seconds is None:
             get_hub().wait(sock._read_event)
             return
-        timer = self._timer = timer_for(self._timer, seconds)
-        if not wait_watcher(sock._read_event, timer):
-            raise TimeoutError("timed out")
+        timer = self._timer
+        if timer is None or timer.seconds != seconds:
+            timer = self._timer = timer_for(timer, seconds)
+        # wait_watcher's wait, inline (once per streamed record), arm() inline too
+        clock = timer.timer
+        clock.start(timer._on_expiration, getcurrent(), timer, update=True)
+        try:
+            get_hub().wait(sock._read_event)
+        except gevent.Timeout as exc:
+            if exc is not timer:
+                raise
+            raise TimeoutError("timed out") from None
+        finally:
+            clock.stop()
 
     def dropped(self) -> bool:
         """Whether the peer has closed (or written unasked): readable while idle."""
@@ -143,7 +154,15 @@ class Connection:
         if self.pos:
             del self.buf[: self.pos]  # only an incomplete unit is left: bounded work
             self.pos = 0
-        data = self.recv(_RECV, wait_first)
+        raw = self._raw
+        if raw is not None and wait_first:  # recv(_RECV, True), inline (once per record)
+            self._wait_readable()
+            try:
+                data = raw.recv(_RECV)
+            except BlockingIOError:  # woken with nothing to read: recv waits again
+                data = self.recv(_RECV)
+        else:
+            data = self.recv(_RECV, wait_first)
         self.buf += data
         return bool(data)
 
@@ -277,7 +296,31 @@ class Response:
         while True:
             out: list[bytes] = []
             done = False
-            while True:
+            if state == _SIZE:
+                # The common case first: whole chunks (size line, data, CRLF) buffered, as
+                # a token stream's records come, consumed here without the steps below;
+                # anything else (a partial chunk, the last chunk, an over-long line) is
+                # left where it starts, to them.
+                buf, pos = conn.buf, conn.pos
+                have = len(buf)
+                while (end := buf.find(b"\r\n", pos)) >= 0 and end - pos <= MAX_LINE:
+                    digits = buf[pos:end]
+                    # plain hex digits (no extension, no blanks): what _chunk_size accepts
+                    left = int(digits, 16) if 0 < len(digits) <= 16 and \
+                        not digits.strip(_HEX) else _chunk_size(bytes(digits))
+                    start = end + 2
+                    stop = start + left
+                    if not left or stop + 2 > have:
+                        break
+                    if buf[stop:stop + 2] != b"\r\n":
+                        raise ProtocolError("chunk data not followed by CRLF")
+                    out.append(bytes(buf[start:stop]))
+                    pos = stop + 2
+                conn.pos = pos
+                idle = pos == have  # all that was buffered were whole chunks: wait
+            else:
+                idle = False
+            while not idle:
                 if state == _DATA:
                     avail = len(conn.buf) - conn.pos
                     if not avail:

@@ -30,10 +30,12 @@ from gunicorn.http.message import Request
 #: The request line of the fast path; anything else is left to gunicorn.
 _REQUEST_LINE = re.compile(
     r"(GET|POST|PUT|DELETE|PATCH|HEAD|OPTIONS) (/[\x21-\x22\x24-\x7e]*) HTTP/1\.([01])")
-#: ``name: value``; the value without its surrounding blanks (gunicorn strips them too).
-_FIELD = re.compile(r"([!#$%&'*+\-.^`|~0-9A-Za-z]+):[ \t]*(.*?)[ \t]*")
-#: Characters gunicorn refuses in a value (RFC 9110 5.5): controls but HTAB, and DEL.
-_BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]").search
+#: Every header line of the head at once (its bytes), each ``name:value`` and its CRLF: a token
+#: without ``_`` for the name, and a value without the characters gunicorn refuses
+#: there (RFC 9110 5.5: controls but HTAB, and DEL). One match for the whole block; each
+#: line is then split at its first colon and its value stripped of blanks, as gunicorn
+#: strips them.
+_FIELDS = re.compile(rb"(?:[!#$%&'*+\-.^`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*\r\n)*")
 #: Fields gunicorn gives rules of their own: always left to it.
 _SPECIAL = frozenset(("EXPECT", "TRANSFER-ENCODING"))
 #: Fields that may appear once (gunicorn refuses a second one).
@@ -42,6 +44,17 @@ _SINGLETONS = frozenset(("HOST", "CONTENT-TYPE"))
 
 class FastRequest(Request):  # type: ignore[misc]
     """gunicorn's ``Request``, parsed by the strict fast path when the head allows it."""
+
+    #: For a head the fast path parsed: what its ``Connection`` field and version say of
+    #: closing after this request (``should_close`` is asked three times per request).
+    _close: bool | None = None
+
+    def should_close(self) -> bool:
+        """gunicorn's answer: ``must_close``, else what the head says."""
+        close = self._close
+        if close is None:
+            return super().should_close()  # type: ignore[no-any-return]
+        return bool(self.must_close) or close
 
     def parse(self, unreader: Any) -> bytes:
         """Parse the head; the bytes read past it (gunicorn's contract)."""
@@ -62,7 +75,8 @@ class FastRequest(Request):  # type: ignore[misc]
         return False (nothing set) when gunicorn's parser must judge the head."""
         if end + 4 > self.max_buffer_headers:
             return False
-        lines = data[:end].decode("latin-1").split("\r\n")
+        head = data[:end].decode("latin-1")
+        lines = head.split("\r\n")
         if data.count(b"\n", 0, end) != len(lines) - 1 or \
                 data.count(b"\r", 0, end) != len(lines) - 1:
             return False  # a bare CR or LF
@@ -78,19 +92,21 @@ class FastRequest(Request):  # type: ignore[misc]
             return False
         if len(lines) - 1 > self.limit_request_fields:
             return False
+        fields = lines[1:]
+        # the field lines with their CRLFs: from the request line's end to the blank line
+        if fields and _FIELDS.fullmatch(data, len(line) + 2, end + 2) is None:
+            return False
         field_limit = self.limit_request_field_size
         secure = self.cfg.secure_scheme_headers
         headers = []
         seen = set()
-        for line in lines[1:]:
+        for line in fields:
             if len(line) + 2 > field_limit:
                 return False
-            field = _FIELD.fullmatch(line)
-            if field is None:
-                return False
-            name, value = field.groups()
+            name, _, value = line.partition(":")
             name = name.upper()
-            if name in _SPECIAL or name in secure or _BAD_VALUE(value):
+            value = value.strip(" \t")
+            if name in _SPECIAL or name in secure:
                 return False
             if name in _SINGLETONS:
                 if name in seen:
@@ -98,6 +114,16 @@ class FastRequest(Request):  # type: ignore[misc]
                 seen.add(name)
             headers.append((name, value))
         path, _, query = target.partition("?")
+        close = minor == "0"  # no Connection field: HTTP/1.0 closes, 1.1 keeps alive
+        for name, value in headers:
+            if name == "CONNECTION":  # the first one decides, as gunicorn reads it
+                token = value.lower().strip(" \t")
+                if token == "close":
+                    close = True
+                elif token == "keep-alive":
+                    close = False
+                break
+        self._close = close
         self.method, self.uri, self.version = method, target, (1, int(minor))
         self.path, self.query, self.fragment = path, query, ""
         self.headers = headers

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import gevent
-from gevent import get_hub
+from gevent import get_hub, getcurrent
 
 
 def timer_for(timer: gevent.Timeout | None, seconds: float) -> gevent.Timeout:
@@ -23,11 +23,21 @@ def timer_for(timer: gevent.Timeout | None, seconds: float) -> gevent.Timeout:
     return gevent.Timeout(seconds)
 
 
+def arm(timer: gevent.Timeout) -> Any:
+    """``timer.start()`` for a timer of :func:`timer_for` (one that raises itself, in the
+    greenlet that arms it): its loop timer started exactly as ``Timeout.start`` starts
+    it, without the Python-level checks around that (a few hundred instructions per
+    wait). Returns the loop timer: its ``stop()`` is ``timer.cancel()``."""
+    clock = timer.timer
+    clock.start(timer._on_expiration, getcurrent(), timer, update=True)
+    return clock
+
+
 def wait_watcher(watcher: Any, timer: gevent.Timeout) -> bool:
     """Wait until ``watcher`` fires, under ``timer`` (started here, cancelled on return):
     True when it fired, False when ``timer`` ran out first. Any other timeout raised
     meanwhile (an outer deadline) propagates."""
-    timer.start()
+    clock = arm(timer)
     try:
         get_hub().wait(watcher)
     except gevent.Timeout as exc:
@@ -35,5 +45,5 @@ def wait_watcher(watcher: Any, timer: gevent.Timeout) -> bool:
             raise
         return False
     finally:
-        timer.cancel()
+        clock.stop()
     return True

@@ -105,3 +105,29 @@ def test_off_writes_nothing(root_stream: io.StringIO) -> None:
     assert writer.handler() is None
     access_log_state = access_log.disabled
     assert access_log_state
+
+
+def test_text_format_is_key_equals_text_value_of_each_field() -> None:
+    """The text line is ``key=_text_value(value)`` per field, joined by spaces, whatever the
+    values: quoted strings (blanks, quotes, ``=``, backslashes, empty), unicode, floats,
+    ints, missing values."""
+    from continuum.metrics import RequestRecord
+
+    models = ["m", "a b", 'q"uote', "k=v", "back\\\\slash", "", "ünï", "tab\there", None]
+    for i, model in enumerate(models):
+        record = RequestRecord("chat", f"id-{i}")
+        record.model = model
+        record.tenant = None if i % 2 else f"tenant {i}"
+        record.backend = None if i == 3 else "b 1" if i == 4 else "bench"
+        record.status = 200 + i
+        record.stream = bool(i % 2)
+        record.first_byte = record.started + 0.0012345 * i if i % 3 else None
+        record.finished = record.started + (float("nan") if i == 5 else 0.5 * i)
+        record.prompt_tokens = i if i % 2 else None
+        record.cached_tokens = 0
+        record.completion_tokens = 10**i
+        record.cache = "miss" if i % 2 else None
+        fields = observe.access_fields(record)
+        expected = " ".join(f"{key}={observe._text_value(value)}"
+                            for key, value in fields.items())
+        assert observe.format_access(record, "text") == expected

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import Any
 
 import gevent
 from gevent import socket
@@ -123,3 +124,122 @@ def test_cached_http_date_is_gunicorns() -> None:
         time.sleep(0.01)
     else:
         raise AssertionError("the clock turned a second in every try")
+
+
+_SAMPLES_SCRIPT = """
+import os, sys
+from prometheus_client import CollectorRegistry, generate_latest, multiprocess, values
+from prometheus_client.mmap_dict import MmapedDict
+from continuum.metrics import RouterMetrics
+if sys.argv[1] == "stock":
+    values.ValueClass = values.MultiProcessValue()
+m = RouterMetrics()
+m.adder(m.requests, "chat", "2xx", "upstream")(1)
+m.child(m.requests, "chat", "2xx", "upstream").inc(2.5)
+m.adder(m.requests, "chat", "5xx", "router_error")(1)
+add = m.adder(m.in_flight, "b")
+add(1); add(1); add(-1)
+m.child(m.in_flight, "b").dec()
+m.child(m.in_flight, "c").inc(3)
+m.child(m.healthy, "b").set(1)
+m.child(m.healthy, "b").set(0)
+m.child(m.draining, "b").set(1)
+m.workers.set(1)
+m.cache_entries.inc(3)
+m.cache_entries.dec(1)
+observe = m.observer(m.duration, "chat", "b", "strategy")
+for x in (0.0, 0.0005, 0.001, 0.0011, 0.25, 7, 120, 1e9, float("inf"), float("nan"), -1):
+    observe(x)
+m.child(m.ttft, "chat", "b", "strategy").observe(0.3)
+m.observer(m.kv_overlap_score)(0.55)
+m.kv_query_latency.observe(0.00002)
+both = m.joint((m.adder(m.prefix_requests, "prefix_hash"), m.adder(m.prefix_distribution, "b")))
+both((1, 1)); both((2, 0))
+m.attempt_done("chat", "b", 200); m.attempt_done("chat", "b", 499)
+import time
+from continuum.metrics import CACHE, RequestRecord
+time.perf_counter = lambda: 100.0  # the durations observe_request takes
+for i, (prompt, cached, created, completion) in enumerate(
+        [(12, 3, None, 6), (None, None, None, None), (5, None, 7, 0), (0, 0, 0, 9)]):
+    record = RequestRecord("chat", f"id{i}")
+    record.started = 100.0 - 0.0011 * (i + 1) ** 3
+    record.backend, record.decision, record.status = "b", "strategy", 200 + 100 * (i % 4)
+    record.stream, record.first_byte = bool(i % 2), 100.0 - 0.0004 * i
+    record.prompt_tokens, record.cached_tokens = prompt, cached
+    record.cache_creation_tokens, record.completion_tokens = created, completion
+    m.observe_request(record)
+cached_answer = RequestRecord("chat", "hit")
+cached_answer.decision, cached_answer.status, cached_answer.started = CACHE, 200, 99.0
+m.observe_request(cached_answer)
+pid = os.fork()
+if pid == 0:
+    m.adder(m.requests, "chat", "2xx", "upstream")(5)
+    m.child(m.healthy, "b").set(1)
+    m.observer(m.duration, "chat", "b", "strategy")(0.2)
+    m.adder(m.in_flight, "b")(1)
+    os._exit(0)
+os.waitpid(pid, 0)
+m.adder(m.requests, "chat", "2xx", "upstream")(1)
+names = {str(os.getpid()): "PARENT", str(pid): "CHILD"}
+def rename(text):
+    for p, name in names.items():
+        text = text.replace(p, name)
+    return text
+directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+for name in sorted(os.listdir(directory)):
+    print(rename(name), sorted(MmapedDict.read_all_values_from_file(os.path.join(directory, name))))
+registry = CollectorRegistry()
+multiprocess.MultiProcessCollector(registry)
+# the collector's order follows the directory listing's: compared as sorted lines
+for line in sorted(rename(generate_latest(registry).decode()).splitlines()):
+    print(line)
+"""
+
+
+def test_multiprocess_values_write_what_prometheus_client_writes(tmp_path: Any) -> None:
+    """The router's multiprocess value class (and the adders and observers over it) leave
+    the same files and the same exposition as prometheus-client's own class for the same
+    samples: counters, gauges of each mode, histogram buckets at and around their bounds
+    (+Inf, NaN, negative), joint samples, finished requests and attempts, and samples after
+    a fork, which go to the child's own files."""
+    import subprocess
+    import sys
+
+    outputs = []
+    for kind in ("fast", "stock"):
+        directory = tmp_path / kind
+        directory.mkdir()
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)}
+        outputs.append(subprocess.run(
+            [sys.executable, "-c", _SAMPLES_SCRIPT, kind], env=env, capture_output=True,
+            text=True, timeout=60, check=True).stdout)
+    fast, stock = outputs
+    assert "continuum_request_duration_seconds_bucket" in fast
+    assert "counter_CHILD.db" in fast and "gauge_livesum_CHILD.db" in fast
+    assert fast == stock
+
+
+def test_settled_config_reads_what_gunicorns_config_holds() -> None:
+    """The worker's config gives each setting's value as gunicorn's ``Config`` does (hooks,
+    properties, methods and unknown names included), takes ``set`` afresh and refuses
+    attribute assignment like ``Config``."""
+    import pytest
+    from gunicorn.config import Config
+
+    from continuum.gunicorn_worker import _SettledConfig
+
+    cfg = Config()
+    cfg.set("keepalive", 7)
+    settled = _SettledConfig(cfg)
+    for name in ("keepalive", "limit_request_fields", "secure_scheme_headers", "is_ssl",
+                 "pre_request", "post_request", "workers", "forwarder_headers"):
+        assert getattr(settled, name) == getattr(cfg, name)
+        assert getattr(settled, name) == getattr(cfg, name)  # the kept value
+    assert settled.forwarded_allow_networks() == cfg.forwarded_allow_networks()
+    assert getattr(settled, "proxy_protocol", "off") == getattr(cfg, "proxy_protocol", "off")
+    with pytest.raises(AttributeError):
+        settled.no_such_setting  # noqa: B018
+    settled.set("keepalive", 9)
+    assert settled.keepalive == cfg.keepalive == 9
+    with pytest.raises(AttributeError):
+        settled.keepalive = 3

@@ -8,6 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from continuum.prefix import (
+    MESSAGE_TAG,
+    SYSTEM_TAG,
     content_text,
     prefix_key_from_text,
     request_prefix_key,
@@ -96,3 +98,20 @@ def test_no_text_or_disabled_gives_no_key() -> None:
 def test_empty_system_falls_back_to_first_message() -> None:
     body = {"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "u"}]}
     assert request_prefix_key(body, "m") == _expected("m", b"M", b"u")
+
+
+def test_prefix_key_is_the_documented_sha256_for_any_model_and_length() -> None:
+    """SHA256(model ++ 0x00 ++ tag ++ text cut to max_prefix_length UTF-8 bytes), also past
+    the kept per-model hash states and for texts longer than the cut, multibyte at it."""
+    from continuum import prefix
+
+    texts = ["", "short", "가나다" * 400, "x" * 1023 + "가", "\ud800 lone", "é" * 600]
+    for i in range(prefix._MAX_MODELS + 5):
+        model = f"model-{i % (prefix._MAX_MODELS + 3)}-ü"
+        for text in texts if i < 3 or i > prefix._MAX_MODELS else texts[:2]:
+            for tag in (SYSTEM_TAG, MESSAGE_TAG):
+                for limit in (1024, 7):
+                    cut = truncate_utf8(text, limit)
+                    expected = hashlib.sha256(
+                        model.encode("utf-8", "surrogatepass") + b"\x00" + tag + cut).digest()
+                    assert prefix_key_from_text(model, tag, text, limit) == expected

@@ -135,3 +135,18 @@ def test_random_mutations_of_a_request_match_gunicorn() -> None:
             else:
                 del data[at]
         _same(bytes(data))
+
+
+@pytest.mark.parametrize("version", [b"1.0", b"1.1"])
+@pytest.mark.parametrize("fields", [
+    b"", b"Connection: close\r\n", b"Connection: Keep-Alive\r\n", b"connection:  CLOSE \t\r\n",
+    b"Connection: upgrade\r\n", b"Connection: keep-alive, close\r\n",
+    b"Connection: close\r\nConnection: keep-alive\r\n",
+    b"Connection: keep-alive\r\nConnection: close\r\n", b"Connection:\r\n",
+])
+def test_keep_alive_is_decided_as_gunicorn_decides(version: bytes, fields: bytes) -> None:
+    """``should_close`` of a head the fast path took answers as gunicorn's, whatever its
+    ``Connection`` fields and version say."""
+    data = b"GET /health HTTP/" + version + b"\r\nHost: a\r\n" + fields + b"\r\n"
+    assert _took_fast_path(data)
+    _same(data)

@@ -497,3 +497,57 @@ def test_idle_connection_closed_by_the_server_is_not_reused(
     assert pool.request("GET", "/").read() == b"ok"
     assert server.connections == 2
     assert len(server.requests) == 2  # never sent into the closed connection first
+
+
+class _Splits(uh.Connection):
+    """A connection whose receives hand out ``parts`` one by one (then EOF)."""
+
+    def __init__(self, parts: list[bytes]) -> None:
+        super().__init__(object())
+        self.parts = parts
+
+    def recv(self, size: int, wait_first: bool = False) -> bytes:
+        return self.parts.pop(0) if self.parts else b""
+
+
+def _decoded(parts: list[bytes]) -> tuple[list[bytes], str | None]:
+    resp = uh.Response.__new__(uh.Response)
+    resp._conn = None  # nothing to pool or close at the end
+    pieces: list[bytes] = []
+    try:
+        for piece in resp._chunks(_Splits(parts)):
+            pieces.append(piece)
+    except uh.ProtocolError as exc:
+        return pieces, str(exc)
+    return pieces, None
+
+
+def test_chunked_decoding_of_any_split_gives_the_body_or_the_framing_error() -> None:
+    """However a chunked body is cut into receives, the pieces join to the body, no piece
+    is held back once whole in the buffer, and bad framing raises the same error wherever
+    it falls (after good chunks, inside one receive or across two)."""
+    import random
+
+    rng = random.Random(18)
+    records = [b"data: %d %s\n\n" % (i, b"x" * rng.randrange(0, 40)) for i in range(40)]
+    chunks = [b"%x\r\n%s\r\n" % (len(r), r) for r in records]
+    good = b"".join(chunks) + b"1;ext=1\r\nz\r\n" + b"0\r\nTrailer: t\r\n\r\n"
+    body = b"".join(records) + b"z"
+    head, tail = b"".join(chunks[:7]), b"".join(chunks[7:])
+    before = b"".join(records[:7])  # relayed before the framing breaks (with data as it came)
+    bad = [(head + b"5\r\nhelloXX" + tail, "chunk data not followed by CRLF", b"hello"),
+           (head + b"zz\r\n" + tail, "bad chunk size line b'zz'", b""),
+           (head + b"f" * 20 + b"\r\n" + tail, "bad chunk size line b'" + "f" * 20 + "'", b""),
+           (head + b"1" * (uh.MAX_LINE + 1) + b"\r\n" + tail, "line too long", b"")]
+    for _ in range(300):
+        cuts = sorted(rng.sample(range(1, len(good)), rng.randrange(0, 30)))
+        parts = [good[a:b] for a, b in zip([0, *cuts], [*cuts, len(good)], strict=True)]
+        pieces, error = _decoded(parts)
+        assert error is None and b"".join(pieces) == body
+        for data, message, partial in bad:
+            cuts = sorted(rng.sample(range(1, len(data)), rng.randrange(0, 10)))
+            parts = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+            pieces, error = _decoded(parts)
+            assert error == message and (before + partial).startswith(b"".join(pieces))
+    whole, _ = _decoded([good])
+    assert whole == [body]  # everything buffered comes out as one piece
