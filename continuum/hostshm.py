@@ -300,10 +300,8 @@ class HostSegment:
         """Fold one request's latency into backend ``col``'s EWMA (weight ``alpha``; the
         first sample is the mean). Not under a lock: a sample another worker folds in at
         the same moment may be lost, which an EWMA shrugs off."""
-        at = (_LATENCY_AT + col) * 8
-        prev: float = _DOUBLE.unpack_from(self._map, at)[0]
-        value = seconds if prev <= 0.0 else prev + alpha * (seconds - prev)
-        _DOUBLE.pack_into(self._map, at, max(value, 1e-9))
+        prev = self.latency(col)
+        self.set_latency(col, seconds if prev is None else prev + alpha * (seconds - prev))
 
     def set_latency(self, col: int, seconds: float | None) -> None:
         """Set backend ``col``'s EWMA (None: no sample)."""

@@ -130,7 +130,10 @@ class Backend:
             shared.words[self._cell] = value
 
     def share_load(self, segment: HostSegment | None) -> None:
-        """Publish this worker's count in ``segment`` (None: keep it private)."""
+        """Publish this worker's count in ``segment`` (None: keep it private). The latency
+        EWMA lives in one place at a time: the host's while shared, this worker's else."""
+        if self._shared is not None:
+            self._latency = self._shared.latency(self._col)
         self._shared = segment
         if segment is not None:
             self._col = segment.column(self.name)
@@ -148,9 +151,10 @@ class Backend:
     @latency_ewma.setter
     def latency_ewma(self, value: float | None) -> None:
         # Tests and tools set it; finished requests go through record().
-        self._latency = value
         shared = self._shared
-        if shared is not None:
+        if shared is None:
+            self._latency = value
+        else:
             shared.set_latency(self._col, value)
 
     @property
@@ -196,11 +200,13 @@ class Backend:
         if ok:
             self._successes += 1
         if latency is not None:
-            prev = self._latency
-            self._latency = latency if prev is None else prev + self._alpha * (latency - prev)
             shared = self._shared
             if shared is not None:
                 shared.add_latency(self._col, latency, self._alpha)
+            else:
+                prev = self._latency
+                self._latency = latency if prev is None else \
+                    prev + self._alpha * (latency - prev)
 
     def first_piece(self, level: int, seconds: float) -> None:
         """A stream sent when this worker had ``level`` requests in flight here got its

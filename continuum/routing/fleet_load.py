@@ -190,8 +190,8 @@ class FleetLoad:
         """Whether to exchange at ``now``: while the host has requests in flight, or the
         last exchange published some (so the zeros that follow go out at once), every
         interval; otherwise every idle interval (an idle host decides nothing, and the
-        others already have its zeros). After a failed
-        exchange, not again for an idle interval."""
+        others already have its zeros). After a failed exchange, not again for an idle
+        interval."""
         if now < self._retry_at:
             return False
         if self._last_busy or now - self._last_at >= self.idle_interval:
