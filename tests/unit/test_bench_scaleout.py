@@ -1,0 +1,71 @@
+"""tools.bench.scaleout: the row-by-row comparison against issue 16's acceptance."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tools.bench import scaleout
+
+
+def _row(name: str, hits: list[float], p99s: list[float], cache: list[float | None],
+         errors: int = 0, direct: bool = False) -> dict:
+    rounds = [{"name": name, "prefix_hit_rate": h, "ttft_ms_p99": p, "errors": errors,
+               "engine_requests": [3, 1], "scale_out": {"response_cache_hit_rate": c}}
+              for h, p, c in zip(hits, p99s, cache, strict=True)]
+    # as the demo's median row: top-level medians, the nested dict from round one
+    return {**rounds[0], "direct": direct, "rounds": rounds if len(rounds) > 1 else None}
+
+
+def _doc(*rows: dict) -> dict:
+    return {"scenarios": list(rows)}
+
+
+def test_medians_over_rounds_include_the_nested_cache_rate() -> None:
+    numbers = scaleout.row_numbers(_row("KV", [0.8, 0.9, 0.7], [100, 300, 200],
+                                        [0.1, 0.3, 0.2]))
+    assert numbers["prefix_hit"] == 0.8
+    assert numbers["p99"] == 200
+    assert numbers["cache_hit"] == 0.2  # not round one's 0.1
+
+
+def test_each_acceptance_bound_is_checked() -> None:
+    single = _doc(_row("single engine", [0.9], [100], [None], direct=True),
+                  _row("ok", [0.80], [100], [0.10]),
+                  _row("low hit", [0.80], [100], [None]),
+                  _row("slow", [0.80], [100], [None]),
+                  _row("cache", [0.80], [100], [0.10]))
+    scaled = _doc(_row("single engine", [0.1], [900], [None], direct=True),
+                  _row("ok", [0.77], [119], [0.10]),
+                  _row("low hit", [0.75], [100], [None]),
+                  _row("slow", [0.80], [121], [None]),
+                  _row("cache", [0.80], [100], [0.09]))
+    rows = {r["row"]: r for r in scaleout.compare(single, scaled)}
+    assert "single engine" not in rows  # no router to compare
+    assert all(rows["ok"]["checks"].values())
+    assert not rows["low hit"]["checks"]["prefix hit"]
+    assert not rows["slow"]["checks"]["p99 TTFT"]
+    assert rows["slow"]["checks"]["prefix hit"]
+    assert not rows["cache"]["checks"]["resp-cache hit"]
+    assert "resp-cache hit" not in rows["low hit"]["checks"]
+
+
+def test_zero_rates_compare_equal_and_errors_fail() -> None:
+    single = _doc(_row("r", [0.0], [100], [0.0]))
+    scaled = _doc(_row("r", [0.0], [100], [0.0], errors=2))
+    (row,) = scaleout.compare(single, scaled)
+    assert row["checks"]["prefix hit"] and row["checks"]["resp-cache hit"]
+    assert not row["checks"]["errors"]
+
+
+def test_compare_only_reads_the_json_and_check_sets_the_exit_code(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "rag-1x1.json").write_text(json.dumps(_doc(_row("KV", [0.8], [100], [None]))))
+    (tmp_path / "rag-4x2.json").write_text(json.dumps(_doc(_row("KV", [0.7], [100], [None]))))
+    argv = ["--scenario", "rag", "--out", str(tmp_path), "--compare-only"]
+    assert scaleout.main(argv) == 0
+    assert scaleout.main([*argv, "--check"]) == 1
+    out = capsys.readouterr().out
+    assert "MISSED: prefix hit" in out and "rag KV" in out
