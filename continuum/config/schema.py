@@ -719,13 +719,19 @@ class FleetConfig:
     """``fleet``: how the gunicorn workers of one router, and several routers, act as one
     (docs/scale-out.md)."""
 
+    use_redis: bool = setting(
+        False, doc="exchange in-flight counts and admin actions with the other routers "
+        "through response_cache.redis even when neither the response cache nor the KV "
+        "index is on Redis (routers that share no cache, e.g. PrefixAwareHash alone)",
+        restart=True,
+    )
     share_in_flight: bool = setting(
         True, doc="share in-flight counts between the workers of a host "
         "($CONTINUUM_RUNTIME_DIR/host.shm) so load bounds see the host's load", restart=True,
     )
     redis_channel: bool = setting(
-        True, doc="with a Redis response cache or KV index, spread admin actions to every "
-        "router over Redis pub/sub", restart=True,
+        True, doc="with a Redis response cache or KV index (or use_redis), spread admin "
+        "actions to every router over Redis pub/sub", restart=True,
     )
     ack_timeout_seconds: float = setting(
         2.0, doc="how long an admin action waits for the other workers and routers to "
@@ -740,7 +746,8 @@ class FleetConfig:
         min=300, max=600000, restart=True,
     )
     share_in_flight_across_routers: bool = setting(
-        True, doc="with share_in_flight and a Redis response cache or KV index, one worker "
+        True, doc="with share_in_flight and a Redis response cache or KV index (or "
+        "use_redis), one worker "
         "per host exchanges the host's in-flight counts with the other routers' through "
         "Redis (and, with KV placement, its KV pressure), so load bounds and placement see "
         "the fleet's", restart=True,
@@ -791,6 +798,14 @@ class RouterConfig:
                                    doc="push-mode event bus (docs/push-mode.md)")
     fleet: FleetConfig = setting(
         default_factory=FleetConfig, doc="workers and routers acting as one (scale-out)")
+
+    @property
+    def fleet_on_redis(self) -> bool:
+        """Whether the routers of a fleet reach each other through ``response_cache.redis``:
+        the response cache or the KV index is on Redis, or ``fleet.use_redis``."""
+        cache, kv = self.response_cache, self.kv_cache_index
+        return (self.fleet.use_redis or (cache.enabled and cache.backend == "redis")
+                or (kv.enabled and kv.backend == "redis"))
 
     def check(self, path: str, issues: Issues) -> None:
         seen: dict[str, int] = {}

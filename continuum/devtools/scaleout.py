@@ -36,7 +36,8 @@ REDIS_LATENCY_METRIC = "continuum_cache_redis_latency_seconds"
 def scale_config(config: dict[str, Any], workers: int, redis_url: str | None,
                  scenario: str, *, sharing: bool = True) -> dict[str, Any]:
     """``config`` with ``workers`` workers and, with ``redis_url``, its response cache and
-    KV index on that Redis under prefixes unique to ``scenario``; ``sharing=False`` turns
+    KV index on that Redis under prefixes unique to ``scenario``, and the fleet's load
+    exchange and admin channel on it for every row (``fleet.use_redis``); ``sharing=False`` turns
     off the shared in-flight counts and the KV event lease (the before of the comparison)."""
     config = merge(config, {"server": {"workers": workers}})
     if not sharing:
@@ -44,8 +45,11 @@ def scale_config(config: dict[str, Any], workers: int, redis_url: str | None,
     if redis_url is None:
         return config
     tag = slug(scenario)
+    # use_redis: rows with no Redis tier (RoundRobin, PrefixAwareHash) still share load
+    # and admin actions across the routers, as a fleet of them would be run
     shared: dict[str, Any] = {"response_cache": {
-        "redis": {"url": redis_url, "key_prefix": f"demo:{tag}:resp:"}}}
+        "redis": {"url": redis_url, "key_prefix": f"demo:{tag}:resp:"}},
+        "fleet": {"use_redis": True}}
     if config.get("response_cache", {}).get("enabled"):
         shared["response_cache"]["backend"] = "redis"
     if config.get("kv_cache_index", {}).get("enabled"):

@@ -124,9 +124,8 @@ class FleetLoad:
                     segment: HostSegment) -> FleetLoad | None:
         """The exchange for ``config``, or None: off, or no Redis to exchange through."""
         fleet, cache, kv = config.fleet, config.response_cache, config.kv_cache_index
-        uses_redis = (cache.enabled and cache.backend == "redis") or (
-            kv.enabled and kv.backend == "redis")
-        if not (fleet.share_in_flight and fleet.share_in_flight_across_routers and uses_redis):
+        if not (fleet.share_in_flight and fleet.share_in_flight_across_routers
+                and config.fleet_on_redis):
             return None
         from continuum.redis_topology import hash_tagged, make_client
 

@@ -87,9 +87,7 @@ class FleetBus:
         self.channel = ""
         self.member = f"{segment.host_id if segment else uuid.uuid4().hex}:{os.getpid()}"
         cache = config.response_cache
-        uses_redis = (cache.enabled and cache.backend == "redis") or (
-            config.kv_cache_index.enabled and config.kv_cache_index.backend == "redis")
-        if config.fleet.redis_channel and uses_redis:
+        if config.fleet.redis_channel and config.fleet_on_redis:
             from continuum.redis_topology import make_client
 
             self.redis = make_client(cache.redis)

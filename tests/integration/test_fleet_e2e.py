@@ -184,15 +184,21 @@ def test_in_flight_counts_are_the_hosts(upstreams, router_factory) -> None:
             conn.close()
 
 
+@pytest.mark.parametrize("shared", ["redis cache", "use_redis, no cache"])
 def test_in_flight_counts_are_the_fleets_across_routers(upstreams, router_factory,
-                                                        redis_server) -> None:
+                                                        redis_server, shared: str) -> None:
     """Two routers on one Redis: requests held open through one count in the other's load
     view (one Redis exchange per host every fleet_load_interval_ms), and stop counting
-    when they finish."""
+    when they finish; also for routers with no Redis tier, through fleet.use_redis."""
     up = upstreams("a")
-    config = {**_config(up, backend="redis", redis={"url": redis_server.url,
-                                                      "key_prefix": unique_prefix("fl")}),
-              "fleet": {"fleet_load_interval_ms": 100}}
+    redis = {"url": redis_server.url, "key_prefix": unique_prefix("fl")}
+    if shared == "redis cache":
+        config = {**_config(up, backend="redis", redis=redis),
+                  "fleet": {"fleet_load_interval_ms": 100}}
+    else:
+        config = {**_config(up, redis=redis), "fleet": {"fleet_load_interval_ms": 100,
+                                                        "use_redis": True}}
+        config["response_cache"]["enabled"] = False
     first, second = router_factory(config), router_factory(config)
     held = [Conn(first.url) for _ in range(3)]
     watcher = Conn(second.url)

@@ -69,3 +69,15 @@ def test_compare_only_reads_the_json_and_check_sets_the_exit_code(
     assert scaleout.main([*argv, "--check"]) == 1
     out = capsys.readouterr().out
     assert "MISSED: prefix hit" in out and "rag KV" in out
+
+
+def test_the_redis_baseline_is_its_own_file(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "rag-1x1.json").write_text(json.dumps(_doc(_row("KV", [0.9], [100], [None]))))
+    (tmp_path / "rag-1x1-redis.json").write_text(
+        json.dumps(_doc(_row("KV", [0.7], [300], [None]))))
+    (tmp_path / "rag-4x2.json").write_text(json.dumps(_doc(_row("KV", [0.7], [300], [None]))))
+    argv = ["--scenario", "rag", "--out", str(tmp_path), "--compare-only", "--check"]
+    assert scaleout.main(argv) == 1  # against the memory baseline
+    assert scaleout.main([*argv, "--redis-baseline"]) == 0
+    assert "1x1-redis / 4x2" in capsys.readouterr().out

@@ -56,3 +56,16 @@ def test_hash_tag_wraps_the_prefix_once() -> None:
     assert hash_tagged("cr:kvidx:") == "{cr:kvidx}:"
     assert hash_tagged("idx") == "{idx}"
     assert hash_tagged("{mine}:kv:") == "{mine}:kv:"
+
+
+@pytest.mark.parametrize(("doc", "expected"), [
+    ({}, False),
+    ({"response_cache": {"enabled": True}}, False),  # a memory cache shares nothing
+    ({"response_cache": {"enabled": True, "backend": "redis"}}, True),
+    ({"response_cache": {"enabled": False, "backend": "redis"}}, False),
+    ({"kv_cache_index": {"enabled": True, "backend": "redis"}}, True),
+    ({"fleet": {"use_redis": True}}, True),
+])
+def test_fleet_on_redis(doc: dict, expected: bool) -> None:
+    """The routers reach each other through Redis when a tier is on it, or on request."""
+    assert parse_config(doc).fleet_on_redis is expected

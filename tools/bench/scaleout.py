@@ -18,6 +18,10 @@ left out: it has no router):
 * response-cache hit rate (acceptance: ≥ 0.95 of 1 x 1; equal zeros pass);
 * the requests each engine served, for the spill-over comparison.
 
+``--redis-baseline`` runs the 1 x 1 side with ``--redis`` (``<scenario>-1x1-redis.json``):
+its response cache and KV index on Redis as in the scaled run, so that only the number of
+workers and routers differs.
+
 Each number is the median over the rounds (the demo's own ``--rounds`` median, recomputed
 here for the nested response-cache rate, which the demo takes from the first round).
 ``--check`` exits 1 when a check is missed. Only ``127.0.0.1`` is used: the demo starts
@@ -40,13 +44,17 @@ HIT_RATIO = 0.95
 P99_RATIO = 1.2
 
 
+def shape_name(workers: int, routers: int, redis: bool = False) -> str:
+    return f"{workers}x{routers}" + ("-redis" if redis else "")
+
+
 def run_demo(scenario: str, workers: int, routers: int, rounds: int, quick: bool,
-             out: Path) -> Path:
+             out: Path, redis: bool = False) -> Path:
     """One demo run; its JSON in ``out``. Raises on a failed run (its stderr is kept)."""
-    path = out / f"{scenario}-{workers}x{routers}.json"
+    path = out / f"{scenario}-{shape_name(workers, routers, redis)}.json"
     cmd = [sys.executable, "-m", "continuum.cli", "demo", "--scenario", scenario,
            "--workers", str(workers), "--routers", str(routers), "--rounds", str(rounds),
-           "--json", *(["--quick"] if quick else [])]
+           "--json", *(["--quick"] if quick else []), *(["--redis"] if redis else [])]
     started = time.monotonic()
     print(f"  {' '.join(cmd[3:])}", flush=True)
     with path.open("w") as stdout, (out / f"{path.stem}.err").open("w") as stderr:
@@ -105,8 +113,8 @@ def _f(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def print_scenario(name: str, shape: str, rows: list[dict[str, Any]]) -> None:
-    print(f"\n--scenario {name}: 1x1 / {shape} (medians over the rounds)")
+def print_scenario(name: str, base: str, shape: str, rows: list[dict[str, Any]]) -> None:
+    print(f"\n--scenario {name}: {base} / {shape} (medians over the rounds)")
     head = ("row", "prefix hit", "ratio", "p99 TTFT ms", "ratio", "resp-cache hit",
             "requests per engine (1st round)", "")
     lines = [head]
@@ -135,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routers", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="the demo's smaller workloads")
+    p.add_argument("--redis-baseline", action="store_true",
+                   help="run the 1 x 1 baseline with --redis (its tiers on Redis as in the "
+                   "scaled run), so the comparison is of the scale-out alone")
     p.add_argument("--out", type=Path, default=Path("scaleout-results"),
                    help="where the JSON goes (default ./scaleout-results)")
     p.add_argument("--compare-only", action="store_true",
@@ -145,21 +156,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1 or args.routers < 1 or args.rounds < 1:
         p.error("--workers, --routers and --rounds must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
-    shape = f"{args.workers}x{args.routers}"
+    shape = shape_name(args.workers, args.routers)
+    base = shape_name(1, 1, args.redis_baseline)
     results: dict[str, list[dict[str, Any]]] = {}
     for scenario in args.scenario:
         if not args.compare_only:
             print(f"{scenario}:", flush=True)
-            run_demo(scenario, 1, 1, args.rounds, args.quick, args.out)
+            run_demo(scenario, 1, 1, args.rounds, args.quick, args.out, args.redis_baseline)
             run_demo(scenario, args.workers, args.routers, args.rounds, args.quick, args.out)
         docs = [json.loads((args.out / f"{scenario}-{s}.json").read_text())
-                for s in ("1x1", shape)]
+                for s in (base, shape)]
         results[scenario] = compare(*docs)
     if args.json:
         print(json.dumps(results, indent=2))
     else:
         for scenario, rows in results.items():
-            print_scenario(scenario, shape, rows)
+            print_scenario(scenario, base, shape, rows)
     missed = [(s, r["row"]) for s, rows in results.items() for r in rows
               if not all(r["checks"].values())]
     if not args.json:
