@@ -747,10 +747,9 @@ class FleetConfig:
     )
     share_in_flight_across_routers: bool = setting(
         True, doc="with share_in_flight and a Redis response cache or KV index (or "
-        "use_redis), one worker "
-        "per host exchanges the host's in-flight counts with the other routers' through "
-        "Redis (and, with KV placement, its KV pressure), so load bounds and placement see "
-        "the fleet's", restart=True,
+        "use_redis), one worker per host exchanges the host's in-flight counts with the "
+        "other routers' through Redis (and, with KV placement, its KV pressure), so load "
+        "bounds and placement see the fleet's", restart=True,
     )
     fleet_load_interval_ms: int = setting(
         25, doc="how often, while the host has requests in flight, its in-flight counts go "

@@ -196,9 +196,8 @@ def test_in_flight_counts_are_the_fleets_across_routers(upstreams, router_factor
         config = {**_config(up, backend="redis", redis=redis),
                   "fleet": {"fleet_load_interval_ms": 100}}
     else:
-        config = {**_config(up, redis=redis), "fleet": {"fleet_load_interval_ms": 100,
-                                                        "use_redis": True}}
-        config["response_cache"]["enabled"] = False
+        config = {**_config(up, enabled=False, redis=redis),
+                  "fleet": {"fleet_load_interval_ms": 100, "use_redis": True}}
     first, second = router_factory(config), router_factory(config)
     held = [Conn(first.url) for _ in range(3)]
     watcher = Conn(second.url)

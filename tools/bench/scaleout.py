@@ -5,7 +5,7 @@ Run::
 
     python -m tools.bench.scaleout                      # all scenarios, 3 rounds, ~60 min
     python -m tools.bench.scaleout --quick --rounds 1   # a smaller workload, ~12 min
-    python -m tools.bench.scaleout --compare-only DIR   # re-read the JSON of an earlier run
+    python -m tools.bench.scaleout --compare-only --out DIR   # an earlier run's JSON again
 
 For each scenario it runs ``continuum-router demo --scenario S --json --rounds N`` first as
 ``--workers 1 --routers 1`` and then as ``--workers W --routers M`` (so the two shapes of a
@@ -39,7 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-SCENARIOS = ("default", "rag", "agent", "load")
+from continuum.devtools.demo import WORKLOADS
+
+SCENARIOS = tuple(WORKLOADS)
 HIT_RATIO = 0.95
 P99_RATIO = 1.2
 
@@ -48,10 +50,15 @@ def shape_name(workers: int, routers: int, redis: bool = False) -> str:
     return f"{workers}x{routers}" + ("-redis" if redis else "")
 
 
+def result_path(out: Path, scenario: str, shape: str) -> Path:
+    """Where the demo JSON of ``scenario`` at ``shape`` (:func:`shape_name`) is kept."""
+    return out / f"{scenario}-{shape}.json"
+
+
 def run_demo(scenario: str, workers: int, routers: int, rounds: int, quick: bool,
              out: Path, redis: bool = False) -> Path:
     """One demo run; its JSON in ``out``. Raises on a failed run (its stderr is kept)."""
-    path = out / f"{scenario}-{shape_name(workers, routers, redis)}.json"
+    path = result_path(out, scenario, shape_name(workers, routers, redis))
     cmd = [sys.executable, "-m", "continuum.cli", "demo", "--scenario", scenario,
            "--workers", str(workers), "--routers", str(routers), "--rounds", str(rounds),
            "--json", *(["--quick"] if quick else []), *(["--redis"] if redis else [])]
@@ -164,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{scenario}:", flush=True)
             run_demo(scenario, 1, 1, args.rounds, args.quick, args.out, args.redis_baseline)
             run_demo(scenario, args.workers, args.routers, args.rounds, args.quick, args.out)
-        docs = [json.loads((args.out / f"{scenario}-{s}.json").read_text())
+        docs = [json.loads(result_path(args.out, scenario, s).read_text())
                 for s in (base, shape)]
         results[scenario] = compare(*docs)
     if args.json:
