@@ -81,3 +81,16 @@ def test_the_redis_baseline_is_its_own_file(tmp_path: Path,
     assert scaleout.main(argv) == 1  # against the memory baseline
     assert scaleout.main([*argv, "--redis-baseline"]) == 0
     assert "1x1-redis / 4x2" in capsys.readouterr().out
+
+
+def test_rows_reach_the_demo_as_its_strategies() -> None:
+    from continuum.devtools.demo import build_parser
+
+    cmd = scaleout.demo_command("rag", 4, 2, 5, False, rows=["KV index (seed key)"])
+    args = build_parser().parse_args(cmd[4:])  # after "python -m continuum.cli demo"
+    assert (args.scenario, args.workers, args.routers, args.rounds) == ("rag", 4, 2, 5)
+    assert args.strategies == ["KV index (seed key)"]
+    assert not args.redis and not args.quick
+    every_row = build_parser().parse_args(scaleout.demo_command("agent", 1, 1, 3, True,
+                                                                redis=True)[4:])
+    assert every_row.strategies is None and every_row.redis and every_row.quick

@@ -6,6 +6,7 @@ Run::
     python -m tools.bench.scaleout                      # all scenarios, 3 rounds, ~60 min
     python -m tools.bench.scaleout --quick --rounds 1   # a smaller workload, ~12 min
     python -m tools.bench.scaleout --compare-only --out DIR   # an earlier run's JSON again
+    python -m tools.bench.scaleout --scenario rag --rows 'KV index (seed key)' --rounds 7
 
 For each scenario it runs ``continuum-router demo --scenario S --json --rounds N`` first as
 ``--workers 1 --routers 1`` and then as ``--workers W --routers M`` (so the two shapes of a
@@ -36,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +57,20 @@ def result_path(out: Path, scenario: str, shape: str) -> Path:
     return out / f"{scenario}-{shape}.json"
 
 
+def demo_command(scenario: str, workers: int, routers: int, rounds: int, quick: bool,
+                 redis: bool = False, rows: Sequence[str] = ()) -> list[str]:
+    """The demo's command line for one run (``rows``: only these rows, ``--strategies``)."""
+    return [sys.executable, "-m", "continuum.cli", "demo", "--scenario", scenario,
+            "--workers", str(workers), "--routers", str(routers), "--rounds", str(rounds),
+            "--json", *(["--quick"] if quick else []), *(["--redis"] if redis else []),
+            *(["--strategies", *rows] if rows else [])]
+
+
 def run_demo(scenario: str, workers: int, routers: int, rounds: int, quick: bool,
-             out: Path, redis: bool = False) -> Path:
+             out: Path, redis: bool = False, rows: Sequence[str] = ()) -> Path:
     """One demo run; its JSON in ``out``. Raises on a failed run (its stderr is kept)."""
     path = result_path(out, scenario, shape_name(workers, routers, redis))
-    cmd = [sys.executable, "-m", "continuum.cli", "demo", "--scenario", scenario,
-           "--workers", str(workers), "--routers", str(routers), "--rounds", str(rounds),
-           "--json", *(["--quick"] if quick else []), *(["--redis"] if redis else [])]
+    cmd = demo_command(scenario, workers, routers, rounds, quick, redis, rows)
     started = time.monotonic()
     print(f"  {' '.join(cmd[3:])}", flush=True)
     with path.open("w") as stdout, (out / f"{path.stem}.err").open("w") as stderr:
@@ -150,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routers", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="the demo's smaller workloads")
+    p.add_argument("--rows", nargs="+", metavar="NAME", default=[],
+                   help="only these rows of each scenario (the demo's --strategies names, "
+                   "e.g. 'KV index (seed key)'); default: every row")
     p.add_argument("--redis-baseline", action="store_true",
                    help="run the 1 x 1 baseline with --redis (its tiers on Redis as in the "
                    "scaled run), so the comparison is of the scale-out alone")
@@ -169,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     for scenario in args.scenario:
         if not args.compare_only:
             print(f"{scenario}:", flush=True)
-            run_demo(scenario, 1, 1, args.rounds, args.quick, args.out, args.redis_baseline)
-            run_demo(scenario, args.workers, args.routers, args.rounds, args.quick, args.out)
+            run_demo(scenario, 1, 1, args.rounds, args.quick, args.out, args.redis_baseline,
+                     args.rows)
+            run_demo(scenario, args.workers, args.routers, args.rounds, args.quick, args.out,
+                     rows=args.rows)
         docs = [json.loads(result_path(args.out, scenario, s).read_text())
                 for s in (base, shape)]
         results[scenario] = compare(*docs)
