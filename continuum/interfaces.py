@@ -333,6 +333,23 @@ class KvCacheIndex(abc.ABC):
                 other than ``cache_created``.
         """
 
+    def apply_event(self, backend: str, event: str, prefix_hash: str, token_count: int = 0,
+                    chain: Sequence[tuple[str, Sequence[tuple[str, int]]]] = ()) -> None:
+        """One engine event as the KV consumer receives it: its seed key
+        (:meth:`apply`), then each ``(event type, entries)`` group of its chain keys
+        (:meth:`apply_chain`), in order.
+
+        Default: exactly those calls. An index on a remote store overrides it to write the
+        whole event in one round trip, with the same result.
+
+        Raises:
+            ValueError: as :meth:`apply` and :meth:`apply_chain`.
+            StoreError: the index's storage failed (the caller counts and drops the event).
+        """
+        self.apply(backend, event, prefix_hash, token_count)
+        for kind, entries in chain:
+            self.apply_chain(backend, kind, entries)
+
     def query_chain(self, keys: Sequence[str],
                     prefix_hash: str | None = None) -> Sequence[ChainMatch]:
         """Each backend's longest match of ``keys`` (a chain, shortest prefix first), most

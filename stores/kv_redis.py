@@ -18,7 +18,10 @@ Writes: an upsert (``cache_created``; ``cache_offloaded`` with offloading on) or
 is one ``MULTI``/``EXEC`` pipeline. A ``cache_evicted`` that demotes GpuHot to StorageWarm
 must read the current tier first, so it is a small Lua script (atomic, one round trip;
 ``EVALSHA``, loaded on first use). ``cache_cleared`` walks the backend's set with ``ZSCAN``
-and removes its entries in pipelined batches. The scripts touch keys of different hash
+and removes its entries in pipelined batches. An engine event as the consumer hands it over
+(:meth:`RedisKvIndex.apply_event`: the seed key and the event's chain groups) is one
+``MULTI``/``EXEC`` round trip, the chain scripts inside it, unless it demotes the seed key
+or clears the backend. The scripts touch keys of different hash
 slots: Redis Cluster is not supported (the shared :class:`~stores.redis_link.RedisLink`
 is a plain client anyway).
 
@@ -518,6 +521,47 @@ class RedisKvIndex(KvCacheIndex):
                     raise
         self._fallback.apply_chain(backend, event, entries, ttl=ttl)
 
+    def apply_event(self, backend: str, event: str, prefix_hash: str, token_count: int = 0,
+                    chain: Sequence[tuple[str, Sequence[tuple[str, int]]]] = ()) -> None:
+        """One engine event, its seed key and every chain group, in one ``MULTI``/``EXEC``
+        round trip (the seed key's commands, then one ``EVALSHA`` per group) instead of one
+        per call; the same result as :meth:`apply` then :meth:`apply_chain` per group, which
+        is what a demotion of the seed key, a ``cache_cleared``, a Redis Cluster or a link
+        in fallback still take.
+
+        Raises:
+            ValueError: unknown event type, negative token count.
+            StoreError: Redis answered with an error.
+        """
+        action = action_for(self._table, event, token_count)
+        groups = [(kind, action_for(self._table, kind, 0), entries) for kind, entries in chain]
+        for kind, _action, entries in groups:
+            check_chain(kind, entries, None)
+        if (action in (DEMOTE, REMOVE_BACKEND) or self._link.cluster
+                or self._link.fallback_active
+                or any(chain_action == REMOVE_BACKEND for _, chain_action, _ in groups)):
+            super().apply_event(backend, event, prefix_hash, token_count, chain)
+            return
+        self.flush()  # the records queued before this event are older: written first
+        with self._counts_lock:
+            self._events[event] += 1
+            for kind, _action, _entries in groups:
+                self._events[kind] += 1
+        writes = [(_CHAIN_ACTIONS[chain_action], entries)
+                  for _kind, chain_action, entries in groups if entries]
+        for _action, entries in writes:
+            self._forget(backend, entries)  # the next record of its keys is sent
+        write = partial(self._write_event, action, backend, prefix_hash, token_count, writes)
+        try:
+            self._link.execute("kv_apply", write)
+            return
+        except StoreError as exc:
+            if exc.kind not in UNREACHABLE:
+                raise
+        self._fallback.apply(backend, event, prefix_hash, token_count)
+        for kind, entries in chain:
+            self._fallback.apply_chain(backend, kind, entries)
+
     def flush(self) -> None:
         """Write the queued approximate records now (in one pipeline); those Redis cannot
         take go to the fallback. A failing write costs the records, never the caller."""
@@ -762,33 +806,61 @@ class RedisKvIndex(KvCacheIndex):
         if action == REMOVE_BACKEND:
             self._remove_backend(backend, client)
             return
-        now = self._clock()
-        cutoff = now - self.entry_ttl_seconds
-        key, backend_key = self.prefix_key(prefix_hash), self.backend_key(backend)
-        tier_key = key + ":tier"
         if action == DEMOTE:
+            now = self._clock()
+            key, backend_key = self.prefix_key(prefix_hash), self.backend_key(backend)
             args: list[str | int] = [backend, prefix_hash, repr(now), self._ttl, token_count,
-                                     f"{TIER_STORAGE_WARM}|{now!r}", repr(cutoff)]
-            self._demote(keys=[key, tier_key, backend_key], args=args, client=client)
+                                     f"{TIER_STORAGE_WARM}|{now!r}",
+                                     repr(now - self.entry_ttl_seconds)]
+            self._demote(keys=[key, key + ":tier", backend_key], args=args, client=client)
             return
         pipe = client.pipeline(transaction=True)
+        self._seed_commands(pipe, action, backend, prefix_hash, token_count)
+        pipe.execute()
+
+    def _seed_commands(self, pipe: Any, action: str, backend: str, prefix_hash: str,
+                       token_count: int) -> None:
+        """Queue the seed key's commands of an upsert or a removal on ``pipe``."""
+        now = self._clock()
+        key, backend_key = self.prefix_key(prefix_hash), self.backend_key(backend)
+        tier_key = key + ":tier"
         if action == REMOVE:
             pipe.zrem(key, backend)
             pipe.hdel(tier_key, backend)
             pipe.zrem(backend_key, prefix_hash)
-        else:
-            tier = TIER_GPU_HOT if action == UPSERT_GPU_HOT else TIER_STORAGE_WARM
-            if token_count:
-                pipe.zadd(key, {backend: token_count})
-            else:  # the event carried no count: keep the one known
-                pipe.zadd(key, {backend: 0}, nx=True)
-            pipe.hset(tier_key, backend, f"{tier}|{now!r}")
-            pipe.expire(key, self._ttl)
-            pipe.expire(tier_key, self._ttl)
-            pipe.zadd(backend_key, {prefix_hash: now})
-            pipe.zremrangebyscore(backend_key, "-inf", cutoff)
-            pipe.expire(backend_key, self._ttl)
-        pipe.execute()
+            return
+        tier = TIER_GPU_HOT if action == UPSERT_GPU_HOT else TIER_STORAGE_WARM
+        if token_count:
+            pipe.zadd(key, {backend: token_count})
+        else:  # the event carried no count: keep the one known
+            pipe.zadd(key, {backend: 0}, nx=True)
+        pipe.hset(tier_key, backend, f"{tier}|{now!r}")
+        pipe.expire(key, self._ttl)
+        pipe.expire(tier_key, self._ttl)
+        pipe.zadd(backend_key, {prefix_hash: now})
+        pipe.zremrangebyscore(backend_key, "-inf", now - self.entry_ttl_seconds)
+        pipe.expire(backend_key, self._ttl)
+
+    def _write_event(self, action: str, backend: str, prefix_hash: str, token_count: int,
+                     writes: Sequence[tuple[str, Sequence[tuple[str, int]]]],
+                     client: redis.Redis) -> None:
+        """The seed key's commands and the chain write script per group, in one
+        ``MULTI``/``EXEC``; the scripts a server lost are loaded and their calls sent again
+        (the rest of the transaction has run)."""
+        pipe = client.pipeline(transaction=True)
+        self._seed_commands(pipe, action, backend, prefix_hash, token_count)
+        calls = [self._chain_call(chain_action, backend, entries, None)
+                 for chain_action, entries in writes]
+        for keys, args in calls:
+            pipe.evalsha(self._chain_write.sha, len(keys), *keys, *args)
+        replies = pipe.execute(raise_on_error=False)
+        failed = [i for i, reply in enumerate(replies) if isinstance(reply, Exception)]
+        if not failed:
+            return
+        first = len(replies) - len(calls)
+        if any(i < first or not isinstance(replies[i], NoScriptError) for i in failed):
+            raise next(replies[i] for i in failed)
+        self._run_scripts(client, [calls[i - first] for i in failed])
 
     def _remove_backend(self, backend: str, client: redis.Redis) -> None:
         def seed_entry(pipe: Any, name: str) -> None:

@@ -424,9 +424,7 @@ class SourceConsumer:
     def _apply(self, event: str, prefix_hash: str, tokens: int,
                chain: ChainGroups | None = None) -> None:
         try:
-            self.index.apply(self.backend, event, prefix_hash, tokens)
-            for kind, entries in chain or ():
-                self.index.apply_chain(self.backend, kind, entries)
+            self.index.apply_event(self.backend, event, prefix_hash, tokens, chain or ())
         except StoreError as exc:
             self._count_dropped()
             log.debug("KV event stream %s: index dropped an event: %s", self.backend, exc)

@@ -383,6 +383,44 @@ class KvIndexCases(Contract):
             ("a", 0, 500, False), ("b", 2, 128, False)]
         assert matches(index.query_chain(CHAIN)) == [("b", 2, 128, False)]
 
+    def test_apply_event_is_apply_then_apply_chain(self) -> None:
+        """What the KV consumer calls: an event with its chain groups, whole, against the
+        same event as separate calls."""
+        for offloading in (False, True):
+            whole, parts = (self.new_index(storage_offloading=offloading) for _ in range(2))
+            approximate = [("b", CACHE_CREATED, [(CHAIN[0], 64), (CHAIN[1], 128)])]
+            for index in (whole, parts):  # a routed request's record, confirmed below
+                for backend, event, entries in approximate:
+                    index.apply_chain(backend, event, entries, ttl=600)
+            Groups = list[tuple[str, list[tuple[str, int]]]]
+            events: list[tuple[str, str, str, int, Groups]] = [
+                ("a", CACHE_CREATED, P1, 300,
+                 [(CACHE_CREATED, [(CHAIN[0], 64), (CHAIN[1], 128), (CHAIN[2], 192)])]),
+                ("b", CACHE_CREATED, P1, 200, [(CACHE_CREATED, [(CHAIN[0], 64)])]),
+                ("c", CACHE_CREATED, P2, 0, []),
+                ("a", CACHE_EVICTED, P1, 0,
+                 [(CACHE_EVICTED, [(CHAIN[2], 0)]), (CACHE_CREATED, [(CHAIN[3], 256)])]),
+                ("b", CACHE_OFFLOADED, P1, 0, [(CACHE_OFFLOADED, [(CHAIN[0], 0)])]),
+                ("c", CACHE_CLEARED, "", 0, []),
+                ("c", CACHE_CREATED, P3, 50, [(CACHE_CREATED, [])]),
+            ]
+            for backend, event, prefix, tokens, chain in events:
+                whole.apply_event(backend, event, prefix, tokens, chain)
+                parts.apply(backend, event, prefix, tokens)
+                for kind, entries in chain:
+                    parts.apply_chain(backend, kind, entries)
+                for prefix_hash in (P1, P2, P3):
+                    assert summary(whole.query_backends(prefix_hash)) == summary(
+                        parts.query_backends(prefix_hash)), (offloading, event, prefix_hash)
+                for keys in (CHAIN, CHAIN[:2]):
+                    assert matches(whole.query_chain(keys, P1)) == matches(
+                        parts.query_chain(keys, P1)), (offloading, event, keys)
+            assert whole.stats()["events"] == parts.stats()["events"]
+            assert summary(whole.query_backends(P1)) == (
+                [("a", 300, TIER_STORAGE_WARM), ("b", 200, TIER_STORAGE_WARM)] if offloading
+                else [])
+            assert summary(whole.query_backends(P3)) == [("c", 50, TIER_GPU_HOT)]
+
     def test_chain_bad_input_is_a_value_error_and_changes_nothing(self) -> None:
         index = self.new_index()
         self.hold_chain(index, "a", 2)

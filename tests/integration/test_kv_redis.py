@@ -341,6 +341,76 @@ def test_a_chain_query_is_one_round_trip_whatever_the_chain_length(
     index.clear()
 
 
+def test_an_event_with_its_chain_groups_is_one_round_trip(redis_server: RedisServer,
+                                                          links: Any) -> None:
+    link, raw = links.link(redis_server.url), links.raw(redis_server.url)
+    index = links.index(link)
+    chain = [f"{i:016x}" for i in range(6)]
+    index.apply_chain("a", CACHE_CREATED, [(chain[0], 16)])  # loads the script
+    trips = count_round_trips(link)
+    before = command_calls(raw)
+    index.apply_event("a", CACHE_CREATED, P1, 96, [
+        (CACHE_CREATED, [(k, 16 * (i + 1)) for i, k in enumerate(chain)]),
+        (CACHE_EVICTED, [(chain[5], 0)])])
+    after = command_calls(raw)
+    assert trips == ["kv_apply"]
+    calls = delta(before, after)
+    assert (calls["multi"], calls["exec"], calls["evalsha"]) == (1, 1, 2)
+    assert [(m.backend, m.depth, m.token_count) for m in index.query_chain(chain, P1)] == [
+        ("a", 5, 80)]
+    assert [(h.backend, h.token_count) for h in index.query_backends(P1)] == [("a", 96)]
+    # a seed key's demotion (offloading on) still takes its script: two round trips
+    warm = links.index(link, storage_offloading=True)
+    warm.apply("a", CACHE_CREATED, P2, 10)
+    trips.clear()
+    warm.apply_event("a", CACHE_EVICTED, P2, 0, [(CACHE_EVICTED, [(chain[0], 0)])])
+    assert trips == ["kv_apply", "kv_apply"]
+    assert [(h.backend, h.tier) for h in warm.query_backends(P2)] == [("a", TIER_STORAGE_WARM)]
+    index.clear()
+    warm.clear()
+
+
+def test_an_event_after_a_script_flush_loads_the_script_and_loses_nothing(
+        redis_server: RedisServer, links: Any) -> None:
+    link, raw = links.link(redis_server.url), links.raw(redis_server.url)
+    index = links.index(link)
+    chain = [f"{i:016x}" for i in range(3)]
+    index.apply_chain("a", CACHE_CREATED, [(chain[0], 16)])
+    raw.script_flush()  # a restarted server, or SCRIPT FLUSH
+    index.apply_event("b", CACHE_CREATED, P1, 48,
+                      [(CACHE_CREATED, [(k, 16 * (i + 1)) for i, k in enumerate(chain)])])
+    assert [(m.backend, m.depth) for m in index.query_chain(chain, P1)] == [
+        ("b", 3), ("a", 1)]
+    assert [h.backend for h in index.query_backends(P1)] == ["b"]
+    index.clear()
+
+
+def test_an_event_while_redis_is_down_lands_in_the_fallback(fresh_redis: RedisServer,
+                                                            links: Any) -> None:
+    link = links.link(fresh_redis.url)
+    index = links.index(link)
+    chain = [f"{i:016x}" for i in range(2)]
+    fresh_redis.stop()
+    index.apply_event("a", CACHE_CREATED, P1, 32, [(CACHE_CREATED, [(chain[0], 16),
+                                                                    (chain[1], 32)])])
+    assert link.fallback_active is True  # the refused transaction flipped the link
+    assert [(m.backend, m.depth) for m in index.query_chain(chain, P1)] == [("a", 2)]
+    assert [h.token_count for h in index.query_backends(P1)] == [32]
+    assert index.stats()["events"][CACHE_CREATED] == 2  # the event and its one group
+    assert index.clear() == 3
+
+
+def test_a_bad_chain_group_refuses_the_whole_event(redis_server: RedisServer,
+                                                  links: Any) -> None:
+    index = links.index(links.link(redis_server.url))
+    with pytest.raises(ValueError, match="token_count"):
+        index.apply_event("a", CACHE_CREATED, P1, 10, [(CACHE_CREATED, [("0" * 16, -1)])])
+    with pytest.raises(ValueError, match="event"):
+        index.apply_event("a", CACHE_CREATED, P1, 10, [("cache_exploded", [])])
+    assert index.query_backends(P1) is EMPTY  # the seed key was not written either
+    assert index.stats()["events"][CACHE_CREATED] == 0
+
+
 class TestStartedRedisKvContract(StartedIndexCases, TestRedisKvContract):
     """The same contract on a started index (as in a worker): approximate records go
     through the writer greenlet, and the index still answers as if written at once."""
