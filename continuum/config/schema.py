@@ -753,9 +753,10 @@ class FleetConfig:
     )
     fleet_load_interval_ms: int = setting(
         25, doc="how often, while the host has requests in flight, its in-flight counts go "
-        "to Redis and the other routers' are read (how stale they may be); an idle host "
-        "exchanges every 250 ms (or this, when longer), and a router silent for 4 of those "
-        "stops counting", min=10, max=10000, restart=True,
+        "to Redis and the other routers' are read (how stale they may be); an idle host, or "
+        "one that found no other router live, exchanges every 250 ms (or this, when "
+        "longer), and a router silent for 4 of those stops counting", min=10, max=10000,
+        restart=True,
     )
 
 

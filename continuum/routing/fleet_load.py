@@ -18,9 +18,13 @@ It writes the sum per backend into the host segment's elsewhere row, which
 ``Backend.in_flight`` and everything reading it (CHWBL's bound, the KV load guard) see the
 fleet's load with no Redis call on the request path, at most about one interval old.
 An idle host makes no decisions, so what it reads may be older; what it publishes (zeros)
-does not change. The busy interval is short (25 ms) because a request's time to its first
-token is of the order of the interval: at 250 ms the other router's counts were as old as
-the requests they counted, and two routers' placements piled onto the same engine.
+does not change. A host that the last exchange found alone (no other live host: one router
+with its tiers on Redis) exchanges every idle interval, busy or not: nobody reads its counts
+soon, and a router that joins reads them at most an idle interval old and is seen by the
+next exchange, after which both go every interval. The busy interval is short (25 ms)
+because a request's time to its first token is of the order of the interval: at 250 ms the
+other router's counts were as old as the requests they counted, and two routers'
+placements piled onto the same engine.
 
 With KV placement on (``kv_cache_index.placement``) the same call carries each backend's
 KV pressure: the host's (:meth:`~continuum.hostshm.HostSegment.workers_pressure`, decayed
@@ -113,6 +117,8 @@ class FleetLoad:
         self.ttl_ms = max(1, round(self.idle_interval * 1000 * TTL_INTERVALS))
         self._last_at = self._retry_at = -math.inf
         self._last_busy = False
+        #: The last exchange found no other live host (a lone router).
+        self.alone = False
         self.host = segment.host_id
         self.exchanges = self.failures = 0
         self._script = client.register_script(EXCHANGE_SCRIPT)
@@ -189,10 +195,12 @@ class FleetLoad:
         """Whether to exchange at ``now``: while the host has requests in flight, or the
         last exchange published some (so the zeros that follow go out at once), every
         interval; otherwise every idle interval (an idle host decides nothing, and the
-        others already have its zeros). After a failed exchange, not again for an idle
-        interval."""
+        others already have its zeros), as when the last exchange found no other host.
+        After a failed exchange, not again for an idle interval."""
         if now < self._retry_at:
             return False
+        if self.alone:
+            return now - self._last_at >= self.idle_interval
         if self._last_busy or now - self._last_at >= self.idle_interval:
             return True
         segment = self.segment
@@ -232,6 +240,8 @@ class FleetLoad:
             self._retry_at, busy = now + self.idle_interval, False
         else:
             self.exchanges += 1
+        # every live host publishes a field per backend, zeros included
+        self.alone = not elsewhere and not pressure
         self._last_at, self._last_busy = now, busy
         self._set_elsewhere(elsewhere, pressure if window is not None else {})
         return elsewhere

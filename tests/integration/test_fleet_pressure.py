@@ -98,11 +98,15 @@ def test_redis_gone_zeroes_the_elsewhere_pressure(hosts: Any, fresh_redis: Any) 
 
 def test_a_busy_host_exchanges_every_interval_and_an_idle_one_every_idle_interval(
         hosts: Any, redis_server: Any) -> None:
-    one, load = hosts("one", redis_server.url, unique_prefix("fp"))
+    prefix = unique_prefix("fp")
+    one, load = hosts("one", redis_server.url, prefix)
+    _two, other = hosts("two", redis_server.url, prefix)
+    other.exchange()  # another router is live
     assert load.interval == 0.1 and load.idle_interval == IDLE_SECONDS
     now = time.monotonic()
     assert load.due(now)  # never exchanged
     load.exchange()
+    assert not load.alone
     t = time.monotonic()
     assert not load.due(t + load.interval)  # idle: waits for the idle interval
     assert load.due(t + IDLE_SECONDS)
@@ -118,6 +122,22 @@ def test_a_busy_host_exchanges_every_interval_and_an_idle_one_every_idle_interva
     # a host's counts outlive four idle intervals, not four busy ones
     ttl = redis.Redis.from_url(redis_server.url).pttl(load.key_prefix + one.host_id)
     assert 3 * IDLE_SECONDS * 1000 < ttl <= 4 * IDLE_SECONDS * 1000
+
+
+def test_a_lone_host_exchanges_every_idle_interval_until_another_joins(
+        hosts: Any, redis_server: Any) -> None:
+    prefix = unique_prefix("fp")
+    one, load = hosts("one", redis_server.url, prefix)
+    one.words[one.cell(one.column("b0"))] = 3  # busy
+    assert load.exchange() == {} and load.alone
+    t = time.monotonic()
+    assert not load.due(t + load.interval)  # nobody reads its counts soon
+    assert load.due(t + IDLE_SECONDS)
+    _two, other = hosts("two", redis_server.url, prefix)
+    assert other.exchange() == {"b0": 3, "b1": 0}  # the joiner reads them at once
+    assert not other.alone
+    assert load.exchange() == {"b0": 0, "b1": 0} and not load.alone
+    assert load.due(time.monotonic() + load.interval)  # busy with company: every interval
 
 
 def test_after_a_failed_exchange_a_busy_host_waits_an_idle_interval(
