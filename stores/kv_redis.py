@@ -440,15 +440,26 @@ class RedisKvIndex(KvCacheIndex):
             self._events[event] += 1
         if action == REMOVE_BACKEND:
             self._forget(backend)
-        if not self._link.fallback_active:
-            write = partial(self._write, action, backend, prefix_hash, token_count)
-            try:
-                self._link.execute("kv_apply", write)
-                return
-            except StoreError as exc:
-                if exc.kind not in UNREACHABLE:
-                    raise
+        if self._written(partial(self._write, action, backend, prefix_hash, token_count)):
+            return
         self._fallback.apply(backend, event, prefix_hash, token_count)
+
+    def _written(self, write: Callable[[Any], None]) -> bool:
+        """Run ``write`` on Redis: False when the link is (or just went) into fallback, so
+        the caller applies the event to the fallback instead.
+
+        Raises:
+            StoreError: Redis answered with an error.
+        """
+        if self._link.fallback_active:
+            return False
+        try:
+            self._link.execute("kv_apply", write)
+        except StoreError as exc:
+            if exc.kind not in UNREACHABLE:
+                raise
+            return False
+        return True
 
     def query_backends(self, prefix_hash: str) -> Sequence[KvHolding]:
         """Unexpired holders of ``prefix_hash``, most tokens first (ties by name).
@@ -511,14 +522,9 @@ class RedisKvIndex(KvCacheIndex):
         elif self._spawn is not None and not self._link.fallback_active:
             self._queue(backend, entries, ttl)
             return
-        if not self._link.fallback_active:
-            write = partial(self._write_chain, _CHAIN_ACTIONS[action], backend, entries, ttl)
-            try:
-                self._link.execute("kv_apply", write)
-                return
-            except StoreError as exc:
-                if exc.kind not in UNREACHABLE:
-                    raise
+        if self._written(partial(self._write_chain, _CHAIN_ACTIONS[action], backend, entries,
+                                 ttl)):
+            return
         self._fallback.apply_chain(backend, event, entries, ttl=ttl)
 
     def apply_event(self, backend: str, event: str, prefix_hash: str, token_count: int = 0,
@@ -551,13 +557,9 @@ class RedisKvIndex(KvCacheIndex):
                   for _kind, chain_action, entries in groups if entries]
         for _action, entries in writes:
             self._forget(backend, entries)  # the next record of its keys is sent
-        write = partial(self._write_event, action, backend, prefix_hash, token_count, writes)
-        try:
-            self._link.execute("kv_apply", write)
+        if self._written(partial(self._write_event, action, backend, prefix_hash, token_count,
+                                 writes)):
             return
-        except StoreError as exc:
-            if exc.kind not in UNREACHABLE:
-                raise
         self._fallback.apply(backend, event, prefix_hash, token_count)
         for kind, entries in chain:
             self._fallback.apply_chain(backend, kind, entries)
