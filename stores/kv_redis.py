@@ -21,9 +21,9 @@ must read the current tier first, so it is a small Lua script (atomic, one round
 and removes its entries in pipelined batches. An engine event as the consumer hands it over
 (:meth:`RedisKvIndex.apply_event`: the seed key and the event's chain groups) is one
 ``MULTI``/``EXEC`` round trip, the chain scripts inside it, unless it demotes the seed key
-or clears the backend. The scripts touch keys of different hash
-slots: Redis Cluster is not supported (the shared :class:`~stores.redis_link.RedisLink`
-is a plain client anyway).
+or clears the backend (and in Redis Cluster, whose pipelines take no scripts). The scripts
+and transactions touch several keys: in Redis Cluster every key of the index carries one
+hash tag (``key_prefix`` wrapped in ``{}``), so they all live in one slot.
 
 Reads: ``query_backends`` pipelines ``ZREVRANGEBYSCORE key +inf -inf WITHSCORES`` and
 ``HGETALL key:tier`` in one round trip (no ``MULTI``: a holder caught without its tier
