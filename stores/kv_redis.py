@@ -560,9 +560,7 @@ class RedisKvIndex(KvCacheIndex):
         if self._written(partial(self._write_event, action, backend, prefix_hash, token_count,
                                  writes)):
             return
-        self._fallback.apply(backend, event, prefix_hash, token_count)
-        for kind, entries in chain:
-            self._fallback.apply_chain(backend, kind, entries)
+        self._fallback.apply_event(backend, event, prefix_hash, token_count, chain)
 
     def flush(self) -> None:
         """Write the queued approximate records now (in one pipeline); those Redis cannot

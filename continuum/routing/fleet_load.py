@@ -240,8 +240,8 @@ class FleetLoad:
             self._retry_at, busy = now + self.idle_interval, False
         else:
             self.exchanges += 1
-        # every live host publishes a field per backend, zeros included
-        self.alone = not elsewhere and not pressure
+        # every live host publishes a count per backend, zeros included
+        self.alone = not elsewhere
         self._last_at, self._last_busy = now, busy
         self._set_elsewhere(elsewhere, pressure if window is not None else {})
         return elsewhere
