@@ -42,6 +42,7 @@ from continuum.routing.forwarder import (
 from continuum.routing.gemini_dispatch import GeminiGateway, GeminiMetrics
 from continuum.routing.health import HealthMonitor
 from continuum.routing.selection import SelectionPipeline
+from continuum.routing.shared_health import SharedProbes
 from continuum.routing.shared_load import HostLoad
 from continuum.routing.usage import UsageStream, asks_for_usage, read_body, with_stream_usage
 
@@ -121,7 +122,10 @@ class RouterService:
         # ... and with the other routers', through Redis (continuum.routing.fleet_load)
         self.fleet_load = FleetLoad.from_config(config, self.pool, self.host) \
             if self.host_load is not None and self.host is not None else None
-        self.health = HealthMonitor(self.pool, config.health_check, metrics)
+        # ... and one prober for the host's workers (continuum.routing.shared_health)
+        shared = SharedProbes(self.host.directory) \
+            if self.host is not None and config.fleet.share_health_checks else None
+        self.health = HealthMonitor(self.pool, config.health_check, metrics, shared=shared)
         self.pipeline = SelectionPipeline(self._make_strategy(config))
         self.forwarder = Forwarder(
             self.pool,

@@ -737,6 +737,11 @@ class FleetConfig:
         2.0, doc="how long an admin action waits for the other workers and routers to "
         "report it applied", min=0.0, max=60, duration=True,
     )
+    share_health_checks: bool = setting(
+        True, doc="one worker per host probes the backends and the host's other workers "
+        "take its results ($CONTINUUM_RUNTIME_DIR/health.json), instead of every worker "
+        "probing every backend", restart=True,
+    )
     kv_event_lease: bool = setting(
         True, doc="one worker per host (per fleet with the Redis index) consumes each KV "
         "event source, under a lease", restart=True,

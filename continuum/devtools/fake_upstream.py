@@ -17,7 +17,8 @@ completions as OpenAI's SSE chunks ending in ``data: [DONE]``. Requests steer it
 embedding answer S seconds late (a slow embedding backend).
 
 ``GET /_test/stats`` reports what it saw: request count, the last request's headers and
-body, streams started, finished and aborted by the client. ``/_test/sick`` and
+body, streams started, finished and aborted by the client, health probes
+(``health_probes``). ``/_test/sick`` and
 ``/_test/well`` make ``/health`` answer 503 or 200.
 
 Run as a program it monkey-patches itself for gevent first; importing it patches nothing.
@@ -46,7 +47,8 @@ StartResponse = Callable[..., Any]
 
 STATS: dict[str, Any] = {"requests": 0, "streams_started": 0, "streams_finished": 0,
                          "streams_aborted": 0, "last_headers": {}, "last_body": None,
-                         "healthy": True, "embeddings": 0, "embed_delay": 0.0}
+                         "healthy": True, "embeddings": 0, "embed_delay": 0.0,
+                         "health_probes": 0}
 NAME = "up"
 
 
@@ -110,6 +112,7 @@ def app(environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
     """The WSGI app."""
     path = environ["PATH_INFO"]
     if path == "/health":
+        STATS["health_probes"] += 1
         return _json(start, 200 if STATS["healthy"] else 503, {"ok": STATS["healthy"]})
     if path == "/_test/stats":
         return _json(start, 200, STATS)

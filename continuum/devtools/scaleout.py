@@ -38,10 +38,12 @@ def scale_config(config: dict[str, Any], workers: int, redis_url: str | None,
     """``config`` with ``workers`` workers and, with ``redis_url``, its response cache and
     KV index on that Redis under prefixes unique to ``scenario``, and the fleet's load
     exchange and admin channel on it for every row (``fleet.use_redis``); ``sharing=False`` turns
-    off the shared in-flight counts and the KV event lease (the before of the comparison)."""
+    off the shared in-flight counts, the KV event lease and the shared health prober (the
+    before of the comparison)."""
     config = merge(config, {"server": {"workers": workers}})
     if not sharing:
-        config = merge(config, {"fleet": {"share_in_flight": False, "kv_event_lease": False}})
+        config = merge(config, {"fleet": {"share_in_flight": False, "kv_event_lease": False,
+                                           "share_health_checks": False}})
     if redis_url is None:
         return config
     tag = slug(scenario)

@@ -1,4 +1,6 @@
-"""Active health checks: a greenlet per worker probes every backend.
+"""Active health checks: a greenlet per worker probes every backend, or, with the workers of
+a host sharing one prober (:mod:`continuum.routing.shared_health`), takes the prober's
+results.
 
 Invariants:
   * A backend is either ``healthy`` or not; only :meth:`HealthTracker.observe` changes it.
@@ -40,10 +42,13 @@ from typing import TYPE_CHECKING, Any
 
 import requests
 
+from continuum.routing.shared_health import FOLLOW_SECONDS
+
 if TYPE_CHECKING:
     from continuum.config import HealthCheckConfig
     from continuum.metrics import RouterMetrics
     from continuum.routing.backends import Backend, BackendPool
+    from continuum.routing.shared_health import SharedProbes
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +90,11 @@ class HealthTracker:
 
 
 class HealthMonitor:
-    """Probes every enabled backend on an interval and keeps ``Backend.healthy`` current."""
+    """Probes every enabled backend on an interval and keeps ``Backend.healthy`` current.
+
+    ``shared``: the host's shared probes; this worker then probes only while it holds the
+    role, and otherwise feeds the holder's results to its trackers (:meth:`follow`).
+    """
 
     def __init__(
         self,
@@ -93,10 +102,16 @@ class HealthMonitor:
         config: HealthCheckConfig,
         metrics: RouterMetrics | None = None,
         session_factory: Callable[[], requests.Session] = requests.Session,
+        shared: SharedProbes | None = None,
     ) -> None:
         self.pool = pool
         self.config = config
         self.metrics = metrics
+        self.shared = shared
+        # As a follower: the holder's token and the last result seen, per backend name,
+        # and when to probe a backend the holder's file has no fresh entry for.
+        self._followed: dict[str, tuple[str, int]] = {}
+        self._own_due: dict[str, float] = {}
         self.trackers = {
             b.name: HealthTracker(b, config.unhealthy_threshold, config.healthy_threshold)
             for b in pool
@@ -214,6 +229,8 @@ class HealthMonitor:
         except (requests.RequestException, ValueError) as exc:
             log.debug("probe of %s failed: %s", backend.name, exc)
             ok = False
+        if self.shared is not None and self.shared.holder:
+            self.shared.record(backend, ok)
         self.observe(backend, ok)
         return ok
 
@@ -223,6 +240,49 @@ class HealthMonitor:
 
         backends = [b for b in self.pool if b.config.enabled]
         gevent.joinall([gevent.spawn(self.probe, b) for b in backends])
+        if self.shared is not None and self.shared.holder:
+            self.shared.publish({b.name for b in backends})
+
+    def view(self) -> dict[str, bool]:
+        """For ``GET /admin/backends``: whether the host's workers share one prober, and
+        whether this worker probes (the prober, or every worker when not shared)."""
+        shared = self.shared
+        return {"shared": shared is not None,
+                "prober": self.config.enabled and (shared is None or shared.probing)}
+
+    def follow(self) -> int:
+        """As a follower: feed every holder result not yet seen to the trackers, and probe
+        the backends the holder's file has no fresh entry for (each at most once an
+        interval, without waiting for the result). Returns the results taken."""
+        import gevent
+
+        assert self.shared is not None
+        config = self.config
+        holder, entries = self.shared.entries()
+        now = time.monotonic()
+        stale = 2 * config.interval_seconds + config.timeout_ms / 1000
+        taken = 0
+        for backend in self.pool:
+            if not backend.config.enabled:
+                continue
+            name = backend.name
+            entry = entries.get(name)
+            if entry is None or entry.url != backend.url or now - entry.at > stale:
+                if now >= self._own_due.get(name, 0.0):
+                    self._own_due[name] = now + config.interval_seconds
+                    gevent.spawn(self.probe, backend)
+                continue
+            seen_holder, seen = self._followed.get(name, ("", 0))
+            fresh = entry.seq - seen if seen_holder == holder and seen <= entry.seq else 1
+            if fresh > 0 and entry.results:
+                if entry.models is not None:
+                    backend.discovered_models = entry.models
+                for ok in entry.results[-min(fresh, len(entry.results)):]:
+                    self.observe(backend, ok)
+                    taken += 1
+            self._followed[name] = (holder, entry.seq)
+        self.shared.followed += taken
+        return taken
 
     def await_first_results(self, backends: Sequence[Backend]) -> None:
         """Wait until one of ``backends`` is healthy or none is still unprobed, at most two
@@ -269,19 +329,26 @@ class HealthMonitor:
 
         def loop() -> None:
             while self.config.enabled:
+                pause = self.config.interval_seconds
                 try:
-                    self.probe_all()
+                    if self.shared is None or self.shared.hold():
+                        self.probe_all()
+                    else:
+                        self.follow()
+                        pause = min(pause, FOLLOW_SECONDS)
                 except Exception:  # a bug here must not stop health checking
                     log.exception("health check round failed")
-                gevent.sleep(self.config.interval_seconds)
+                gevent.sleep(pause)
 
         self._greenlet = gevent.spawn(loop)
 
     def stop(self) -> None:
-        """Stop the probing greenlet."""
+        """Stop the probing greenlet (and, as the host's prober, give the role up)."""
         if self._greenlet is not None:
             self._greenlet.kill(block=False)
             self._greenlet = None
+        if self.shared is not None:
+            self.shared.release()
         self._session.close()
 
 

@@ -105,7 +105,8 @@ class BackendsResource(AdminResource):
     """``GET /admin/backends``: health, in-flight, latency and success rate per backend."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self._send(resp, {"backends": [asdict(b) for b in self.service.backend_views()]})
+        self._send(resp, {"backends": [asdict(b) for b in self.service.backend_views()],
+                          "health_checks": self.service.health.view()})
 
 
 class PrefixRoutingStatsResource(AdminResource):
