@@ -330,6 +330,9 @@ def create(directory: str | os.PathLike[str], *, fresh: bool = False,
         if fresh:
             for stale in (directory / "fleet").glob("*.json"):
                 stale.unlink(missing_ok=True)
+            # the previous run's probe results (continuum.routing.shared_health.STATE_FILE):
+            # a new router judges its backends by its own first probes
+            (directory / "health.json").unlink(missing_ok=True)
         try:
             with path.open("rb") as fh:
                 head = fh.read(8)

@@ -133,12 +133,14 @@ def test_fresh_segment_forgets_the_previous_run(tmp_path: Path) -> None:
     old.bump_generation()
     (tmp_path / "fleet").mkdir()
     (tmp_path / "fleet" / "1.json").write_text("{}")
+    (tmp_path / "health.json").write_text("{}")  # the last run's prober's results
     host_id = old.host_id
     old.close()
     create(tmp_path, fresh=True)  # the master at start-up
     new = HostSegment(tmp_path)
     assert new.generation == 0 and new.host_total(new.column("b")) == 0
     assert new.host_id != host_id and not list((tmp_path / "fleet").glob("*.json"))
+    assert not (tmp_path / "health.json").exists()
     create(tmp_path)  # a worker finding a valid segment keeps it
     assert HostSegment(tmp_path).host_id == new.host_id
 
