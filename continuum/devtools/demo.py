@@ -62,6 +62,7 @@ from continuum.devtools.procs import ChildExited, Children, wait_until
 from continuum.devtools.push import PushSetup
 from continuum.devtools.scaleout import (
     cache_counts,
+    kv_decisions,
     per_request,
     redis_command_calls,
     redis_round_trips,
@@ -325,7 +326,6 @@ def run_scenario(
     engines = fleet.single if scenario.direct else fleet.engines
     kv: dict[str, Any] | None = None
     start: dict[str, Any] = {}
-    measured_from: dict[str, int] = {}
     token = ""
     if scenario.kv_events and fleet.listener is None:
         raise RuntimeError(f"scenario {scenario.name!r} needs the KV listener")
@@ -372,11 +372,9 @@ def run_scenario(
                     "entry_count"] >= len(warmup.sessions), "the warm-up in the KV index", 10,
                     children=[router] if router else [], tail=0)
                 time.sleep(0.2)  # past the scorer's 100 ms snapshots
-        if scenario.kv_events:
-            measured_from = kv_index_stats(http, target, token)["routing_decisions"]
         before = engine_stats(http, engines)
-        trips_before = redis_round_trips(http.get(t + "/metrics", timeout=5).text
-                                         for t in targets)
+        texts_before = [http.get(t + "/metrics", timeout=5).text for t in targets]
+        trips_before = redis_round_trips(texts_before)
         redis_before = redis_command_calls(redis_url)
         cpu_before = router_cpu_seconds(routers)
         result = replay(targets or target, workload, concurrency=args.concurrency,
@@ -418,9 +416,10 @@ def run_scenario(
                 "entry_count_at_end": end["index"]["entry_count"],
                 "events_received": sum(s["events_received"] for s in end["event_sources"]),
                 "reconnects": sum(s["reconnect_count"] for s in end["event_sources"]),
-                # the measured replay's decisions (a warm-up's are left out)
-                "routing_decisions": {k: v - measured_from.get(k, 0)
-                                      for k, v in end["routing_decisions"].items()},
+                # the measured replay's decisions (a warm-up's are left out), of every
+                # worker of every router (their /metrics; the admin stats are one worker's)
+                "routing_decisions": {k: v - kv_decisions(texts_before)[k]
+                                      for k, v in kv_decisions(texts).items()},
             }
     finally:
         for proc in routers:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from continuum.devtools.procs import Child
 
 CACHE_METRIC = "continuum_response_cache_requests_total"
+DECISIONS_METRIC = "continuum_kv_index_routing_decisions_total"
 SUBSCRIBERS_METRIC = "continuum_kv_listener_subscribers"
 REDIS_LATENCY_METRIC = "continuum_cache_redis_latency_seconds"
 
@@ -70,6 +71,15 @@ def subscribers(http: requests.Session, listener: str) -> dict[str, int]:
             backend = labels.split('backend="', 1)[1].split('"', 1)[0]
             out[backend] = int(float(value))
     return out
+
+
+def kv_decisions(metrics_texts: Sequence[str]) -> dict[str, int]:
+    """The KV scorer's decisions (``kv_aware``, ``fallback``, ``total``) over every
+    router's ``/metrics``: every worker's, where ``/admin/kv-index/stats`` answers one
+    worker's."""
+    counts = {d: int(sum(metric_sum(t, DECISIONS_METRIC, decision=d) for t in metrics_texts))
+              for d in ("kv_aware", "fallback")}
+    return {**counts, "total": counts["kv_aware"] + counts["fallback"]}
 
 
 def cache_counts(metrics_texts: Sequence[str]) -> tuple[int, int]:
@@ -167,6 +177,6 @@ def router_memory_mib(routers: Sequence[Child]) -> float:
     return round(total / 1024, 1)
 
 
-__all__ = ["cache_counts", "per_request", "redis_command_calls", "redis_commands",
-           "redis_round_trips", "router_cpu_seconds", "router_memory_mib", "scale_config",
-           "subscribers"]
+__all__ = ["cache_counts", "kv_decisions", "per_request", "redis_command_calls",
+           "redis_commands", "redis_round_trips", "router_cpu_seconds", "router_memory_mib",
+           "scale_config", "subscribers"]

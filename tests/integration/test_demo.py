@@ -271,7 +271,10 @@ def test_demo_scale_out_two_routers_of_two_workers() -> None:
     kv = rows["KV index"]
     # The Redis index's lease: one consumer per backend for 2 routers x 2 workers.
     assert set(kv["scale_out"]["listener_connections"].values()) == {1}, kv["scale_out"]
-    # Routed by the shared index (a sample: the decisions of the worker that answered).
+    # Routed by the shared index; the decisions are every worker's of both routers: one
+    # per request that was not answered from the response cache.
+    decisions = kv["kv_index"]["routing_decisions"]
+    assert decisions["total"] == kv["ok"] - kv["scale_out"]["response_cache_hits"], kv
     assert kv["kv_aware_share"] is not None and kv["kv_aware_share"] > 0, kv["kv_index"]
     assert rows["PrefixAwareHash + response cache"]["scale_out"]["listener_connections"] \
         is None
