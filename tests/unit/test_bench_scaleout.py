@@ -94,3 +94,38 @@ def test_rows_reach_the_demo_as_its_strategies() -> None:
     every_row = build_parser().parse_args(scaleout.demo_command("agent", 1, 1, 3, True,
                                                                 redis=True)[4:])
     assert every_row.strategies is None and every_row.redis and every_row.quick
+
+
+def test_interleaved_rounds_take_turns_and_merge_like_demo_rounds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--interleave``: one round of each shape in turn; each shape's rounds become one
+    document whose rows carry every round, so the medians are over all of them."""
+    calls: list[tuple[int, int, bool, int, str]] = []
+    p99s = iter([100, 300, 200, 500, 150, 400])  # 1x1, 4x2, 1x1, 4x2, ...
+
+    def fake_run(scenario: str, workers: int, routers: int, rounds: int, quick: bool,
+                 out: Path, redis: bool = False, rows: tuple[str, ...] = (),
+                 suffix: str = "") -> Path:
+        calls.append((workers, routers, redis, rounds, suffix))
+        path = scaleout.result_path(out, scenario,
+                                    scaleout.shape_name(workers, routers, redis) + suffix)
+        path.write_text(json.dumps(_doc(_row("KV", [0.8], [next(p99s)], [None]))))
+        return path
+
+    monkeypatch.setattr(scaleout, "run_demo", fake_run)
+    assert scaleout.main(["--scenario", "rag", "--rounds", "3", "--interleave",
+                          "--out", str(tmp_path), "--json"]) == 0
+    assert calls == [(1, 1, False, 1, "-round1"), (4, 2, False, 1, "-round1"),
+                     (1, 1, False, 1, "-round2"), (4, 2, False, 1, "-round2"),
+                     (1, 1, False, 1, "-round3"), (4, 2, False, 1, "-round3")]
+    single = json.loads((tmp_path / "rag-1x1.json").read_text())
+    scaled = json.loads((tmp_path / "rag-4x2.json").read_text())
+    (row,) = scaleout.compare(single, scaled)
+    assert (row["single"]["p99"], row["scaled"]["p99"]) == (150, 400)
+    assert len(single["scenarios"][0]["rounds"]) == 3
+
+
+def test_merging_runs_with_different_rows_is_refused() -> None:
+    with pytest.raises(ValueError, match="different rows"):
+        scaleout.merge_rounds([_doc(_row("a", [0.8], [1], [None])),
+                               _doc(_row("b", [0.8], [1], [None]))])

@@ -7,6 +7,7 @@ Run::
     python -m tools.bench.scaleout --quick --rounds 1   # a smaller workload, ~12 min
     python -m tools.bench.scaleout --compare-only --out DIR   # an earlier run's JSON again
     python -m tools.bench.scaleout --scenario rag --rows 'KV index (seed key)' --rounds 7
+    python -m tools.bench.scaleout --scenario rag --rows 'KV index (seed key)' --rounds 6 --interleave
 
 For each scenario it runs ``continuum-router demo --scenario S --json --rounds N`` first as
 ``--workers 1 --routers 1`` and then as ``--workers W --routers M`` (so the two shapes of a
@@ -67,9 +68,11 @@ def demo_command(scenario: str, workers: int, routers: int, rounds: int, quick: 
 
 
 def run_demo(scenario: str, workers: int, routers: int, rounds: int, quick: bool,
-             out: Path, redis: bool = False, rows: Sequence[str] = ()) -> Path:
-    """One demo run; its JSON in ``out``. Raises on a failed run (its stderr is kept)."""
-    path = result_path(out, scenario, shape_name(workers, routers, redis))
+             out: Path, redis: bool = False, rows: Sequence[str] = (),
+             suffix: str = "") -> Path:
+    """One demo run; its JSON in ``out`` (``suffix`` after the shape in its name). Raises
+    on a failed run (its stderr is kept)."""
+    path = result_path(out, scenario, shape_name(workers, routers, redis) + suffix)
     cmd = demo_command(scenario, workers, routers, rounds, quick, redis, rows)
     started = time.monotonic()
     print(f"  {' '.join(cmd[3:])}", flush=True)
@@ -79,6 +82,39 @@ def run_demo(scenario: str, workers: int, routers: int, rounds: int, quick: bool
     if rc not in (0, 1):  # 1: some request failed, the rows still say which
         raise SystemExit(f"demo failed (rc {rc}): see {out / (path.stem + '.err')}")
     return path
+
+
+def merge_rounds(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One demo document from single-round runs of the same rows (``--interleave``): each
+    row as the first run's, with every run's row under ``rounds``, as ``--rounds`` gives.
+
+    Raises:
+        ValueError: the runs do not have the same rows in the same order.
+    """
+    names = [[row["name"] for row in doc["scenarios"]] for doc in docs]
+    if any(n != names[0] for n in names):
+        raise ValueError(f"the runs have different rows: {names}")
+    rows = []
+    for i, first in enumerate(docs[0]["scenarios"]):
+        runs = [doc["scenarios"][i] for doc in docs]
+        rows.append({**first, "rounds": runs} if len(runs) > 1 else first)
+    return {**docs[0], "scenarios": rows}
+
+
+def run_interleaved(scenario: str, shapes: Sequence[tuple[int, int, bool]], rounds: int,
+                    quick: bool, out: Path, rows: Sequence[str]) -> None:
+    """``--interleave``: one round of each shape in turn, ``rounds`` times, so both
+    shapes meet the machine in the same states; each shape's rounds merged into its usual
+    file (:func:`result_path`)."""
+    runs: dict[tuple[int, int, bool], list[dict[str, Any]]] = {s: [] for s in shapes}
+    for k in range(rounds):
+        for workers, routers, redis in shapes:
+            path = run_demo(scenario, workers, routers, 1, quick, out, redis, rows,
+                            suffix=f"-round{k + 1}")
+            runs[(workers, routers, redis)].append(json.loads(path.read_text()))
+    for (workers, routers, redis), docs in runs.items():
+        result_path(out, scenario, shape_name(workers, routers, redis)).write_text(
+            json.dumps(merge_rounds(docs)))
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -165,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis-baseline", action="store_true",
                    help="run the 1 x 1 baseline with --redis (its tiers on Redis as in the "
                    "scaled run), so the comparison is of the scale-out alone")
+    p.add_argument("--interleave", action="store_true",
+                   help="run the rounds one at a time, the two shapes taking turns (1 x 1, "
+                   "W x M, 1 x 1, ...), so a machine that slows down or speeds up meets "
+                   "both alike; slower (a fleet start per round)")
     p.add_argument("--out", type=Path, default=Path("scaleout-results"),
                    help="where the JSON goes (default ./scaleout-results)")
     p.add_argument("--compare-only", action="store_true",
@@ -179,7 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     base = shape_name(1, 1, args.redis_baseline)
     results: dict[str, list[dict[str, Any]]] = {}
     for scenario in args.scenario:
-        if not args.compare_only:
+        if not args.compare_only and args.interleave:
+            print(f"{scenario}:", flush=True)
+            run_interleaved(scenario, [(1, 1, args.redis_baseline),
+                                       (args.workers, args.routers, False)],
+                            args.rounds, args.quick, args.out, args.rows)
+        elif not args.compare_only:
             print(f"{scenario}:", flush=True)
             run_demo(scenario, 1, 1, args.rounds, args.quick, args.out, args.redis_baseline,
                      args.rows)
