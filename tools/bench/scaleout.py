@@ -7,7 +7,7 @@ Run::
     python -m tools.bench.scaleout --quick --rounds 1   # a smaller workload, ~12 min
     python -m tools.bench.scaleout --compare-only --out DIR   # an earlier run's JSON again
     python -m tools.bench.scaleout --scenario rag --rows 'KV index (seed key)' --rounds 7
-    python -m tools.bench.scaleout --scenario rag --rows 'KV index (seed key)' --rounds 6 --interleave
+    python -m tools.bench.scaleout --scenario rag --rows 'KV index' --rounds 6 --interleave
 
 For each scenario it runs ``continuum-router demo --scenario S --json --rounds N`` first as
 ``--workers 1 --routers 1`` and then as ``--workers W --routers M`` (so the two shapes of a
