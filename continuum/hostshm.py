@@ -358,6 +358,23 @@ def create(directory: str | os.PathLike[str], *, fresh: bool = False,
 
 
 
+def try_lock(path: str | os.PathLike[str]) -> int | None:
+    """An exclusive ``flock`` on ``path`` (created if missing) without waiting: the open
+    file descriptor that holds it (closing it, or the process dying, drops the lock), or
+    None when another process holds it.
+
+    Raises:
+        OSError: the file cannot be opened.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def open_segment() -> HostSegment | None:
     """This worker's :class:`HostSegment` in ``$CONTINUUM_RUNTIME_DIR``; None when the
     variable is unset (a router run in-process, by tests or tools) or the directory is not
@@ -375,4 +392,5 @@ def open_segment() -> HostSegment | None:
         return None
 
 
-__all__ = ["MAX_BACKENDS", "MAX_WORKERS", "HostSegment", "create", "open_segment", "runtime_dir"]
+__all__ = ["MAX_BACKENDS", "MAX_WORKERS", "HostSegment", "create", "open_segment", "runtime_dir",
+           "try_lock"]

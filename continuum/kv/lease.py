@@ -31,7 +31,6 @@ config, and the worker tries for the lease again.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -41,6 +40,8 @@ import time
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from continuum.hostshm import try_lock
 
 if TYPE_CHECKING:
     from continuum.config import RouterConfig
@@ -91,11 +92,8 @@ class FileLease:
     def acquire(self, backend: str) -> bool:
         if backend in self._fds:
             return True
-        fd = os.open(self._path(backend), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
+        fd = try_lock(self._path(backend))
+        if fd is None:
             return False
         self._fds[backend] = fd
         return True

@@ -44,7 +44,6 @@ Redis Cluster, so the script's keys share a slot), outside the cache's prefix.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import math
 import os
@@ -170,14 +169,10 @@ class FleetLoad:
             disconnect(self.client)
 
     def _take_role(self) -> bool:
-        fd = os.open(self.segment.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return False
-        self._lock_fd = fd
-        return True
+        from continuum.hostshm import try_lock
+
+        self._lock_fd = try_lock(self.segment.directory / LOCK_FILE)
+        return self._lock_fd is not None
 
     def _run(self) -> None:
         import gevent

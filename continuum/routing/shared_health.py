@@ -31,13 +31,12 @@ that hangs. A holder that dies drops its lock with its process; the next followe
 (every :data:`FOLLOW_SECONDS`) probes from then on, and the others take its results from
 its first round (a new ``holder`` restarts the count).
 
-Standard library only: ``fcntl``, ``json``, ``os``.
+Standard library only (the lock is :func:`continuum.hostshm.try_lock`'s ``flock``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -46,6 +45,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from continuum.hostshm import try_lock
 
 if TYPE_CHECKING:
     from continuum.routing.backends import Backend
@@ -114,16 +115,13 @@ class SharedProbes:
         if self._lock_fd is not None or self._unusable:
             return True
         try:
-            fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = try_lock(self.directory / LOCK_FILE)
         except OSError as exc:
             log.warning("health checks: %s unusable (%s): this worker probes itself",
                         self.directory, exc)
             self._unusable = True
             return True
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
+        if fd is None:
             return False
         self._lock_fd = fd
         self._records.clear()
