@@ -375,6 +375,7 @@ def run_scenario(
         before = engine_stats(http, engines)
         texts_before = [http.get(t + "/metrics", timeout=5).text for t in targets]
         trips_before = redis_round_trips(texts_before)
+        decisions_before = kv_decisions(texts_before)
         redis_before = redis_command_calls(redis_url)
         cpu_before = router_cpu_seconds(routers)
         result = replay(targets or target, workload, concurrency=args.concurrency,
@@ -418,7 +419,7 @@ def run_scenario(
                 "reconnects": sum(s["reconnect_count"] for s in end["event_sources"]),
                 # the measured replay's decisions (a warm-up's are left out), of every
                 # worker of every router (their /metrics; the admin stats are one worker's)
-                "routing_decisions": {k: v - kv_decisions(texts_before)[k]
+                "routing_decisions": {k: v - decisions_before[k]
                                       for k, v in kv_decisions(texts).items()},
             }
     finally:

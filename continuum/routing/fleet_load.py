@@ -50,6 +50,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from continuum.hostshm import try_lock
+
 if TYPE_CHECKING:
     from continuum.config import RouterConfig
     from continuum.hostshm import HostSegment
@@ -169,8 +171,6 @@ class FleetLoad:
             disconnect(self.client)
 
     def _take_role(self) -> bool:
-        from continuum.hostshm import try_lock
-
         self._lock_fd = try_lock(self.segment.directory / LOCK_FILE)
         return self._lock_fd is not None
 

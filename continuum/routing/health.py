@@ -275,13 +275,11 @@ class HealthMonitor:
             seen_holder, seen = self._followed.get(name, ("", 0))
             fresh = entry.seq - seen if seen_holder == holder and seen <= entry.seq else 1
             if fresh > 0 and entry.results:
-                if entry.models is not None:
-                    backend.discovered_models = entry.models
+                backend.discovered_models = entry.models
                 for ok in entry.results[-min(fresh, len(entry.results)):]:
                     self.observe(backend, ok)
                     taken += 1
             self._followed[name] = (holder, entry.seq)
-        self.shared.followed += taken
         return taken
 
     def await_first_results(self, backends: Sequence[Backend]) -> None:

@@ -16,13 +16,13 @@ reader never sees half of it):
 
 ``seq`` counts the holder's probes of the backend, ``results`` are the last
 :data:`HISTORY` of them (newest last), ``at`` is when the last one ended
-(``time.monotonic()``, one clock for every process of the host), ``models`` what the probe
-discovered (null: nothing to discover). The other workers (followers) look at the file
-every :data:`FOLLOW_SECONDS` (a ``stat``; a read only when it changed) and feed each result
-they have not seen yet into their own :class:`~continuum.routing.health.HealthTracker`, as
-if they had probed themselves. So every worker still counts its own streaks: the
-thresholds, the passive failures of its own requests and its transition metrics behave as
-before, on the same probe results.
+(``time.monotonic()``, one clock for every process of the host), ``models`` what the probes
+discovered (empty when the backend's models are configured). The other workers
+(followers) look at the file every :data:`FOLLOW_SECONDS` (a ``stat``; a read only when it
+changed) and feed each result they have not seen yet into their own
+:class:`~continuum.routing.health.HealthTracker`, as if they had probed themselves. So
+every worker still counts its own streaks: the thresholds, the passive failures of its own
+requests and its transition metrics behave as before, on the same probe results.
 
 A follower probes a backend itself, on its own interval, while the file has no fresh entry
 for it (none, another URL, or the last result older than two intervals and a timeout): a
@@ -69,7 +69,7 @@ class ProbeEntry:
     seq: int
     at: float
     results: tuple[bool, ...]
-    models: frozenset[str] | None
+    models: frozenset[str]
 
 
 class _Record:
@@ -80,7 +80,7 @@ class _Record:
         self.seq = 0
         self.at = 0.0
         self.results: deque[bool] = deque(maxlen=HISTORY)
-        self.models: frozenset[str] | None = None
+        self.models: frozenset[str] = frozenset()
 
 
 class SharedProbes:
@@ -96,8 +96,6 @@ class SharedProbes:
         self._seen_stat: tuple[int, int, int] | None = None
         self._holder = ""
         self._entries: dict[str, ProbeEntry] = {}
-        #: Results this worker took from the file, and rounds it wrote (tests, logs).
-        self.followed = self.published = 0
 
     @property
     def holder(self) -> bool:
@@ -148,12 +146,12 @@ class SharedProbes:
         rec.results.append(ok)
         rec.models = backend.discovered_models
 
-    def publish(self, names: set[str] | None = None) -> None:
-        """Write the records (of ``names``, default all) to ``health.json``, atomically."""
+    def publish(self, names: set[str]) -> None:
+        """Write the records of ``names`` to ``health.json``, atomically."""
         doc = {"holder": self._token, "backends": {
             name: {"url": r.url, "seq": r.seq, "at": r.at, "results": list(r.results),
-                   "models": None if r.models is None else sorted(r.models)}
-            for name, r in self._records.items() if names is None or name in names}}
+                   "models": sorted(r.models)}
+            for name, r in self._records.items() if name in names}}
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         try:
             tmp.write_text(json.dumps(doc, separators=(",", ":")))
@@ -162,8 +160,6 @@ class SharedProbes:
             log.warning("health checks: cannot write %s: %s", self.path, exc)
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            return
-        self.published += 1
 
     # --- a follower ----------------------------------------------------------------------
 
@@ -190,10 +186,9 @@ class SharedProbes:
 def _parse(raw: Any) -> dict[str, ProbeEntry]:
     out = {}
     for name, e in raw.items():
-        models = e["models"]
         out[str(name)] = ProbeEntry(
             str(e["url"]), int(e["seq"]), float(e["at"]), tuple(bool(r) for r in e["results"]),
-            None if models is None else frozenset(str(m) for m in models))
+            frozenset(str(m) for m in e["models"]))
     return out
 
 
