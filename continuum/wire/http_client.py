@@ -29,7 +29,7 @@ from typing import Any
 import gevent
 from gevent import get_hub, getcurrent
 
-from continuum.wire.waits import timer_for
+from continuum.wire.waits import expire, timer_for
 
 #: Limits on a response head (and on chunk-size and trailer lines).
 MAX_LINE = 64 * 1024
@@ -128,9 +128,10 @@ class Connection:
         timer = self._timer
         if timer is None or timer.seconds != seconds:
             timer = self._timer = timer_for(timer, seconds)
-        # wait_watcher's wait, inline (once per streamed record), arm() inline too
+        # wait_watcher's wait, inline (once per streamed record), arm() inline too: again,
+        # not start, or each wait would get only what the last one left of the timeout
         clock = timer.timer
-        clock.start(timer._on_expiration, getcurrent(), timer, update=True)
+        clock.again(expire, clock, getcurrent(), timer, update=True)
         try:
             get_hub().wait(sock._read_event)
         except gevent.Timeout as exc:
