@@ -18,6 +18,10 @@ with a JSON error body and is closed. The body's own deadline is the application
 Request heads are read by :class:`~continuum.wire.request_head.FastRequest` (a strict fast
 path in front of gunicorn's parser, which judges everything outside it).
 
+With several workers, each one's server is a
+:class:`~continuum.wire.accept_balance.BalancedStreamServer`: a worker holding more client
+connections than its share leaves new ones to the others (``server.balance_connections``).
+
 It also saves a send per answer: gunicorn writes a response head and its body with two
 ``sendall`` calls (two trips through the loopback TCP stack, about a tenth of the router's
 CPU per small request). :class:`_CoalescingSocket` holds the head back until the body's
@@ -29,6 +33,7 @@ is never delayed past the moment the worker would otherwise sit idle.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -41,9 +46,11 @@ from gevent.socket import socket as GeventSocket
 from gevent.socket import wait_read
 from gunicorn import util as gunicorn_util
 from gunicorn.http.parser import RequestParser
+from gunicorn.workers import ggevent
 from gunicorn.workers.ggevent import GeventWorker as _GunicornGeventWorker
 
 from continuum.config import ServerConfig
+from continuum.wire.accept_balance import AcceptGate, BalancedStreamServer
 from continuum.wire.request_head import FastRequest
 from continuum.wire.waits import arm, timer_for, wait_watcher
 
@@ -271,6 +278,7 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         self._connections: dict[Any, _Connection] = {}
         self._deadlines: dict[Any, _HeaderDeadline] = {}
         self._router: Any = None  # the RouterApp served, once known (None: not yet looked)
+        self.accept_gate: AcceptGate | None = None
 
     def init_process(self) -> None:
         """In the worker process: HTTP/1 request heads are read by
@@ -295,17 +303,41 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
             self.cfg = _SettledConfig(cfg)
         super().init_process()
 
+    def run(self) -> None:
+        """gunicorn's serving loop; with several workers sharing a host segment and
+        ``server.balance_connections`` on, each listener's server balances its accepts
+        against the other workers' (:mod:`continuum.wire.accept_balance`)."""
+        gate = self.accept_gate = self._make_accept_gate()
+        if gate is not None:
+            # gunicorn's run() builds its servers from this module name (worker process only)
+            ggevent.StreamServer = functools.partial(BalancedStreamServer, gate=gate)
+        super().run()
+
+    def _make_accept_gate(self) -> AcceptGate | None:
+        router = self.router()
+        if router is None or self.cfg.workers < 2:
+            return None
+        service = router.service
+        if service.host is None or not service.config.server.balance_connections:
+            return None
+        return AcceptGate(service.host)
+
     def handle(self, listener: Any, client: Any, addr: Any) -> None:
         """Serve one connection (in its own greenlet), remembering it for
-        :meth:`timeout_ctx`."""
+        :meth:`timeout_ctx` and counting it for the accept gate."""
         me = gevent.getcurrent()
         conn = self._connections[me] = _Connection(client, addr)
         self._deadlines[me] = _HeaderDeadline(self, conn)
+        gate = self.accept_gate
+        if gate is not None:
+            gate.opened()
         try:
             super().handle(listener, client, addr)
         finally:
             del self._connections[me]
             del self._deadlines[me]
+            if gate is not None:
+                gate.closed()
 
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> Any:
         """Serve one request; then note whether the next one has already begun arriving."""
@@ -332,12 +364,18 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
     def header_timeout(self) -> float:
         """``server.client_header_timeout_seconds`` of the running config (reloads
         included), or its default when the worker serves some other application."""
+        router = self.router()
+        if router is None:
+            return ServerConfig.client_header_timeout_seconds
+        seconds: float = router.service.config.server.client_header_timeout_seconds
+        return seconds
+
+    def router(self) -> Any:
+        """The :class:`~continuum.web.app.RouterApp` this worker serves, or None when it
+        serves some other application."""
         router = self._router
         if router is None:
             from continuum.web.app import RouterApp
 
             router = self._router = self.wsgi if isinstance(self.wsgi, RouterApp) else False
-        if router is False:
-            return ServerConfig.client_header_timeout_seconds
-        seconds: float = router.service.config.server.client_header_timeout_seconds
-        return seconds
+        return router or None

@@ -5,8 +5,9 @@ numbers they must agree on live in one small file mapped into every worker
 (``$CONTINUUM_RUNTIME_DIR/host.shm``, set by :mod:`continuum.gunicorn_conf`; the master
 creates it in ``on_starting``, a worker that finds none creates it under the lock):
 
-* a **worker table**: one slot per live worker (its PID and the last fleet-action
-  generation it applied, see :mod:`continuum.web.fleet`);
+* a **worker table**: one slot per live worker (its PID, the last fleet-action
+  generation it applied, see :mod:`continuum.web.fleet`, and how many client
+  connections it holds open, see :mod:`continuum.wire.accept_balance`);
 * the **fleet-action generation**, bumped by the worker that received an admin action;
 * a **backend table**: the column of each backend name;
 * a **load table**: ``in_flight[backend column][worker slot]`` (a backend's counts are
@@ -55,7 +56,10 @@ MAGIC = 0x434F4E54484F5354  # "CONTHOST"
 MAX_WORKERS = 128
 MAX_BACKENDS = 256
 NAME_BYTES = 64
-WORKER_FIELDS = 4  # pid, applied generation, spare, spare
+WORKER_FIELDS = 4  # pid, applied generation, open client connections, spare
+_W_CONNECTIONS = 2
+#: What a worker that accepts no more connections publishes as its count (never the fewest).
+NOT_ACCEPTING = 1 << 40
 
 # Layout in 8-byte words.
 _HDR_MAGIC = 0
@@ -187,6 +191,32 @@ class HostSegment:
         with self.locked():
             if self.words[self._worker(self.slot, 0)] == self.pid:
                 self._wipe(self.slot)
+
+    # --- open client connections (accept balancing) --------------------------------------
+
+    @property
+    def connections(self) -> int:
+        """The client connections this worker holds open, as it last published them."""
+        return self.words[self._worker(self.slot, _W_CONNECTIONS)]
+
+    @connections.setter
+    def connections(self, value: int) -> None:
+        self.words[self._worker(self.slot, _W_CONNECTIONS)] = value
+
+    def fewest_connections_elsewhere(self) -> int | None:
+        """The fewest open connections any other claimed worker slot publishes; None when
+        this worker is the only one. A dead worker's slot counts until it is swept (at most
+        a second): its count is then frozen, and what that costs is bounded by the caller."""
+        words = self.words
+        fewest: int | None = None
+        at = _WORKERS_AT
+        for slot in range(words[_HDR_SLOTS_USED]):
+            base = at + slot * WORKER_FIELDS
+            if slot != self.slot and words[base]:
+                count = words[base + _W_CONNECTIONS]
+                if fewest is None or count < fewest:
+                    fewest = count
+        return fewest
 
     # --- fleet-action generation -------------------------------------------------------
 

@@ -36,6 +36,11 @@ class ServerConfig:
     worker_connections: int = setting(
         1000, doc="concurrent connections per gevent worker", min=1, max=100000, restart=True
     )
+    balance_connections: bool = setting(
+        True, doc="with several workers, a worker holding more client connections than "
+        "the least loaded other worker plus one leaves new ones to the others (for at most "
+        "2 ms), so a client's kept-alive pool spreads over every worker", restart=True,
+    )
     max_body_bytes: int = setting(
         10 * 1024 * 1024, doc="largest accepted request body; larger gets 413",
         min=1024, max=1024**3,
