@@ -38,7 +38,7 @@ import os
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gevent
 from gevent import get_hub
@@ -50,7 +50,9 @@ from gunicorn.workers import ggevent
 from gunicorn.workers.ggevent import GeventWorker as _GunicornGeventWorker
 
 from continuum.config import ServerConfig
-from continuum.wire.accept_balance import AcceptGate, BalancedStreamServer
+
+if TYPE_CHECKING:
+    from continuum.wire.accept_balance import AcceptGate
 from continuum.wire.request_head import FastRequest
 from continuum.wire.waits import arm, timer_for, wait_watcher
 
@@ -278,7 +280,7 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         self._connections: dict[Any, _Connection] = {}
         self._deadlines: dict[Any, _HeaderDeadline] = {}
         self._router: Any = None  # the RouterApp served, once known (None: not yet looked)
-        self.accept_gate: AcceptGate | None = None
+        self.accept_gate: AcceptGate | None = None  # with several workers: see run()
 
     def init_process(self) -> None:
         """In the worker process: HTTP/1 request heads are read by
@@ -309,6 +311,8 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         against the other workers' (:mod:`continuum.wire.accept_balance`)."""
         gate = self.accept_gate = self._make_accept_gate()
         if gate is not None:
+            from continuum.wire.accept_balance import BalancedStreamServer
+
             # gunicorn's run() builds its servers from this module name (worker process only)
             ggevent.StreamServer = functools.partial(BalancedStreamServer, gate=gate)
         super().run()
@@ -320,6 +324,8 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         service = router.service
         if service.host is None or not service.config.server.balance_connections:
             return None
+        from continuum.wire.accept_balance import AcceptGate
+
         return AcceptGate(service.host)
 
     def handle(self, listener: Any, client: Any, addr: Any) -> None:

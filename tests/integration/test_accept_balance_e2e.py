@@ -77,13 +77,17 @@ def test_a_burst_of_connections_spreads_over_the_workers(
 ) -> None:
     router = router_factory(_config(upstreams("a")), workers=workers)
     pids = set(_workers(router, workers))
+    total: collections.Counter[int] = collections.Counter()
     for _ in range(3):
         held = _burst(router.port, BURST)
         assert set(held) == pids, held
-        # an even share is 16 or 8; a worker the others left waiting takes one more per
-        # 2 ms pause, so a loaded machine may tip it a little
-        assert max(held.values()) - min(held.values()) <= BURST // workers // 2, held
+        total += held
         time.sleep(0.3)  # the workers see the burst's connections closed
+    # An even share is 48 (24) of the 96 connections. A worker left waiting by the others
+    # takes one more connection per 2 ms pause, so a loaded machine tips a burst a little;
+    # without the gate one worker took 24, 21 and 29 of 32 in three bursts (74 of 96).
+    share = 3 * BURST // workers
+    assert all(abs(count - share) <= 10 for count in total.values()), total
 
 
 def test_a_stopped_worker_does_not_hold_new_connections_up(

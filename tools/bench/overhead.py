@@ -323,6 +323,8 @@ class Phase:
     others_cpu_pct: float | None = None
     #: Clock ticks the router CPU figure rests on (its resolution is one tick).
     router_cpu_ticks: int | None = None
+    #: With several router workers: each one's share of the router CPU of the phase.
+    worker_cpu_shares: list[float] | None = None
     statuses: dict[str, int] = field(default_factory=dict)
 
 
@@ -405,7 +407,8 @@ def run_phase(mode: str, port: int, stream: bool, concurrency: int, count: int, 
         ours = [upstream.pid, *([router.pid, *workers] if router is not None else [])]
         m0 = machine_busy_seconds()
         o0 = sum(cpu_seconds(p) for p in ours)
-        r0 = sum(cpu_seconds(p) for p in workers)
+        w0 = [cpu_seconds(p) for p in workers]
+        r0 = sum(w0)
         u0 = cpu_seconds(upstream.pid)
         c0 = time.process_time()
         load = Load(conns, payload, stream, is_router)
@@ -417,7 +420,8 @@ def run_phase(mode: str, port: int, stream: bool, concurrency: int, count: int, 
         if router is not None:
             if children_of(router.pid) != workers:
                 raise BenchError("a router worker restarted during the phase")
-            r1 = sum(cpu_seconds(p) for p in workers)
+            w1 = [cpu_seconds(p) for p in workers]
+            r1 = sum(w1)
     finally:
         for c in conns:
             c.close()
@@ -446,6 +450,8 @@ def run_phase(mode: str, port: int, stream: bool, concurrency: int, count: int, 
     if router is not None:
         phase.router_cpu_ms_per_req = (r1 - r0) / done * 1e3
         phase.router_cpu_ticks = round((r1 - r0) * CLK_TCK)
+        if len(workers) > 1 and r1 > r0:
+            phase.worker_cpu_shares = [round((b - a) / (r1 - r0), 3) for a, b in zip(w0, w1)]
     return phase
 
 
@@ -719,6 +725,16 @@ def print_suite(phases: list[Phase], checks: list[dict[str, Any]], info: dict[st
               f"{p.errors:>5}{p.rps:>9.0f}{p.p50_ms:>9.3f}{_f(p.ttfc_p50_ms):>9}"
               f"{_f(p.router_cpu_ms_per_req):>10}{_f(per_chunk, 1):>10}"
               f"{_f(p.others_cpu_pct, 0):>8}")
+    for p in phases:
+        if p.worker_cpu_shares and p.router_cpu_ms_per_req is not None:
+            shares = "/".join(f"{share:.0%}" for share in p.worker_cpu_shares)
+            spent = (p.router_cpu_ms_per_req + (p.upstream_cpu_ms_per_req or 0.0)
+                     + (p.client_cpu_ms_per_req or 0.0))
+            ceiling = info["cpus"] * 1e3 / spent if spent else 0.0
+            print(f"{p.config or 'router'} c={p.concurrency}: worker CPU shares {shares}; "
+                  f"at {spent:.3f} ms of CPU per request (router, upstream and client), "
+                  f"{info['cpus']} CPUs allow at most {ceiling:.0f} req/s, measured "
+                  f"{p.rps:.0f} ({p.rps / ceiling:.0%})" if ceiling else "")
     print()
     print("# goals (issue 18)")
     for g in checks:
