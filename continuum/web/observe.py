@@ -170,8 +170,19 @@ class AccessWriter:
                 return handlers[0], False
             return None
         root = logging.root
-        if not logger.propagate or logger.parent is not root or root.filters:
+        if not logger.propagate or root.filters:
             return None
+        # Loggers between it and the root pass a record on untouched when they have no
+        # handler and propagate (their level and filters apply only to their own records).
+        # gunicorn makes a ``continuum`` logger of the placeholder that any module's
+        # ``continuum.x`` logger left in the master (``glogging.loggers``, when it sets its
+        # handlers close-on-exec), so one is usually there: requiring the root as the
+        # parent sent every line of ``continuum-router serve`` through ``logging``.
+        parent = logger.parent
+        while parent is not root:
+            if parent is None or parent.handlers or not parent.propagate:
+                return None
+            parent = parent.parent
         handlers = root.handlers
         if len(handlers) == 1 and _plain_stream_handler(handlers[0], LOG_FORMAT):
             return handlers[0], True

@@ -131,3 +131,43 @@ def test_text_format_is_key_equals_text_value_of_each_field() -> None:
         expected = " ".join(f"{key}={observe._text_value(value)}"
                             for key, value in fields.items())
         assert observe.format_access(record, "text") == expected
+
+
+def test_a_continuum_logger_between_it_and_the_root_keeps_the_direct_path(
+    root_stream: io.StringIO,
+) -> None:
+    """gunicorn turns the ``continuum`` placeholder into a logger in every worker (its
+    ``glogging.loggers()`` gets every name in the logger dict) when any ``continuum.x``
+    logger was made before the fork, as ``continuum-router serve`` does: a logger with no
+    handler that propagates passes the line on unchanged, so the direct path still holds;
+    one with a handler of its own, or that stops propagation, sends it through logging."""
+    _worker_logging()
+    configure_access_log("text")
+    parent = logging.getLogger("continuum")
+    assert access_log.parent is parent
+    saved = parent.handlers[:], parent.propagate, parent.level
+    try:
+        parent.setLevel(logging.WARNING)  # its level is not the access logger's
+        writer = AccessWriter()
+        assert writer.handler() is not None
+        writer.write("request_id=abc status=200")
+        assert root_stream.getvalue() == _as_logging_would("request_id=abc status=200")
+
+        seen: list[str] = []
+
+        class Collect(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                seen.append(record.getMessage())
+
+        parent.addHandler(Collect())
+        assert writer.handler() is None
+        writer.write("request_id=def status=200")
+        assert seen == ["request_id=def status=200"]
+        assert root_stream.getvalue().endswith(_as_logging_would("request_id=def status=200"))
+
+        parent.handlers[:] = []
+        parent.propagate = False
+        assert writer.handler() is None
+    finally:
+        parent.handlers[:], parent.propagate = saved[0], saved[1]
+        parent.setLevel(saved[2])
