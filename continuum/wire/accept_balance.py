@@ -4,8 +4,8 @@ The workers of one router accept from one listening socket. A new connection wak
 worker waiting on it, and the first to run takes it; when a client opens its connection
 pool in a burst (a load balancer, an SDK with a pool, a benchmark), one worker can take
 most of them. Kept-alive connections stay with the worker that accepted them, so its
-requests queue on one core while the others idle: with 32 connections, a 2-worker router
-took them 25/7, and the busy worker spent five times the CPU of the other.
+requests queue on one core while the others idle: 32 connections opened at once reached a
+2-worker router 24/8, 21/11 and 29/3 in three bursts.
 
 Each worker publishes how many client connections it holds open in its slot of the host
 segment (:attr:`~continuum.hostshm.HostSegment.connections`). Before accepting, a worker

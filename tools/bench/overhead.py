@@ -45,6 +45,7 @@ concurrency 1) are not met.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import shutil
@@ -148,6 +149,7 @@ def start_router(tmp: Path, upstream_port: int, workers: int, src: str,
         "health_check": {"enabled": True, "interval_seconds": 3600},
         "backends": [{"name": "bench", "url": f"http://127.0.0.1:{upstream_port}",
                       "models": [MODEL]}],
+        "admin": {"allow_unauthenticated": True},  # 127.0.0.1 only: serving_workers
         **(extra_config or {}),
     }, indent=2))
     metrics_dir = tmp / "metrics"
@@ -161,7 +163,34 @@ def start_router(tmp: Path, upstream_port: int, workers: int, src: str,
     wait_http(f"http://127.0.0.1:{port}/health", 30, children=[child])
     wait_until(lambda: len(children_of(child.pid)) >= workers, "the router's workers", 20,
                children=[child])
+    if workers > 1:
+        # A worker still booting accepts nothing: connections opened meanwhile all stay
+        # with the workers already serving (one run put every connection on one worker).
+        wait_until(lambda: serving_workers(port, workers) == set(children_of(child.pid)),
+                   "every router worker to serve", 30, children=[child])
     return child, port
+
+
+def serving_workers(port: int, workers: int) -> set[int]:
+    """The PIDs of the workers that answer ``2 * workers`` connections opened at once
+    (``/admin/backends`` names the worker that answered; the bench's router config opens
+    the admin endpoints to 127.0.0.1 without a token)."""
+    conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+             for _ in range(2 * workers)]
+    pids: set[int] = set()
+    try:
+        for conn in conns:
+            conn.connect()  # all open before any is used
+        for conn in conns:
+            conn.request("GET", "/admin/backends")
+            resp = conn.getresponse()
+            body = resp.read()
+            if resp.status == 200:
+                pids.add(int(json.loads(body)["worker_pid"]))
+    finally:
+        for conn in conns:
+            conn.close()
+    return pids
 
 
 def start_py_spy(out: str, pid: int, tmp: Path) -> Child:
@@ -451,7 +480,8 @@ def run_phase(mode: str, port: int, stream: bool, concurrency: int, count: int, 
         phase.router_cpu_ms_per_req = (r1 - r0) / done * 1e3
         phase.router_cpu_ticks = round((r1 - r0) * CLK_TCK)
         if len(workers) > 1 and r1 > r0:
-            phase.worker_cpu_shares = [round((b - a) / (r1 - r0), 3) for a, b in zip(w0, w1)]
+            phase.worker_cpu_shares = [round((b - a) / (r1 - r0), 3)
+                                       for a, b in zip(w0, w1, strict=True)]
     return phase
 
 
