@@ -50,11 +50,11 @@ from gunicorn.workers import ggevent
 from gunicorn.workers.ggevent import GeventWorker as _GunicornGeventWorker
 
 from continuum.config import ServerConfig
-
-if TYPE_CHECKING:
-    from continuum.wire.accept_balance import AcceptGate
 from continuum.wire.request_head import FastRequest
 from continuum.wire.waits import arm, timer_for, wait_watcher
+
+if TYPE_CHECKING:  # imported where a gate is made: in a worker of several, not the master
+    from continuum.wire.accept_balance import AcceptGate
 
 #: The Python path gunicorn loads this worker by (``worker_class``).
 WORKER_CLASS = "continuum.gunicorn_worker.GeventWorker"

@@ -2,10 +2,11 @@
 
 The workers of one router accept from one listening socket. A new connection wakes every
 worker waiting on it, and the first to run takes it; when a client opens its connection
-pool in a burst (a load balancer, an SDK with a pool, a benchmark), one worker can take
-most of them. Kept-alive connections stay with the worker that accepted them, so its
-requests queue on one core while the others idle: 32 connections opened at once reached a
-2-worker router 24/8, 21/11 and 29/3 in three bursts.
+pool in a burst (a load balancer, an SDK with a pool, a benchmark), some workers take
+several times as many as others. Kept-alive connections stay with the worker that accepted
+them, so the busiest worker's requests queue on its core while others have little to do:
+32 connections opened at once reached a 4-worker router 12/7/9/4, 15/11/4/2 and 16/15/1/0
+in three bursts.
 
 Each worker publishes how many client connections it holds open in its slot of the host
 segment (:attr:`~continuum.hostshm.HostSegment.connections`). Before accepting, a worker

@@ -1,11 +1,11 @@
 """Client connections spread over the workers of one router, under real gunicorn.
 
-A pool of kept-alive connections opened in a burst used to land mostly on one worker
-(25 of 32 on one of two workers), whose requests then queued on one core. With the accept
-gate (:mod:`continuum.wire.accept_balance`) the workers hold about as many each, and a
-worker that cannot accept does not hold connections up for long.
+A pool of kept-alive connections opened in a burst lands unevenly on the workers when each
+takes what it wins (32 connections on four workers: 12/7/9/4, 15/11/4/2, 16/15/1/0), and a
+worker's connections queue on its one core. With the accept gate
+(:mod:`continuum.wire.accept_balance`) the workers hold about as many each, and a worker
+that cannot accept does not hold connections up for long.
 """
-
 from __future__ import annotations
 
 import collections
@@ -77,17 +77,19 @@ def test_a_burst_of_connections_spreads_over_the_workers(
 ) -> None:
     router = router_factory(_config(upstreams("a")), workers=workers)
     pids = set(_workers(router, workers))
-    total: collections.Counter[int] = collections.Counter()
+    _burst(router.port, BURST)  # the first burst of a fresh router is the least even
+    time.sleep(0.3)
+    off = 0  # connections away from an even share, summed over the bursts
     for _ in range(3):
         held = _burst(router.port, BURST)
         assert set(held) == pids, held
-        total += held
+        off += sum(abs(count - BURST // workers) for count in held.values())
         time.sleep(0.3)  # the workers see the burst's connections closed
-    # An even share is 48 (24) of the 96 connections. A worker left waiting by the others
-    # takes one more connection per 2 ms pause, so a loaded machine tips a burst a little;
-    # without the gate one worker took 24, 21 and 29 of 32 in three bursts (74 of 96).
-    share = 3 * BURST // workers
-    assert all(abs(count - share) <= 10 for count in total.values()), total
+    # A worker the others left waiting takes one more connection per 2 ms pause, so a
+    # loaded machine tips a burst a little (with both cores busy: 0-4 off a burst). Without
+    # the gate, a burst on four workers was 6-30 off (12/7/9/4, 15/11/4/2, 16/15/1/0), on
+    # two workers 2-10 (18/14, 19/13, 21/11).
+    assert off <= {2: 8, 4: 14}[workers], off
 
 
 def test_a_stopped_worker_does_not_hold_new_connections_up(
