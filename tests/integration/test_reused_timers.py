@@ -6,6 +6,8 @@ again keeps only what was left of it, so the waits of one kept-alive connection 
 up: a client whose every header took most of ``client_header_timeout_seconds`` got a 408 on
 its second request, and a pooled upstream connection (or a stream with gaps between its
 chunks) timed out once its waits together passed the backend's ``request_timeout_ms``.
+The keep-alive wait between two requests reuses a timer too (gunicorn's ``keepalive``), so
+a connection whose idle gaps together passed it was closed while the client still used it.
 Every wait must get the whole timeout again.
 """
 
@@ -52,6 +54,25 @@ def test_every_request_on_a_kept_alive_connection_gets_the_whole_header_timeout(
             sock.sendall(b"\r\n")
             answer = responses.next()
             assert answer.startswith(b"HTTP/1.1 200 "), answer
+
+
+def test_every_idle_gap_on_a_kept_alive_connection_gets_the_whole_keepalive(
+    upstreams: Any, router_factory: Any
+) -> None:
+    keepalive = 1  # seconds (gunicorn's --keep-alive)
+    router = router_factory(_config(upstreams("a")),
+                            env={"GUNICORN_CMD_ARGS": f"--keep-alive {keepalive}"})
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
+        responses = Responses(sock)
+        for _ in range(5):  # 3 s of idle gaps in all, against a 1 s keep-alive
+            sock.sendall(request)
+            answer = responses.next()
+            assert answer.startswith(b"HTTP/1.1 200 "), answer
+            time.sleep(keepalive * 0.6)
+        # and an idle connection is still closed after the keep-alive
+        time.sleep(keepalive * 2)
+        assert sock.recv(1) == b""
 
 
 def test_waits_on_a_pooled_upstream_connection_do_not_add_up(
