@@ -26,7 +26,6 @@ for it.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from gevent.server import StreamServer
@@ -35,8 +34,6 @@ from continuum.hostshm import NOT_ACCEPTING
 
 if TYPE_CHECKING:
     from continuum.hostshm import HostSegment
-
-log = logging.getLogger(__name__)
 
 #: Connections a worker may hold above the least loaded other worker and still accept.
 SLACK = 1
@@ -52,7 +49,7 @@ class AcceptGate:
         slack: connections above the least loaded other worker that still accept.
     """
 
-    __slots__ = ("_forced", "deferred", "open", "segment", "slack")
+    __slots__ = ("_forced", "deferred", "open", "retired", "segment", "slack")
 
     def __init__(self, segment: HostSegment, slack: int = SLACK) -> None:
         self.segment = segment
@@ -61,18 +58,23 @@ class AcceptGate:
         self.open = 0
         #: Times this worker left a connection to the others (for tests and stats).
         self.deferred = 0
+        #: The server closed: the segment says :data:`NOT_ACCEPTING` from then on.
+        self.retired = False
         self._forced = False
-        segment.connections = 0
+        self._publish()
+
+    def _publish(self) -> None:
+        self.segment.connections = NOT_ACCEPTING if self.retired else self.open
 
     def opened(self) -> None:
         """A connection was accepted."""
         self.open += 1
-        self.segment.connections = self.open
+        self._publish()
 
     def closed(self) -> None:
         """A connection ended."""
         self.open -= 1
-        self.segment.connections = self.open
+        self._publish()
 
     def may_accept(self) -> bool:
         """Whether to accept now: this worker is within ``slack`` of the least loaded
@@ -91,8 +93,10 @@ class AcceptGate:
         self._forced = True
 
     def retire(self) -> None:
-        """This worker accepts no more connections: the others must not wait for it."""
-        self.segment.connections = NOT_ACCEPTING
+        """This worker accepts no more connections: the others must not wait for it, also
+        while its last connections end."""
+        self.retired = True
+        self._publish()
 
 
 class BalancedStreamServer(StreamServer):  # type: ignore[misc]

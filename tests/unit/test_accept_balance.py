@@ -57,7 +57,11 @@ def test_a_retired_worker_is_never_waited_for(tmp_path: Path) -> None:
     for _ in range(5):
         one.opened()
     assert not one.may_accept()
+    two.opened()
     two.retire()  # its server closed: shutdown, max_requests or a reload
+    assert two.segment.connections == NOT_ACCEPTING
+    assert one.may_accept()
+    two.closed()  # its last connection ends: it still accepts nothing
     assert two.segment.connections == NOT_ACCEPTING
     assert one.may_accept()
 

@@ -760,11 +760,11 @@ def print_suite(phases: list[Phase], checks: list[dict[str, Any]], info: dict[st
             shares = "/".join(f"{share:.0%}" for share in p.worker_cpu_shares)
             spent = (p.router_cpu_ms_per_req + (p.upstream_cpu_ms_per_req or 0.0)
                      + (p.client_cpu_ms_per_req or 0.0))
-            ceiling = info["cpus"] * 1e3 / spent if spent else 0.0
+            ceiling = info["cpus"] * 1e3 / spent  # spent > 0: the workers used CPU
             print(f"{p.config or 'router'} c={p.concurrency}: worker CPU shares {shares}; "
                   f"at {spent:.3f} ms of CPU per request (router, upstream and client), "
                   f"{info['cpus']} CPUs allow at most {ceiling:.0f} req/s, measured "
-                  f"{p.rps:.0f} ({p.rps / ceiling:.0%})" if ceiling else "")
+                  f"{p.rps:.0f} ({p.rps / ceiling:.0%})")
     print()
     print("# goals (issue 18)")
     for g in checks:
