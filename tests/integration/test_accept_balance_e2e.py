@@ -71,10 +71,12 @@ def _workers(router: Any, count: int) -> list[int]:
     return children()
 
 
-@pytest.mark.parametrize("workers", [2, 4])
 def test_a_burst_of_connections_spreads_over_the_workers(
-    upstreams: Any, router_factory: Any, workers: int
+    upstreams: Any, router_factory: Any
 ) -> None:
+    # Four workers: without the gate two are only mildly uneven (18/14, 21/11), and how
+    # fast the other worker wakes made a two-worker bound fail now and then with it.
+    workers = 4
     router = router_factory(_config(upstreams("a")), workers=workers)
     pids = set(_workers(router, workers))
     _burst(router.port, BURST)  # the first burst of a fresh router is the least even
@@ -87,9 +89,8 @@ def test_a_burst_of_connections_spreads_over_the_workers(
         time.sleep(0.3)  # the workers see the burst's connections closed
     # A worker the others left waiting takes one more connection per 2 ms pause, so a
     # loaded machine tips a burst a little (with both cores busy: 0-4 off a burst). Without
-    # the gate, a burst on four workers was 6-30 off (12/7/9/4, 15/11/4/2, 16/15/1/0), on
-    # two workers 2-10 (18/14, 19/13, 21/11).
-    assert off <= {2: 8, 4: 14}[workers], off
+    # the gate a burst was 6-30 off (12/7/9/4, 15/11/4/2, 16/15/1/0).
+    assert off <= 14, off
 
 
 def test_a_stopped_worker_does_not_hold_new_connections_up(
