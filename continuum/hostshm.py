@@ -9,6 +9,10 @@ creates it in ``on_starting``, a worker that finds none creates it under the loc
   generation it applied, see :mod:`continuum.web.fleet`, and how many client
   connections it holds open, see :mod:`continuum.wire.accept_balance`);
 * the **fleet-action generation**, bumped by the worker that received an admin action;
+* the **rotation**: how many turns the host's workers have taken in RoundRobin's cycle
+  (:mod:`strategies.round_robin`), so that they cycle as one router, and this router's
+  place among the live routers, as one worker last read them from Redis (with the
+  in-flight counts);
 * a **backend table**: the column of each backend name;
 * a **load table**: ``in_flight[backend column][worker slot]`` (a backend's counts are
   contiguous, so the sum is one ``struct.unpack_from``), see
@@ -24,8 +28,9 @@ creates it in ``on_starting``, a worker that finds none creates it under the loc
 * a **latency row**: ``latency[backend column]``, one float64, the host's latency EWMA of
   the backend (``Backend.latency_ewma``), which every worker's finished requests update.
 
-Writes: a worker writes only its own slot's row (the latency row is the exception: any
-worker folds its sample in, and two that do so at once lose one sample), with aligned
+Writes: a worker writes only its own slot's row (the latency row and the rotation are the
+exceptions: any worker folds its sample in or takes a turn, and two that do so at once lose
+one sample, or take the same turn), with aligned
 8-byte stores (which readers never see torn on the platforms gunicorn runs on), so the hot
 path takes no lock. Claiming a
 slot or a column, and bumping the generation, happen under ``flock`` on ``host.lock``.
@@ -66,6 +71,8 @@ _HDR_MAGIC = 0
 _HDR_GENERATION = 1
 _HDR_SLOTS_USED = 2  # highest claimed slot + 1 (readers sum rows below it)
 _HDR_HOST_ID = 3     # 2 words: a random id naming this router instance
+_HDR_ROTATION = 5    # turns taken in RoundRobin's cycle by the host's workers
+_HDR_ROTATION_PLACE = 6  # this router's place among the live ones << 32 | how many (0: none)
 _HEADER_WORDS = 8
 _WORKERS_AT = _HEADER_WORDS
 _NAMES_AT = _WORKERS_AT + MAX_WORKERS * WORKER_FIELDS  # in words; names are bytes
@@ -239,6 +246,37 @@ class HostSegment:
     @applied.setter
     def applied(self, value: int) -> None:
         self.words[self._worker(self.slot, 1)] = value
+
+    # --- RoundRobin's rotation ----------------------------------------------------------
+
+    def take_turn(self, candidates: int) -> int:
+        """The host's next turn in RoundRobin's cycle over ``candidates`` backends: the
+        turns its workers have taken so far, started this router's place's share of the
+        way round (router ``i`` of ``h`` live ones, as last read from Redis, starts at
+        ``i * candidates // h``). Routers that take requests in turn then go round half
+        a cycle apart (two) instead of in step, which sent each backend two requests in a
+        row; a lone router starts at 0.
+
+        Reads and one write, no lock: two workers that take a turn in the same instant may
+        both get the same one (the cycle then repeats one backend once). That costs less
+        than a lock on every request, and a locked counter would still not order requests
+        that arrive at once."""
+        words = self.words
+        turn = words[_HDR_ROTATION]
+        words[_HDR_ROTATION] = turn + 1
+        place = words[_HDR_ROTATION_PLACE]
+        if place:
+            turn += (place >> 32) * candidates // (place & 0xFFFFFFFF)
+        return turn
+
+    @property
+    def turns(self) -> int:
+        """The turns this host's workers have taken."""
+        return self.words[_HDR_ROTATION]
+
+    def set_place(self, place: int, routers: int) -> None:
+        """This router's place (0-based) among the ``routers`` live ones (one store)."""
+        self.words[_HDR_ROTATION_PLACE] = place << 32 | routers
 
     # --- backend columns and load ------------------------------------------------------
 

@@ -231,7 +231,8 @@ class RouterService:
 
     def _make_strategy(self, config: RouterConfig) -> SelectionStrategy:
         strategy: SelectionStrategy = self.registry.create(
-            STRATEGIES, config.selection_strategy, config, metrics=self.metrics, pool=self.pool
+            STRATEGIES, config.selection_strategy, config, metrics=self.metrics, pool=self.pool,
+            host=self.host,
         )
         return strategy
 

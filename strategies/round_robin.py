@@ -19,7 +19,14 @@ class RoundRobin(SelectionStrategy):
 
     The counter is shared across models and candidate lists: when the list changes (a
     backend goes down) the rotation carries on over the new list rather than restarting,
-    so no backend is favoured by a restart. One counter per worker process.
+    so no backend is favoured by a restart. Under gunicorn the host's workers share it
+    (``host``, the host segment, with ``fleet.share_rotation``): each request takes the
+    host's next turn, so four workers cycle as one router. With a counter per worker, each
+    worker started its own cycle on the first backend, and requests that came in together
+    on different workers went to the same backend: its queue, and the time to first token
+    behind it, grew while the others idled. Routers that exchange their load through Redis
+    also learn their place among each other, and each starts its cycle that share of the
+    way round (:meth:`continuum.hostshm.HostSegment.take_turn`).
     """
 
     name: ClassVar[str] = "RoundRobin"
@@ -28,6 +35,9 @@ class RoundRobin(SelectionStrategy):
     def __init__(self, config: RouterConfig | None = None, **collaborators: Any) -> None:
         super().__init__(config, **collaborators)
         self._counter = 0
+        host = collaborators.get("host")
+        share = config is None or config.fleet.share_rotation
+        self._take_turn = host.take_turn if host is not None and share else None
 
     def select(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend:
         """Return the next candidate in turn.
@@ -39,8 +49,11 @@ class RoundRobin(SelectionStrategy):
             raise NoHealthyBackendError("no healthy backend to select from")
         counter = self._counter
         self._counter = counter + 1
+        take_turn = self._take_turn
+        if take_turn is not None:
+            counter = take_turn(len(candidates))
         return candidates[counter % len(candidates)]
 
     def stats(self) -> dict[str, Any]:
-        """Selections made so far."""
-        return {"selections": self._counter}
+        """Selections this worker made so far, and whether its host's workers share turns."""
+        return {"selections": self._counter, "shared_turns": self._take_turn is not None}

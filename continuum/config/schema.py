@@ -734,6 +734,13 @@ class FleetConfig:
         True, doc="share in-flight counts between the workers of a host "
         "($CONTINUUM_RUNTIME_DIR/host.shm) so load bounds see the host's load", restart=True,
     )
+    share_rotation: bool = setting(
+        True, doc="RoundRobin's workers take their turns from one counter in the host "
+        "segment, so the host cycles through the backends as one router instead of each "
+        "worker starting its own cycle; with share_in_flight_across_routers, each router "
+        "starts its cycle its place's share of the way round, so routers taking requests "
+        "in turn do not send a backend two in a row", restart=True,
+    )
     redis_channel: bool = setting(
         True, doc="with a Redis response cache or KV index (or use_redis), spread admin "
         "actions to every router over Redis pub/sub", restart=True,

@@ -26,6 +26,16 @@ because a request's time to its first token is of the order of the interval: at 
 other router's counts were as old as the requests they counted, and two routers'
 placements piled onto the same engine.
 
+The same call names the host in its hash (the field ``r:<host id>``, whose value is the
+turns it has taken in RoundRobin's cycle), and the holder writes the host's place among the
+live hosts (sorted by id) into the segment: RoundRobin starts each router's cycle its
+place's share of the way round the backends
+(:meth:`~continuum.hostshm.HostSegment.take_turn`), so that routers taking requests in turn
+do not send each backend two in a row. (Adding the other routers' turns to one count was
+tried and is worse: the count is an interval or two old, so requests that two routers take
+at about the same moment land on one backend, and each jump when the count is read skips
+backends.)
+
 With KV placement on (``kv_cache_index.placement``) the same call carries each backend's
 KV pressure: the host's (:meth:`~continuum.hostshm.HostSegment.workers_pressure`, decayed
 to now, in whole tokens) as the field ``p:<backend>`` beside the count (backend names
@@ -68,6 +78,9 @@ TTL_INTERVALS = 4
 IDLE_SECONDS = 0.25
 #: The field of a backend's KV pressure in a host's hash: this prefix and its name.
 PRESSURE_FIELD = "p:"
+#: The field naming a host in its hash (this prefix and the host id; the value: the turns
+#: it has taken in RoundRobin's cycle), from which each host learns its place among them.
+TURNS_FIELD = "r:"
 
 #: KEYS[1]: the hosts' sorted set. ARGV: host id, now (ms), ttl (ms), hash key prefix,
 #: then backend, count pairs. Returns the other live hosts' hashes as flat pairs.
@@ -206,7 +219,7 @@ class FleetLoad:
         have in flight per backend (empty, and the row zeroed, when Redis failed)."""
         segment, window = self.segment, self.pressure_window
         args: list[str | int] = [self.host, int(time.time() * 1000), self.ttl_ms,
-                                 self.key_prefix]
+                                 self.key_prefix, TURNS_FIELD + self.host, segment.turns]
         now = time.monotonic()
         busy = False
         for backend in self.pool:
@@ -219,11 +232,14 @@ class FleetLoad:
                          round(segment.workers_pressure(col, now, window))]
         elsewhere: dict[str, int] = {}
         pressure: dict[str, float] = {}
+        hosts = [self.host]
         try:
             flat = self._script(keys=[self.key_prefix + "hosts"], args=args)
             for i in range(0, len(flat), 2):
                 name = flat[i].decode() if isinstance(flat[i], bytes) else str(flat[i])
-                if name.startswith(PRESSURE_FIELD):
+                if name.startswith(TURNS_FIELD):
+                    hosts.append(name[len(TURNS_FIELD):])
+                elif name.startswith(PRESSURE_FIELD):
                     name = name[len(PRESSURE_FIELD):]
                     pressure[name] = pressure.get(name, 0.0) + float(flat[i + 1])
                 else:
@@ -235,6 +251,8 @@ class FleetLoad:
             self._retry_at, busy = now + self.idle_interval, False
         else:
             self.exchanges += 1
+            hosts.sort()
+            segment.set_place(hosts.index(self.host), len(hosts))
         # every live host publishes a count per backend, zeros included
         self.alone = not elsewhere
         self._last_at, self._last_busy = now, busy

@@ -271,3 +271,29 @@ def test_kv_pressure_is_the_fleets_across_routers(upstreams, router_factory,
                            if own[name]), "the other router to see the pressure", 5)
     seen = pressure(second)
     assert all(seen[name] <= own[name] + 1 for name in own)
+
+
+def test_round_robin_cycles_once_for_the_hosts_workers(upstreams, router_factory) -> None:
+    """Requests taking turns between two workers still go round the backends in order:
+    the workers share one rotation (fleet.share_rotation). With a counter each, the two
+    workers' cycles both start on the first backend and each backend gets two in a row."""
+    ups = [upstreams(name) for name in "abcd"]
+    config = {
+        "backends": [{"name": up.name, "url": up.url, "models": ["m"]} for up in ups],
+        "selection_strategy": "RoundRobin",
+        "response_cache": {"enabled": False},
+        "health_check": {"interval_seconds": 30},
+    }
+    router = router_factory(config, workers=2)
+    conns = _one_per_worker(router.url, 2)
+    try:
+        served = []
+        for i in range(12):
+            status, headers, _ = conns[i % 2].post("/v1/chat/completions", BODY)
+            assert status == 200
+            served.append(headers["x-continuum-backend"])
+        first = "abcd".index(served[0])
+        assert served == ["abcd"[(first + i) % 4] for i in range(12)]
+    finally:
+        for conn in conns:
+            conn.close()

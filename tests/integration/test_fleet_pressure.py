@@ -3,6 +3,7 @@ counts (continuum.routing.fleet_load): one host's placement sees the other's pre
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -174,3 +175,37 @@ def test_two_hundred_backends_with_pressure_go_in_one_exchange(
             load.client.close()
             segment.release()
             segment.close()
+
+
+def test_routers_taking_requests_in_turn_go_round_half_a_cycle_apart(hosts: Any,
+                                                                   redis_server: Any) -> None:
+    """Two routers alternating requests: once the exchange has told each its place, their
+    RoundRobin cycles run half-way round from each other, so no backend gets two requests
+    in a row. In step (each on its own count from b0) they sent b0 b0 b1 b1 ..."""
+    from continuum.registry import PluginRegistry
+    from continuum.testing import make_context
+
+    prefix = unique_prefix("fp")
+    one, one_load = hosts("one", redis_server.url, prefix)
+    two, two_load = hosts("two", redis_server.url, prefix)
+    for _ in range(2):  # each host publishes, then reads the other
+        one_load.exchange()
+        two_load.exchange()
+    fields = redis.Redis.from_url(redis_server.url).hgetall(prefix + one.host_id)
+    assert fields[b"r:" + one.host_id.encode()] == b"0"
+    cls = PluginRegistry().load("continuum.strategies", "RoundRobin")
+    routers = [cls(host=one), cls(host=two)]
+    backends = make_backends(4)
+    served = [routers[i % 2].select(backends, make_context()).name for i in range(16)]
+    assert all(a != b for a, b in itertools.pairwise(served)), served
+    for start in (0, 8):
+        assert sorted(served[start:start + 8]) == sorted(["b0", "b1", "b2", "b3"] * 2)
+    assert one.turns == two.turns == 8
+    # two requests at the same moment, one on each router, on the same count
+    a, b = (router.select(backends, make_context()).name for router in routers)
+    assert abs(int(a[1]) - int(b[1])) == 2
+    # a router left alone starts at 0 again: its cycle covers every backend
+    one_load.client.delete(prefix + "hosts", prefix + two.host_id)
+    one_load.exchange()
+    assert [routers[0].select(backends, make_context()).name for _ in range(4)] == \
+        ["b1", "b2", "b3", "b0"]

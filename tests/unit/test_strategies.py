@@ -259,3 +259,28 @@ def test_hash_ring_rejects_bad_input() -> None:
         HashRing(["a"], virtual_nodes=0)
     with pytest.raises(LookupError, match="empty"):
         HashRing([]).lookup(b"x")
+
+
+def test_round_robin_workers_of_one_host_take_turns_from_one_cycle(tmp_path) -> None:
+    """Two workers (two mappings of one host segment, as two gunicorn workers have) that
+    alternate cycle as one router; each on its own counter both start on b0."""
+    from continuum.config import parse_config
+    from continuum.hostshm import HostSegment
+
+    backends = make_backends(4)
+    segments = [HostSegment(tmp_path, pid=pid) for pid in (os.getpid(), os.getppid())]
+    try:
+        shared = [load("RoundRobin", host=seg) for seg in segments]
+        names = [shared[i % 2].select(backends, make_context()).name for i in range(9)]
+        assert names == ["b0", "b1", "b2", "b3", "b0", "b1", "b2", "b3", "b0"]
+        assert shared[0].stats() == {"selections": 5, "shared_turns": True}
+
+        off = parse_config({"fleet": {"share_rotation": False}})
+        private = [load("RoundRobin", config=off, host=seg) for seg in segments]
+        names = [private[i % 2].select(backends, make_context()).name for i in range(4)]
+        assert names == ["b0", "b0", "b1", "b1"]
+        assert private[0].stats()["shared_turns"] is False
+    finally:
+        for seg in segments:
+            seg.release()
+            seg.close()
