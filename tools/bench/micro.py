@@ -343,7 +343,8 @@ def _redis_chain_query(number: int, repeat: int) -> dict[str, float]:
 
 def scaleout(number: int, repeat: int) -> dict[str, float]:
     """Shared in-flight counts (docs/scale-out.md): the same operations on private counts
-    and on counts shared through the host segment with 4 worker rows in use."""
+    and on counts shared through the host segment with 4 worker rows in use; RoundRobin on
+    its own counter and on the host's rotation."""
     import tempfile
 
     from continuum import hostshm
@@ -351,6 +352,7 @@ def scaleout(number: int, repeat: int) -> dict[str, float]:
     from continuum.hostshm import HostSegment
     from continuum.testing import make_backends, make_context
     from strategies.prefix_aware_hash import PrefixAwareHash
+    from strategies.round_robin import RoundRobin
 
     results: dict[str, float] = {}
     strategy = PrefixAwareHash(parse_config({"prefix_routing": {"enabled": True}}))
@@ -377,6 +379,13 @@ def scaleout(number: int, repeat: int) -> dict[str, float]:
             results[f"prefix_aware_select_{label}"] = measure(
                 lambda backends=backends, counter=counter: strategy.select(
                     backends, contexts[next(counter) & 1023]), number, repeat)
+            # RoundRobin: its own counter, or the host's rotation (with a router place set)
+            if shared is not None:
+                segment.set_place(1, 2)
+            rotation = RoundRobin(host=shared)
+            results[f"round_robin_select_{label}"] = measure(
+                lambda backends=backends, rotation=rotation: rotation.select(
+                    backends, contexts[0]), number, repeat)
             for backend in backends:
                 backend.share_load(None)
         segment.close()
