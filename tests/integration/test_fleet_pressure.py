@@ -15,8 +15,9 @@ import redis
 from continuum.devtools.procs import free_port
 from continuum.devtools.redis_server import unique_prefix
 from continuum.hostshm import HostSegment
+from continuum.registry import PluginRegistry
 from continuum.routing.fleet_load import IDLE_SECONDS, PRESSURE_FIELD, FleetLoad
-from continuum.testing import make_backends
+from continuum.testing import make_backends, make_context
 
 WINDOW = 8.0
 
@@ -182,9 +183,6 @@ def test_routers_taking_requests_in_turn_go_round_half_a_cycle_apart(hosts: Any,
     """Two routers alternating requests: once the exchange has told each its place, their
     RoundRobin cycles run half-way round from each other, so no backend gets two requests
     in a row. In step (each on its own count from b0) they sent b0 b0 b1 b1 ..."""
-    from continuum.registry import PluginRegistry
-    from continuum.testing import make_context
-
     prefix = unique_prefix("fp")
     one, one_load = hosts("one", redis_server.url, prefix)
     two, two_load = hosts("two", redis_server.url, prefix)

@@ -11,6 +11,8 @@ from collections import Counter
 
 import pytest
 
+from continuum.config import parse_config
+from continuum.hostshm import HostSegment
 from continuum.interfaces import SelectionStrategy
 from continuum.registry import PluginRegistry
 from continuum.routing.hashring import HashRing, stable_hash
@@ -264,9 +266,6 @@ def test_hash_ring_rejects_bad_input() -> None:
 def test_round_robin_workers_of_one_host_take_turns_from_one_cycle(tmp_path) -> None:
     """Two workers (two mappings of one host segment, as two gunicorn workers have) that
     alternate cycle as one router; each on its own counter both start on b0."""
-    from continuum.config import parse_config
-    from continuum.hostshm import HostSegment
-
     backends = make_backends(4)
     segments = [HostSegment(tmp_path, pid=pid) for pid in (os.getpid(), os.getppid())]
     try:
