@@ -775,6 +775,14 @@ class FleetConfig:
         "longer), and a router silent for 4 of those stops counting", min=10, max=10000,
         restart=True,
     )
+    fleet_load_push_ms: int = setting(
+        0, doc="when above 0, how often the exchanging worker looks at the host's in-flight "
+        "counts and, when they changed, publishes them to the other routers over Redis "
+        "pub/sub, so they see a new request a Redis hop later instead of up to two "
+        "exchanges later (0, the default: counts go with the exchange only; 5 costs about "
+        "1-1.5 ms of router CPU per request at the demo's load, docs/scale-out.md)",
+        min=0, max=1000, restart=True,
+    )
 
 
 @dataclass(frozen=True)

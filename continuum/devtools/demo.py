@@ -259,6 +259,31 @@ def router_config(
     return merge(config, {"admin": {"token": secrets.token_hex(16)}})
 
 
+def parse_sets(items: Sequence[str]) -> dict[str, Any]:
+    """``--set PATH=VALUE`` items as one nested override (``fleet.fleet_load_push_ms=5`` →
+    ``{"fleet": {"fleet_load_push_ms": 5}}``); a VALUE that reads as JSON is taken as JSON,
+    anything else as a string.
+
+    Raises:
+        ValueError: an item without ``=`` or with an empty key path.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        path, sep, raw = item.partition("=")
+        keys = path.split(".")
+        if not sep or not all(keys):
+            raise ValueError(f"--set {item!r}: expected PATH=VALUE, e.g. "
+                             "fleet.fleet_load_push_ms=5")
+        try:
+            value: Any = json.loads(raw)
+        except ValueError:
+            value = raw
+        for key in reversed(keys):
+            value = {key: value}
+        out = merge(out, value)
+    return out
+
+
 def check_scenarios(scenarios: Sequence[Scenario]) -> list[str]:
     """Every config error of the scenarios' router configs (unknown strategy, bad key …),
     found before anything is started."""
@@ -341,6 +366,7 @@ def run_scenario(
             # each round its own Redis prefixes: a round must not find the last one's cache
             config = scale_config(config, args.workers or 1, redis_url, run_name,
                                   sharing=not args.no_sharing)
+            config = merge(config, getattr(args, "overrides", None) or {})
             for i in range(args.routers or 1):
                 name = scenario.name if i == 0 else f"{scenario.name} r{i + 1}"
                 proc, url = start_router(children, http, config, name)
@@ -547,6 +573,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--push", action="store_true",
                    help="push mode: the listener connects out to the router's event bus "
                    "(TLS + HTTP/2, certificates made with openssl) instead of being pulled")
+    p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                   dest="sets",
+                   help="a router config key for every row, e.g. --set "
+                   "fleet.fleet_load_push_ms=5 (VALUE is JSON, or else a string); repeatable")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--keep-logs", action="store_true",
                    help="keep the work directory with every process's log and config")
@@ -605,6 +635,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["--"]:  # ``continuum-router demo -- --quick``
         argv = argv[1:]
     args = build_parser().parse_args(argv)
+    try:
+        args.overrides = parse_sets(args.sets)
+    except ValueError as exc:
+        print(f"continuum-router demo: {exc}", file=sys.stderr)
+        return 2
     load = args.scenario == "load"
     if args.max_num_seqs is None:
         args.max_num_seqs = LOAD_MAX_NUM_SEQS if load else FleetShape.max_num_seqs

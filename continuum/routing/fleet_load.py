@@ -26,6 +26,18 @@ because a request's time to its first token is of the order of the interval: at 
 other router's counts were as old as the requests they counted, and two routers'
 placements piled onto the same engine.
 
+With ``fleet.fleet_load_push_ms`` (off by default) the holder also pushes: it looks at the
+host's counts every push interval and, when they changed, publishes them on the channel
+``<prefix>counts``; every other holder subscribes and writes what it hears into its
+elsewhere row at once, so a new request counts on the other routers a Redis hop later
+rather than up to two intervals later. The exchange still says which hosts are live (a
+pushed count of a host that stopped being live goes with it) and carries the pressure.
+Each hash (field ``s:``) and each message carries when its host read the counts (its
+``time.monotonic_ns()``: one clock for every worker of a host, so a new holder goes on
+from the old one's); of a host's exchanged and pushed counts the later read wins. A host
+that found itself alone publishes nothing until another host's message or exchange shows
+up; a joining host publishes its zeros at once, which shows it to the others.
+
 The same call names the host in its hash (the field ``r:<host id>``, whose value is the
 turns it has taken in RoundRobin's cycle), and the holder writes the host's place among the
 live hosts (sorted by id) into the segment: RoundRobin starts each router's cycle its
@@ -54,6 +66,7 @@ Redis Cluster, so the script's keys share a slot), outside the cache's prefix.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -81,9 +94,14 @@ PRESSURE_FIELD = "p:"
 #: The field naming a host in its hash (this prefix and the host id; the value: the turns
 #: it has taken in RoundRobin's cycle), from which each host learns its place among them.
 TURNS_FIELD = "r:"
+#: The field holding when the host read the counts in its hash (``time.monotonic_ns()``
+#: on its machine): a pushed count and an exchanged one are ordered by it.
+SEQ_FIELD = "s:"
+#: The pub/sub channel's name after the key prefix (counts pushed when they change).
+PUSH_CHANNEL = "counts"
 
 #: KEYS[1]: the hosts' sorted set. ARGV: host id, now (ms), ttl (ms), hash key prefix,
-#: then backend, count pairs. Returns the other live hosts' hashes as flat pairs.
+#: then field, value pairs. Returns each other live host's id and its hash (flat pairs).
 EXCHANGE_SCRIPT = """
 local host, now, ttl, prefix = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local own = prefix .. host
@@ -96,8 +114,8 @@ redis.call('PEXPIRE', KEYS[1], ttl)
 local out = {}
 for _, other in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   if other ~= host then
-    local flat = redis.call('HGETALL', prefix .. other)
-    for i = 1, #flat do out[#out + 1] = flat[i] end
+    out[#out + 1] = other
+    out[#out + 1] = redis.call('HGETALL', prefix .. other)
   end
 end
 return out
@@ -113,12 +131,15 @@ class FleetLoad:
         client: a Redis client (standalone, Cluster or Sentinel).
         key_prefix: where the keys go (``<prefix>hosts``, ``<prefix><host id>``).
         interval: seconds between exchanges while the host has requests in flight.
+        pressure_window: ``kv_cache_index.placement.window_seconds`` when placement is on
+            (the KV pressure is exchanged too); None: counts only.
+        push_interval: seconds between looks at the host's counts, each change of which is
+            published at once on ``<prefix>counts`` (0: counts go with the exchange only).
     """
 
     def __init__(self, pool: BackendPool, segment: HostSegment, client: Any, key_prefix: str,
-                 interval: float, pressure_window: float | None = None) -> None:
-        #: ``kv_cache_index.placement.window_seconds`` when placement is on: the KV
-        #: pressure is exchanged too (None: counts only).
+                 interval: float, pressure_window: float | None = None,
+                 push_interval: float = 0.0) -> None:
         self.pressure_window = pressure_window
         #: The other routers' KV pressure per backend as last read (tokens).
         self.elsewhere_pressure: dict[str, float] = {}
@@ -128,16 +149,22 @@ class FleetLoad:
         self.key_prefix = key_prefix
         self.interval = interval
         self.idle_interval = max(interval, IDLE_SECONDS)
+        self.push_interval = push_interval
+        self.channel = key_prefix + PUSH_CHANNEL
         self.ttl_ms = max(1, round(self.idle_interval * 1000 * TTL_INTERVALS))
         self._last_at = self._retry_at = -math.inf
         self._last_busy = False
         #: The last exchange found no other live host (a lone router).
         self.alone = False
         self.host = segment.host_id
-        self.exchanges = self.failures = 0
+        self.exchanges = self.failures = self.pushes = self.pushed_in = 0
+        #: Each other live host's counts, and when it read them (its ``monotonic_ns``):
+        #: from the exchange or a push, whichever that host read later.
+        self._others: dict[str, tuple[int, dict[str, int]]] = {}
+        self._pushed: dict[str, int] | None = None
         self._script = client.register_script(EXCHANGE_SCRIPT)
         self._lock_fd: int | None = None
-        self._greenlet: Any = None
+        self._greenlets: list[Any] = []
 
     @classmethod
     def from_config(cls, config: RouterConfig, pool: BackendPool,
@@ -155,7 +182,8 @@ class FleetLoad:
             prefix = hash_tagged(prefix)
         placing = kv.enabled and kv.match == "chain" and kv.adaptive_placement
         return cls(pool, segment, client, prefix, fleet.fleet_load_interval_ms / 1000,
-                   kv.placement.window_seconds if placing else None)
+                   kv.placement.window_seconds if placing else None,
+                   fleet.fleet_load_push_ms / 1000)
 
     @property
     def holder(self) -> bool:
@@ -164,17 +192,18 @@ class FleetLoad:
 
     def start(self) -> None:
         """Start the greenlet (in the worker)."""
-        if self._greenlet is None:
+        if not self._greenlets:
             import gevent
 
-            self._greenlet = gevent.spawn(self._run)
+            self._greenlets.append(gevent.spawn(self._run))
 
     def stop(self) -> None:
         """Stop exchanging; as holder, zero the elsewhere row and give the role up."""
-        if self._greenlet is not None:
-            self._greenlet.kill(block=False)
-            self._greenlet = None
+        for greenlet in self._greenlets:
+            greenlet.kill(block=False)
+        self._greenlets = []
         if self._lock_fd is not None:
+            self._others = {}
             self._set_elsewhere({}, {})
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -194,6 +223,8 @@ class FleetLoad:
             gevent.sleep(TAKEOVER_SECONDS)
         log.info("fleet load: this worker (pid %d) exchanges the host's in-flight counts",
                  os.getpid())
+        if self.push_interval > 0:
+            self._greenlets += [gevent.spawn(self._listen), gevent.spawn(self._watch)]
         while True:
             if self.due(time.monotonic()):
                 self.exchange()
@@ -218,9 +249,10 @@ class FleetLoad:
         """One exchange: publish the host's counts, read the other routers'; what they
         have in flight per backend (empty, and the row zeroed, when Redis failed)."""
         segment, window = self.segment, self.pressure_window
-        args: list[str | int] = [self.host, int(time.time() * 1000), self.ttl_ms,
-                                 self.key_prefix, TURNS_FIELD + self.host, segment.turns]
         now = time.monotonic()
+        args: list[str | int] = [self.host, int(time.time() * 1000), self.ttl_ms,
+                                 self.key_prefix, TURNS_FIELD + self.host, segment.turns,
+                                 SEQ_FIELD, time.monotonic_ns()]
         busy = False
         for backend in self.pool:
             col = segment.column(backend.name)
@@ -230,34 +262,121 @@ class FleetLoad:
             if window is not None:
                 args += [PRESSURE_FIELD + backend.name,
                          round(segment.workers_pressure(col, now, window))]
-        elsewhere: dict[str, int] = {}
         pressure: dict[str, float] = {}
         hosts = [self.host]
         try:
-            flat = self._script(keys=[self.key_prefix + "hosts"], args=args)
-            for i in range(0, len(flat), 2):
-                name = flat[i].decode() if isinstance(flat[i], bytes) else str(flat[i])
-                if name.startswith(TURNS_FIELD):
-                    hosts.append(name[len(TURNS_FIELD):])
-                elif name.startswith(PRESSURE_FIELD):
-                    name = name[len(PRESSURE_FIELD):]
-                    pressure[name] = pressure.get(name, 0.0) + float(flat[i + 1])
-                else:
-                    elsewhere[name] = elsewhere.get(name, 0) + int(flat[i + 1])
+            reply = self._script(keys=[self.key_prefix + "hosts"], args=args)
+            live: dict[str, tuple[int, dict[str, int]]] = {}
+            for i in range(0, len(reply), 2):
+                flat = reply[i + 1]
+                if not flat:  # listed, but its hash expired
+                    continue
+                seq, counts = 0, {}
+                for j in range(0, len(flat), 2):
+                    name = _text(flat[j])
+                    if name.startswith(PRESSURE_FIELD):
+                        name = name[len(PRESSURE_FIELD):]
+                        pressure[name] = pressure.get(name, 0.0) + float(flat[j + 1])
+                    elif name == SEQ_FIELD:
+                        seq = int(flat[j + 1])
+                    elif not name.startswith(TURNS_FIELD):
+                        counts[name] = int(flat[j + 1])
+                other = _text(reply[i])
+                hosts.append(other)
+                known = self._others.get(other)  # a push may have come in since
+                live[other] = known if known is not None and known[0] > seq else (seq, counts)
         except Exception as exc:  # Redis away or a bad reply: each router on its own share
             self.failures += 1
             log.debug("fleet load: exchange failed: %s", exc)
-            elsewhere, pressure = {}, {}
+            live, pressure = {}, {}
             self._retry_at, busy = now + self.idle_interval, False
         else:
             self.exchanges += 1
             hosts.sort()
             segment.set_place(hosts.index(self.host), len(hosts))
-        # every live host publishes a count per backend, zeros included
-        self.alone = not elsewhere
+        self._others = live
+        self.alone = not live
         self._last_at, self._last_busy = now, busy
+        elsewhere = self._elsewhere()
         self._set_elsewhere(elsewhere, pressure if window is not None else {})
         return elsewhere
+
+    def push(self) -> bool:
+        """Publish the host's counts if they changed since the last push (as holder, every
+        ``push_interval``): the other routers have them a Redis hop later instead of at
+        their next exchange. Whether anything went out."""
+        segment = self.segment
+        seq = time.monotonic_ns()
+        counts = {b.name: segment.workers_total(segment.column(b.name)) for b in self.pool}
+        if counts == self._pushed:
+            return False
+        message = json.dumps({"h": self.host, "s": seq, "c": counts}, separators=(",", ":"))
+        self.client.publish(self.channel, message)
+        self._pushed = counts
+        self.pushes += 1
+        return True
+
+    def on_counts(self, data: bytes | str) -> bool:
+        """Take another router's pushed counts (a message on the channel); whether they
+        were newer than what this host had of that router."""
+        try:
+            doc = json.loads(data)
+            host, seq = str(doc["h"]), int(doc["s"])
+            counts = {str(name): int(n) for name, n in doc["c"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            log.debug("fleet load: unreadable push ignored")
+            return False
+        known = self._others.get(host)
+        if host == self.host or (known is not None and known[0] >= seq):
+            return False
+        self._others[host] = (seq, counts)
+        self.alone = False
+        self.pushed_in += 1
+        segment = self.segment
+        elsewhere = self._elsewhere()
+        for backend in self.pool:
+            segment.set_elsewhere(segment.column(backend.name),
+                                  max(0, elsewhere.get(backend.name, 0)))
+        return True
+
+    def _elsewhere(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for _, counts in self._others.values():
+            for name, count in counts.items():
+                total[name] = total.get(name, 0) + count
+        return total
+
+    def _watch(self) -> None:
+        import gevent
+
+        while True:
+            if not self.alone and time.monotonic() >= self._retry_at:
+                try:
+                    self.push()
+                except Exception as exc:  # Redis away: the exchange notices and backs off
+                    log.debug("fleet load: push failed: %s", exc)
+                    self._pushed = None
+            gevent.sleep(self.push_interval)
+
+    def _listen(self) -> None:
+        import gevent
+
+        while True:
+            pubsub = None
+            try:
+                pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(self.channel)
+                while True:
+                    message = pubsub.get_message(timeout=1.0)
+                    if message is not None and message.get("type") == "message":
+                        self.on_counts(message["data"])
+            except Exception as exc:  # Redis away: subscribe again later
+                log.debug("fleet load: subscriber: %s; subscribing again", exc)
+                gevent.sleep(TAKEOVER_SECONDS)
+            finally:
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        pubsub.close()
 
     def _set_elsewhere(self, elsewhere: dict[str, int], pressure: dict[str, float]) -> None:
         segment = self.segment
@@ -267,6 +386,10 @@ class FleetLoad:
             col = segment.column(backend.name)
             segment.set_elsewhere(col, max(0, elsewhere.get(backend.name, 0)))
             segment.set_elsewhere_pressure(col, max(0.0, pressure.get(backend.name, 0.0)), now)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 __all__ = ["EXCHANGE_SCRIPT", "IDLE_SECONDS", "FleetLoad"]

@@ -221,6 +221,41 @@ def test_in_flight_counts_are_the_fleets_across_routers(upstreams, router_factor
             conn.close()
 
 
+def test_in_flight_counts_are_pushed_to_the_other_router_between_exchanges(
+        upstreams, router_factory, redis_server) -> None:
+    """With exchanges 10 s apart, requests held open through one router count in the
+    other's load view within a few seconds, and stop counting when they finish: the
+    exchanging worker publishes each change (fleet.fleet_load_push_ms) and the other
+    router's takes it from the channel."""
+    up = upstreams("a")
+    redis = {"url": redis_server.url, "key_prefix": unique_prefix("fl")}
+    config = {**_config(up, backend="redis", redis=redis),
+              "fleet": {"fleet_load_interval_ms": 10000, "fleet_load_push_ms": 5}}
+    first = router_factory(config)
+    second = router_factory(config)  # its first exchange finds the first; then it idles
+    held = [Conn(first.url) for _ in range(3)]
+    watcher = Conn(second.url)
+    try:
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                           "x_test": {"hang": 3}}).encode()
+        for conn in held:
+            conn.http.request("POST", "/v1/chat/completions", body=body,
+                              headers={"Content-Type": "application/json"})
+
+        def seen_by(conn: Conn) -> int:
+            doc = conn.get("/admin/backends")
+            return int(next(b["in_flight"] for b in doc["backends"] if b["name"] == "a"))
+
+        # inside the 3 s the requests hang, so well before a second exchange (10 s)
+        wait_until(lambda: seen_by(watcher) == 3, "the other router to see 3 in flight", 3)
+        for conn in held:
+            assert conn.http.getresponse().read()
+        wait_until(lambda: seen_by(watcher) == 0, "the load to drop to 0", 3)
+    finally:
+        for conn in [*held, watcher]:
+            conn.close()
+
+
 def test_kv_pressure_is_the_fleets_across_routers(upstreams, router_factory,
                                                   redis_server) -> None:
     """Two routers on one Redis with KV placement: the prompt tokens one router sends a

@@ -16,7 +16,7 @@ from continuum.devtools.procs import free_port
 from continuum.devtools.redis_server import unique_prefix
 from continuum.hostshm import HostSegment
 from continuum.registry import PluginRegistry
-from continuum.routing.fleet_load import IDLE_SECONDS, PRESSURE_FIELD, FleetLoad
+from continuum.routing.fleet_load import IDLE_SECONDS, PRESSURE_FIELD, TTL_INTERVALS, FleetLoad
 from continuum.testing import make_backends, make_context
 
 WINDOW = 8.0
@@ -207,3 +207,78 @@ def test_routers_taking_requests_in_turn_go_round_half_a_cycle_apart(hosts: Any,
     one_load.exchange()
     assert [routers[0].select(backends, make_context()).name for _ in range(4)] == \
         ["b1", "b2", "b3", "b0"]
+
+
+def _next_message(pubsub: Any) -> bytes:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        message = pubsub.get_message(timeout=0.5)
+        if message is not None and message["type"] == "message":
+            return bytes(message["data"])
+    raise AssertionError("no message on the channel within 5 s")
+
+
+def test_a_change_in_counts_is_pushed_and_taken_before_the_next_exchange(
+        hosts: Any, redis_server: Any) -> None:
+    """A push (a message on <prefix>counts) carries a host's new counts to the other
+    router between exchanges; an exchange that reads the host's older hash afterwards does
+    not undo it, an older push does not either, and a host ignores its own."""
+    prefix = unique_prefix("fp")
+    one, one_load = hosts("one", redis_server.url, prefix)
+    two, two_load = hosts("two", redis_server.url, prefix)
+    for load in (one_load, two_load, one_load):
+        load.exchange()
+    assert not one_load.alone and not two_load.alone
+    listener = redis.Redis.from_url(redis_server.url).pubsub(ignore_subscribe_messages=True)
+    listener.subscribe(two_load.channel)  # what two's listener greenlet reads
+    try:
+        col_one, col_two = one.column("b0"), two.column("b0")
+        one.words[one.cell(col_one)] = 2
+        assert one_load.push() and not one_load.push()  # only a change goes out
+        first = _next_message(listener)
+        assert two.host_total(col_two) == 0  # not seen until taken
+        assert two_load.on_counts(first) and two_load.pushed_in == 1
+        assert two.host_total(col_two) == 2
+        # one's hash still holds the 0 of its last exchange, read before the push
+        assert two_load.exchange()["b0"] == 2 and two.host_total(col_two) == 2
+        one.words[one.cell(col_one)] = 0
+        assert one_load.push()
+        assert two_load.on_counts(_next_message(listener))
+        assert two.host_total(col_two) == 0
+        assert not two_load.on_counts(first)  # an older push changes nothing
+        assert two.host_total(col_two) == 0
+        assert not one_load.on_counts(first)  # a host's own push
+        assert one.host_total(col_one) == 0
+    finally:
+        listener.close()
+
+
+def test_a_push_from_a_new_router_ends_being_alone_and_a_silent_one_drops_out(
+        hosts: Any, redis_server: Any) -> None:
+    prefix = unique_prefix("fp")
+    one, one_load = hosts("one", redis_server.url, prefix)
+    assert one_load.exchange() == {} and one_load.alone
+    two, two_load = hosts("two", redis_server.url, prefix)
+    two_load.exchange()
+    listener = redis.Redis.from_url(redis_server.url).pubsub(ignore_subscribe_messages=True)
+    listener.subscribe(one_load.channel)
+    try:
+        two.words[two.cell(two.column("b1"))] = 3
+        assert two_load.push()
+        assert one_load.on_counts(_next_message(listener))
+        assert not one_load.alone  # so it pushes too, without waiting an idle interval
+        assert one.host_total(one.column("b1")) == 3
+    finally:
+        listener.close()
+    # two goes silent: its hash outlives four idle intervals, then the next exchange drops
+    # its pushed counts with it
+    time.sleep(TTL_INTERVALS * IDLE_SECONDS + 0.2)
+    assert one_load.exchange() == {} and one_load.alone
+    assert one.host_total(one.column("b1")) == 0
+
+
+def test_an_unreadable_push_is_ignored(hosts: Any, redis_server: Any) -> None:
+    one, load = hosts("one", redis_server.url, unique_prefix("fp"))
+    for data in (b"not json", b"[]", b'{"h": "x"}', b'{"h": "x", "s": 1, "c": {"b0": "?"}}'):
+        assert not load.on_counts(data)
+    assert one.host_total(one.column("b0")) == 0 and load.pushed_in == 0

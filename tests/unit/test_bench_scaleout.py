@@ -90,7 +90,9 @@ def test_rows_reach_the_demo_as_its_strategies() -> None:
     args = build_parser().parse_args(cmd[4:])  # after "python -m continuum.cli demo"
     assert (args.scenario, args.workers, args.routers, args.rounds) == ("rag", 4, 2, 5)
     assert args.strategies == ["KV index (seed key)"]
-    assert not args.redis and not args.quick
+    assert not args.redis and not args.quick and args.sets == []
+    pushed = scaleout.demo_command("rag", 4, 2, 1, False, sets=["fleet.fleet_load_push_ms=5"])
+    assert build_parser().parse_args(pushed[4:]).sets == ["fleet.fleet_load_push_ms=5"]
     every_row = build_parser().parse_args(scaleout.demo_command("agent", 1, 1, 3, True,
                                                                 redis=True)[4:])
     assert every_row.strategies is None and every_row.redis and every_row.quick
@@ -103,10 +105,13 @@ def test_interleaved_rounds_take_turns_and_merge_like_demo_rounds(
     calls: list[tuple[int, int, bool, int, str]] = []
     p99s = iter([100, 300, 200, 500, 150, 400])  # 1x1, 4x2, 1x1, 4x2, ...
 
+    sets_seen: list[tuple[str, ...]] = []
+
     def fake_run(scenario: str, workers: int, routers: int, rounds: int, quick: bool,
                  out: Path, redis: bool = False, rows: tuple[str, ...] = (),
-                 suffix: str = "") -> Path:
+                 suffix: str = "", sets: tuple[str, ...] = ()) -> Path:
         calls.append((workers, routers, redis, rounds, suffix))
+        sets_seen.append(tuple(sets))
         path = scaleout.result_path(out, scenario,
                                     scaleout.shape_name(workers, routers, redis) + suffix)
         path.write_text(json.dumps(_doc(_row("KV", [0.8], [next(p99s)], [None]))))
@@ -114,7 +119,9 @@ def test_interleaved_rounds_take_turns_and_merge_like_demo_rounds(
 
     monkeypatch.setattr(scaleout, "run_demo", fake_run)
     assert scaleout.main(["--scenario", "rag", "--rounds", "3", "--interleave",
-                          "--out", str(tmp_path), "--json"]) == 0
+                          "--out", str(tmp_path), "--json",
+                          "--set", "fleet.fleet_load_push_ms=5"]) == 0
+    assert sets_seen == [("fleet.fleet_load_push_ms=5",)] * 6  # both shapes, every round
     assert calls == [(1, 1, False, 1, "-round1"), (4, 2, False, 1, "-round1"),
                      (1, 1, False, 1, "-round2"), (4, 2, False, 1, "-round2"),
                      (1, 1, False, 1, "-round3"), (4, 2, False, 1, "-round3")]

@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from continuum.devtools.demo import median_row, write_records
+import pytest
+
+from continuum.devtools.demo import median_row, parse_sets, write_records
 
 
 def row(p99: float, hit: float, errors: int = 0, **more: Any) -> dict[str, Any]:
@@ -51,3 +53,21 @@ def test_rounds_below_one_are_refused_before_anything_starts() -> None:
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2, proc.stderr
     assert "--rounds must be >= 1" in proc.stderr
+
+
+def test_set_items_become_one_nested_router_override() -> None:
+    assert parse_sets(["fleet.fleet_load_push_ms=5", "fleet.use_redis=true",
+                       "selection_strategy=RoundRobin", "scorers=[\"KvOverlap\"]"]) == {
+        "fleet": {"fleet_load_push_ms": 5, "use_redis": True},
+        "selection_strategy": "RoundRobin", "scorers": ["KvOverlap"]}
+    assert parse_sets([]) == {}
+    for bad in ("fleet.fleet_load_push_ms", "=5", "fleet..x=1"):
+        with pytest.raises(ValueError, match="PATH=VALUE"):
+            parse_sets([bad])
+
+
+def test_a_bad_set_item_is_refused_before_anything_starts() -> None:
+    proc = subprocess.run([sys.executable, "-m", "continuum.cli", "demo", "--set", "fleet"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "expected PATH=VALUE" in proc.stderr

@@ -388,6 +388,27 @@ def scaleout(number: int, repeat: int) -> dict[str, float]:
                     backends, contexts[0]), number, repeat)
             for backend in backends:
                 backend.share_load(None)
+        # The pushed counts (fleet.fleet_load_push_ms): the holder's look every 5 ms when
+        # nothing changed, and applying another router's message; no Redis is reached
+        # (a stand-in client: only publish would talk to it, and nothing changes).
+        from continuum.routing.fleet_load import FleetLoad
+
+        class _NoRedis:
+            def register_script(self, _script: str) -> None:
+                return None
+
+            def publish(self, _channel: str, _message: str) -> int:
+                return 0
+
+        load = FleetLoad(make_backends(8), segment, _NoRedis(), "bench:", 0.025,
+                         push_interval=0.005)
+        load.push()
+        results["fleet_push_unchanged_8_backends"] = measure(load.push, number, repeat)
+        seq = iter(range(1, 10**12))
+        counts = json.dumps({f"b{i}": i % 3 for i in range(8)})
+        results["fleet_on_counts_8_backends"] = measure(
+            lambda: load.on_counts(f'{{"h":"x","s":{next(seq)},"c":{counts}}}'),
+            number, repeat)
         segment.close()
     return results
 

@@ -59,21 +59,24 @@ def result_path(out: Path, scenario: str, shape: str) -> Path:
 
 
 def demo_command(scenario: str, workers: int, routers: int, rounds: int, quick: bool,
-                 redis: bool = False, rows: Sequence[str] = ()) -> list[str]:
-    """The demo's command line for one run (``rows``: only these rows, ``--strategies``)."""
+                 redis: bool = False, rows: Sequence[str] = (),
+                 sets: Sequence[str] = ()) -> list[str]:
+    """The demo's command line for one run (``rows``: only these rows, ``--strategies``;
+    ``sets``: ``--set PATH=VALUE`` router config keys)."""
     return [sys.executable, "-m", "continuum.cli", "demo", "--scenario", scenario,
             "--workers", str(workers), "--routers", str(routers), "--rounds", str(rounds),
             "--json", *(["--quick"] if quick else []), *(["--redis"] if redis else []),
-            *(["--strategies", *rows] if rows else [])]
+            *(["--strategies", *rows] if rows else []),
+            *(arg for item in sets for arg in ("--set", item))]
 
 
 def run_demo(scenario: str, workers: int, routers: int, rounds: int, quick: bool,
              out: Path, redis: bool = False, rows: Sequence[str] = (),
-             suffix: str = "") -> Path:
+             suffix: str = "", sets: Sequence[str] = ()) -> Path:
     """One demo run; its JSON in ``out`` (``suffix`` after the shape in its name). Raises
     on a failed run (its stderr is kept)."""
     path = result_path(out, scenario, shape_name(workers, routers, redis) + suffix)
-    cmd = demo_command(scenario, workers, routers, rounds, quick, redis, rows)
+    cmd = demo_command(scenario, workers, routers, rounds, quick, redis, rows, sets)
     started = time.monotonic()
     print(f"  {' '.join(cmd[3:])}", flush=True)
     with path.open("w") as stdout, (out / f"{path.stem}.err").open("w") as stderr:
@@ -102,7 +105,8 @@ def merge_rounds(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_interleaved(scenario: str, shapes: Sequence[tuple[int, int, bool]], rounds: int,
-                    quick: bool, out: Path, rows: Sequence[str]) -> None:
+                    quick: bool, out: Path, rows: Sequence[str],
+                    sets: Sequence[str] = ()) -> None:
     """``--interleave``: one round of each shape in turn, ``rounds`` times, so both
     shapes meet the machine in the same states; each shape's rounds merged into its usual
     file (:func:`result_path`)."""
@@ -110,7 +114,7 @@ def run_interleaved(scenario: str, shapes: Sequence[tuple[int, int, bool]], roun
     for k in range(rounds):
         for workers, routers, redis in shapes:
             path = run_demo(scenario, workers, routers, 1, quick, out, redis, rows,
-                            suffix=f"-round{k + 1}")
+                            suffix=f"-round{k + 1}", sets=sets)
             runs[(workers, routers, redis)].append(json.loads(path.read_text()))
     for (workers, routers, redis), docs in runs.items():
         result_path(out, scenario, shape_name(workers, routers, redis)).write_text(
@@ -198,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", nargs="+", metavar="NAME", default=[],
                    help="only these rows of each scenario (the demo's --strategies names, "
                    "e.g. 'KV index (seed key)'); default: every row")
+    p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", dest="sets",
+                   help="passed to every demo run (both shapes): a router config key, e.g. "
+                   "fleet.fleet_load_push_ms=5")
     p.add_argument("--redis-baseline", action="store_true",
                    help="run the 1 x 1 baseline with --redis (its tiers on Redis as in the "
                    "scaled run), so the comparison is of the scale-out alone")
@@ -223,13 +230,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{scenario}:", flush=True)
             run_interleaved(scenario, [(1, 1, args.redis_baseline),
                                        (args.workers, args.routers, False)],
-                            args.rounds, args.quick, args.out, args.rows)
+                            args.rounds, args.quick, args.out, args.rows, args.sets)
         elif not args.compare_only:
             print(f"{scenario}:", flush=True)
             run_demo(scenario, 1, 1, args.rounds, args.quick, args.out, args.redis_baseline,
-                     args.rows)
+                     args.rows, sets=args.sets)
             run_demo(scenario, args.workers, args.routers, args.rounds, args.quick, args.out,
-                     rows=args.rows)
+                     rows=args.rows, sets=args.sets)
         docs = [json.loads(result_path(args.out, scenario, s).read_text())
                 for s in (base, shape)]
         results[scenario] = compare(*docs)
