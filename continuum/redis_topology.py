@@ -19,7 +19,8 @@ hash slot. Users of several keys in one operation wrap a common part of their na
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
@@ -29,6 +30,8 @@ from redis.sentinel import Sentinel
 
 if TYPE_CHECKING:
     from continuum.config import RedisConfig
+
+log = logging.getLogger(__name__)
 
 
 def _host_port(node: str) -> tuple[str, int]:
@@ -127,6 +130,34 @@ def disconnect(client: Any) -> None:
         client.connection_pool.disconnect()
 
 
+def listen(client: Any, channel: str, handle: Callable[[bytes], Any],
+           retry_seconds: float = 1.0) -> None:
+    """Subscribe to ``channel`` and call ``handle`` with each message's data, forever (a
+    greenlet's body: it ends when killed). When Redis goes away it subscribes again
+    ``retry_seconds`` later; what was published meanwhile is not delivered."""
+    import gevent
+
+    while True:
+        pubsub = None
+        try:
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            pubsub.subscribe(channel)
+            while True:
+                message = pubsub.get_message(timeout=1.0)
+                if message is not None and message.get("type") == "message":
+                    handle(message["data"])
+        except Exception as exc:  # Redis away: subscribe again later
+            log.debug("subscriber of %s: %s; subscribing again", channel, exc)
+            gevent.sleep(retry_seconds)
+        finally:
+            if pubsub is not None:
+                try:
+                    pubsub.close()
+                except Exception:
+                    log.debug("closing the subscription of %s failed", channel,
+                              exc_info=True)
+
+
 def pool_stats(client_or_pool: Any) -> dict[str, int]:
     """Connections in use and idle of a connection pool, or summed over a cluster
     client's nodes."""
@@ -144,5 +175,5 @@ def pool_stats(client_or_pool: Any) -> dict[str, int]:
     return {"active": in_use, "idle": max(created - in_use, 0)}
 
 
-__all__ = ["disconnect", "hash_tagged", "is_cluster", "make_client", "pool_stats",
+__all__ = ["disconnect", "hash_tagged", "is_cluster", "listen", "make_client", "pool_stats",
            "scan_nodes"]

@@ -359,24 +359,9 @@ class FleetLoad:
             gevent.sleep(self.push_interval)
 
     def _listen(self) -> None:
-        import gevent
+        from continuum.redis_topology import listen
 
-        while True:
-            pubsub = None
-            try:
-                pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-                pubsub.subscribe(self.channel)
-                while True:
-                    message = pubsub.get_message(timeout=1.0)
-                    if message is not None and message.get("type") == "message":
-                        self.on_counts(message["data"])
-            except Exception as exc:  # Redis away: subscribe again later
-                log.debug("fleet load: subscriber: %s; subscribing again", exc)
-                gevent.sleep(TAKEOVER_SECONDS)
-            finally:
-                if pubsub is not None:
-                    with contextlib.suppress(Exception):
-                        pubsub.close()
+        listen(self.client, self.channel, self.on_counts, TAKEOVER_SECONDS)
 
     def _set_elsewhere(self, elsewhere: dict[str, int], pressure: dict[str, float]) -> None:
         segment = self.segment

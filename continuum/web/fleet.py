@@ -315,27 +315,9 @@ class FleetBus:
             gevent.sleep(MEMBER_SECONDS)
 
     def _subscribe(self) -> None:
-        import gevent
+        from continuum.redis_topology import listen
 
-        while True:
-            pubsub = None
-            try:
-                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-                pubsub.subscribe(self.channel)
-                while True:
-                    message = pubsub.get_message(timeout=1.0)
-                    if message is None or message.get("type") != "message":
-                        continue
-                    self._on_message(message["data"])
-            except Exception as exc:  # Redis away: resubscribe later
-                log.debug("fleet subscriber: %s; resubscribing", exc)
-                gevent.sleep(1.0)
-            finally:
-                if pubsub is not None:
-                    try:
-                        pubsub.close()
-                    except Exception:
-                        log.debug("fleet subscriber close failed", exc_info=True)
+        listen(self.redis, self.channel, self._on_message)
 
     def _on_message(self, data: bytes | str) -> None:
         try:

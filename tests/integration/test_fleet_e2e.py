@@ -184,6 +184,32 @@ def test_in_flight_counts_are_the_hosts(upstreams, router_factory) -> None:
             conn.close()
 
 
+def _held_through_one_seen_by_the_other(first: Any, second: Any, within: float) -> None:
+    """Three requests held open (3 s) through ``first`` show as ``in_flight: 3`` on
+    ``second`` within ``within`` seconds, and as 0 within ``within`` of their end."""
+    held = [Conn(first.url) for _ in range(3)]
+    watcher = Conn(second.url)
+    try:
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                           "x_test": {"hang": 3}}).encode()
+        for conn in held:
+            conn.http.request("POST", "/v1/chat/completions", body=body,
+                              headers={"Content-Type": "application/json"})
+
+        def seen_by(conn: Conn) -> int:
+            doc = conn.get("/admin/backends")
+            return int(next(b["in_flight"] for b in doc["backends"] if b["name"] == "a"))
+
+        wait_until(lambda: seen_by(watcher) == 3, "the other router to see 3 in flight",
+                   within)
+        for conn in held:
+            assert conn.http.getresponse().read()
+        wait_until(lambda: seen_by(watcher) == 0, "the load to drop to 0", within)
+    finally:
+        for conn in [*held, watcher]:
+            conn.close()
+
+
 @pytest.mark.parametrize("shared", ["redis cache", "use_redis, no cache"])
 def test_in_flight_counts_are_the_fleets_across_routers(upstreams, router_factory,
                                                         redis_server, shared: str) -> None:
@@ -199,61 +225,23 @@ def test_in_flight_counts_are_the_fleets_across_routers(upstreams, router_factor
         config = {**_config(up, enabled=False, redis=redis),
                   "fleet": {"fleet_load_interval_ms": 100, "use_redis": True}}
     first, second = router_factory(config), router_factory(config)
-    held = [Conn(first.url) for _ in range(3)]
-    watcher = Conn(second.url)
-    try:
-        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
-                           "x_test": {"hang": 3}}).encode()
-        for conn in held:
-            conn.http.request("POST", "/v1/chat/completions", body=body,
-                              headers={"Content-Type": "application/json"})
-
-        def seen_by(conn: Conn) -> int:
-            doc = conn.get("/admin/backends")
-            return int(next(b["in_flight"] for b in doc["backends"] if b["name"] == "a"))
-
-        wait_until(lambda: seen_by(watcher) == 3, "the other router to see 3 in flight", 5)
-        for conn in held:
-            assert conn.http.getresponse().read()
-        wait_until(lambda: seen_by(watcher) == 0, "the load to drop to 0", 5)
-    finally:
-        for conn in [*held, watcher]:
-            conn.close()
+    _held_through_one_seen_by_the_other(first, second, within=5)
 
 
 def test_in_flight_counts_are_pushed_to_the_other_router_between_exchanges(
         upstreams, router_factory, redis_server) -> None:
     """With exchanges 10 s apart, requests held open through one router count in the
-    other's load view within a few seconds, and stop counting when they finish: the
-    exchanging worker publishes each change (fleet.fleet_load_push_ms) and the other
-    router's takes it from the channel."""
+    other's load view while they hang (3 s, well before the second router's next
+    exchange), and stop counting when they finish: the exchanging worker publishes each
+    change (fleet.fleet_load_push_ms) and the other router's takes it from the channel.
+    With fleet_load_push_ms: 0 the first wait times out."""
     up = upstreams("a")
     redis = {"url": redis_server.url, "key_prefix": unique_prefix("fl")}
     config = {**_config(up, backend="redis", redis=redis),
               "fleet": {"fleet_load_interval_ms": 10000, "fleet_load_push_ms": 5}}
     first = router_factory(config)
     second = router_factory(config)  # its first exchange finds the first; then it idles
-    held = [Conn(first.url) for _ in range(3)]
-    watcher = Conn(second.url)
-    try:
-        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
-                           "x_test": {"hang": 3}}).encode()
-        for conn in held:
-            conn.http.request("POST", "/v1/chat/completions", body=body,
-                              headers={"Content-Type": "application/json"})
-
-        def seen_by(conn: Conn) -> int:
-            doc = conn.get("/admin/backends")
-            return int(next(b["in_flight"] for b in doc["backends"] if b["name"] == "a"))
-
-        # inside the 3 s the requests hang, so well before a second exchange (10 s)
-        wait_until(lambda: seen_by(watcher) == 3, "the other router to see 3 in flight", 3)
-        for conn in held:
-            assert conn.http.getresponse().read()
-        wait_until(lambda: seen_by(watcher) == 0, "the load to drop to 0", 3)
-    finally:
-        for conn in [*held, watcher]:
-            conn.close()
+    _held_through_one_seen_by_the_other(first, second, within=3)
 
 
 def test_kv_pressure_is_the_fleets_across_routers(upstreams, router_factory,
