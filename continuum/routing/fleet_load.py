@@ -332,11 +332,7 @@ class FleetLoad:
         self._others[host] = (seq, counts)
         self.alone = False
         self.pushed_in += 1
-        segment = self.segment
-        elsewhere = self._elsewhere()
-        for backend in self.pool:
-            segment.set_elsewhere(segment.column(backend.name),
-                                  max(0, elsewhere.get(backend.name, 0)))
+        self._set_elsewhere(self._elsewhere())  # a push carries no pressure
         return True
 
     def _elsewhere(self) -> dict[str, int]:
@@ -363,14 +359,20 @@ class FleetLoad:
 
         listen(self.client, self.channel, self.on_counts, TAKEOVER_SECONDS)
 
-    def _set_elsewhere(self, elsewhere: dict[str, int], pressure: dict[str, float]) -> None:
+    def _set_elsewhere(self, elsewhere: dict[str, int],
+                       pressure: dict[str, float] | None = None) -> None:
+        """Write the other routers' counts (and, unless ``pressure`` is None, their KV
+        pressure) into the host segment's elsewhere rows."""
         segment = self.segment
         now = time.monotonic()
-        self.elsewhere_pressure = pressure
+        if pressure is not None:
+            self.elsewhere_pressure = pressure
         for backend in self.pool:
             col = segment.column(backend.name)
             segment.set_elsewhere(col, max(0, elsewhere.get(backend.name, 0)))
-            segment.set_elsewhere_pressure(col, max(0.0, pressure.get(backend.name, 0.0)), now)
+            if pressure is not None:
+                segment.set_elsewhere_pressure(
+                    col, max(0.0, pressure.get(backend.name, 0.0)), now)
 
 
 def _text(value: bytes | str) -> str:
