@@ -26,12 +26,16 @@ creates it in ``on_starting``, a worker that finds none creates it under the loc
 * an **elsewhere pressure row**: ``elsewhere_pressure[backend column]``, two float64 each,
   the other routers' KV pressure as last read from Redis with the in-flight counts;
 * a **latency row**: ``latency[backend column]``, one float64, the host's latency EWMA of
-  the backend (``Backend.latency_ewma``), which every worker's finished requests update.
+  the backend (``Backend.latency_ewma``), which every worker's finished requests update;
+* a **first-piece table**: per backend column a version word and, for each in-flight count
+  ``0 .. WAIT_LEVELS - 1``, the EWMA of how long streams sent at that count took to their
+  first body piece and how many fed it (two float64), which every worker's streams update
+  and the load guard's learned waits read (``Backend.queue_wait``).
 
-Writes: a worker writes only its own slot's row (the latency row and the rotation are the
-exceptions: any worker folds its sample in or takes a turn, and two that do so at once lose
-one sample, or take the same turn), with aligned
-8-byte stores (which readers never see torn on the platforms gunicorn runs on), so the hot
+Writes: a worker writes only its own slot's row (the latency row, the first-piece table and
+the rotation are the exceptions: any worker folds its sample in or takes a turn, and two
+that do so at once lose one sample, or take the same turn), with aligned 8-byte stores
+(which readers never see torn on the platforms gunicorn runs on), so the hot
 path takes no lock. Claiming a
 slot or a column, and bumping the generation, happen under ``flock`` on ``host.lock``.
 A slot whose PID is gone (a killed worker) is wiped and reused by the next claimer, and
@@ -81,7 +85,12 @@ _ELSEWHERE_AT = _LOAD_AT + MAX_WORKERS * MAX_BACKENDS
 _PRESSURE_AT = _ELSEWHERE_AT + MAX_BACKENDS  # 2 words (value, at) per cell
 _ELSEWHERE_PRESSURE_AT = _PRESSURE_AT + 2 * MAX_BACKENDS * MAX_WORKERS  # (value, at)
 _LATENCY_AT = _ELSEWHERE_PRESSURE_AT + 2 * MAX_BACKENDS  # float64 per backend, 0.0: none
-SIZE = (_LATENCY_AT + MAX_BACKENDS) * 8
+#: In-flight counts (0 .. WAIT_LEVELS - 1) whose time to a first piece a backend learns.
+WAIT_LEVELS = 64
+_FIRST_PIECE_AT = _LATENCY_AT + MAX_BACKENDS
+_FIRST_PIECE_STRIDE = 1 + 2 * WAIT_LEVELS  # version word, then (EWMA, samples) per count
+SIZE = (_FIRST_PIECE_AT + MAX_BACKENDS * _FIRST_PIECE_STRIDE) * 8
+_FIRST_PIECES = struct.Struct(f"<{2 * WAIT_LEVELS}d")
 _PAIR = struct.Struct("<dd")
 _DOUBLE = struct.Struct("<d")
 _UNPACK = [struct.Struct(f"<{n}q").unpack_from for n in range(MAX_WORKERS + 1)]
@@ -375,6 +384,33 @@ class HostSegment:
         """Set backend ``col``'s EWMA (None: no sample)."""
         _DOUBLE.pack_into(self._map, (_LATENCY_AT + col) * 8,
                           0.0 if seconds is None else max(seconds, 1e-9))
+
+    def first_piece_version(self, col: int) -> int:
+        """How many first-piece samples of backend ``col`` were folded in (a reader's
+        cache key: unchanged, so is the table)."""
+        version: int = self.words[_FIRST_PIECE_AT + col * _FIRST_PIECE_STRIDE]
+        return version
+
+    def first_pieces(self, col: int) -> tuple[list[float], list[int]]:
+        """Backend ``col``'s table: the time-to-first-piece EWMA (seconds) at each in-flight
+        count, and the samples behind each."""
+        flat = _FIRST_PIECES.unpack_from(
+            self._map, (_FIRST_PIECE_AT + col * _FIRST_PIECE_STRIDE + 1) * 8)
+        return list(flat[0::2]), [int(n) for n in flat[1::2]]
+
+    def add_first_piece(self, col: int, level: int, seconds: float, alpha: float) -> None:
+        """Fold one stream's time to its first piece, sent at ``level`` in flight, into
+        backend ``col``'s EWMA at that count (the first sample is the mean), and bump the
+        version. Not under a lock, as :meth:`add_latency`."""
+        if not 0 <= level < WAIT_LEVELS:
+            return
+        base = _FIRST_PIECE_AT + col * _FIRST_PIECE_STRIDE
+        at = (base + 1 + 2 * level) * 8
+        prev, samples = _PAIR.unpack_from(self._map, at)
+        _PAIR.pack_into(self._map, at,
+                        seconds if samples <= 0 else prev + alpha * (seconds - prev),
+                        samples + 1)
+        self.words[base] += 1
 
     def close(self) -> None:
         """Unmap (the slot is kept: call :meth:`release` first to give it back)."""

@@ -469,7 +469,7 @@ class ChainOverlapScorer(KvOverlapScorer):
             wait_ms = (backend.queue_wait() - snapshot.least_wait) * 1000.0
             if wait_ms > extra_ms:
                 extra_ms = wait_ms
-                queue = (f"its wait for a first token at {backend.local_in_flight} in flight "
+                queue = (f"its wait for a first token at {backend.in_flight} in flight "
                          f"(learned)")
         saved_ms = credit.saved_tokens * self.prefill_ms_per_token
         if saved_ms <= extra_ms:

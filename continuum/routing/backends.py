@@ -13,12 +13,13 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from continuum.hostshm import WAIT_LEVELS
+
 if TYPE_CHECKING:
     from continuum.config import BackendConfig
     from continuum.hostshm import HostSegment
 
-#: In-flight counts (0 .. WAIT_LEVELS - 1) whose time to a first token a backend learns.
-WAIT_LEVELS = 64
+__all__ = ["WAIT_LEVELS", "WAIT_SAMPLES", "Backend", "BackendPool"]
 #: Samples a count needs before its time to a first token counts (one slow prefill is not
 #: a queue).
 WAIT_SAMPLES = 5
@@ -58,6 +59,7 @@ class Backend:
         "_ttfp",
         "_ttfp_samples",
         "_waits",
+        "_waits_version",
         "config",
         "configured_models",
         "discovered_models",
@@ -88,11 +90,15 @@ class Backend:
         self.probed = not unprobed
         self.draining = False
         self._latency: float | None = None
-        # time to the first body piece of a stream, by this worker's in-flight count at
-        # dispatch (EWMA, seconds), the samples behind each, and the waits they imply
+        # time to the first body piece of a stream, by the in-flight count at dispatch
+        # (``in_flight``: the host's, with the other routers' when shared; EWMA, seconds),
+        # the samples behind each, and the waits they imply (while the load is shared, the
+        # host segment holds the table and ``_waits_version`` says which state of it
+        # ``_waits`` was computed from)
         self._ttfp = [0.0] * WAIT_LEVELS
         self._ttfp_samples = [0] * WAIT_LEVELS
         self._waits: list[float] | None = None
+        self._waits_version = -1
         # Built once: ``serves()`` runs for every backend on every request.
         self.configured_models = frozenset(config.models)
         self.discovered_models: frozenset[str] = frozenset()
@@ -131,10 +137,13 @@ class Backend:
 
     def share_load(self, segment: HostSegment | None) -> None:
         """Publish this worker's count in ``segment`` (None: keep it private). The latency
-        EWMA lives in one place at a time: the host's while shared, this worker's else."""
+        EWMA and the time-to-first-piece table live in one place at a time: the host's while
+        shared, this worker's else."""
         if self._shared is not None:
             self._latency = self._shared.latency(self._col)
+            self._ttfp, self._ttfp_samples = self._shared.first_pieces(self._col)
         self._shared = segment
+        self._waits = None
         if segment is not None:
             self._col = segment.column(self.name)
             self._cell = segment.cell(self._col)
@@ -209,9 +218,15 @@ class Backend:
                     prev + self._alpha * (latency - prev)
 
     def first_piece(self, level: int, seconds: float) -> None:
-        """A stream sent when this worker had ``level`` requests in flight here got its
-        first body piece (its first token) ``seconds`` after it was sent."""
+        """A stream sent when ``level`` requests were in flight here (:attr:`in_flight`)
+        got its first body piece (its first token) ``seconds`` after it was sent. With a
+        shared host segment the sample goes into the host's table, which every worker of
+        the host learns from."""
         if level >= WAIT_LEVELS:
+            return
+        shared = self._shared
+        if shared is not None:
+            shared.add_first_piece(self._col, level, seconds, self._alpha)
             return
         samples = self._ttfp_samples[level]
         prev = self._ttfp[level]
@@ -221,32 +236,44 @@ class Backend:
 
     def queue_wait(self) -> float:
         """Seconds more than at its least busy a request sent now waits for its first
-        token, as this worker has seen it: by the in-flight count it had at dispatch,
+        token, as this worker (or, sharing the load, the host) has seen it: by the
+        in-flight count at dispatch (:attr:`in_flight`: an engine queues the host's
+        requests, not one worker's share),
         how much longer first tokens took than at the fastest count (each count once
         it has ``WAIT_SAMPLES`` samples; an engine batches up to its slots, so the counts
         under them cost about nothing, and queues beyond them). Never less than at a
         smaller count; 0 before any count has enough samples."""
+        shared = self._shared
+        if shared is None:
+            waits = self._waits
+            if waits is None:
+                waits = self._waits = _learned_waits(self._ttfp, self._ttfp_samples)
+            return waits[min(self._local, WAIT_LEVELS - 1)]
+        version = shared.first_piece_version(self._col)
         waits = self._waits
-        if waits is None:
-            waits = self._waits = self._learned_waits()
-        return waits[min(self._local, WAIT_LEVELS - 1)]
-
-    def _learned_waits(self) -> list[float]:
-        known = [level for level in range(WAIT_LEVELS)
-                 if self._ttfp_samples[level] >= WAIT_SAMPLES]
-        waits = [0.0] * WAIT_LEVELS
-        if not known:
-            return waits
-        base = min(self._ttfp[level] for level in known)
-        wait = 0.0
-        for level in range(WAIT_LEVELS):
-            if self._ttfp_samples[level] >= WAIT_SAMPLES:
-                wait = max(wait, self._ttfp[level] - base)
-            waits[level] = wait
-        return waits
+        if waits is None or version != self._waits_version:
+            waits = self._waits = _learned_waits(*shared.first_pieces(self._col))
+            self._waits_version = version
+        return waits[min(shared.host_total(self._col), WAIT_LEVELS - 1)]
 
     def __repr__(self) -> str:
         return f"<Backend {self.name} in_flight={self.in_flight} healthy={self.healthy}>"
+
+
+def _learned_waits(ttfp: list[float], samples: list[int]) -> list[float]:
+    """The wait at each in-flight count (:meth:`Backend.queue_wait`) from the time-to-first-
+    piece EWMA at each count and the samples behind it."""
+    known = [level for level in range(WAIT_LEVELS) if samples[level] >= WAIT_SAMPLES]
+    waits = [0.0] * WAIT_LEVELS
+    if not known:
+        return waits
+    base = min(ttfp[level] for level in known)
+    wait = 0.0
+    for level in range(WAIT_LEVELS):
+        if samples[level] >= WAIT_SAMPLES:
+            wait = max(wait, ttfp[level] - base)
+        waits[level] = wait
+    return waits
 
 
 class BackendPool:

@@ -82,8 +82,9 @@ class Lease:
         self.started = time.perf_counter()
         #: Whether the first body piece of the stream has arrived.
         self.admitted = False
-        #: This worker's requests in flight on the backend when this one was sent.
-        self.level = backend.local_in_flight
+        #: Requests in flight on the backend when this one was sent, as the load-aware
+        #: decisions count them (the host's workers' and, when shared, the other routers').
+        self.level = backend.in_flight
         backend.acquire()
         metrics.adder(metrics.in_flight, backend.name)(1)
 

@@ -12,7 +12,9 @@ import pytest
 
 from continuum.config import BackendConfig
 from continuum.hostshm import HostSegment, create
-from continuum.routing.backends import Backend
+from continuum.metrics import RouterMetrics
+from continuum.routing.backends import WAIT_SAMPLES, Backend
+from continuum.routing.forwarder import Lease
 
 CHILD = """
 import sys, time
@@ -165,4 +167,41 @@ def test_the_latency_ewma_is_the_hosts(tmp_path: Path) -> None:
     other = Backend(BackendConfig(name="c", url="http://127.0.0.1:2"))
     other.share_load(two)
     assert other.latency_ewma is None  # a column of its own
+    one.release()
+
+
+def test_the_hosts_workers_learn_one_first_token_wait_keyed_by_the_hosts_count(
+        tmp_path: Path) -> None:
+    """With the load shared, a backend's time to a first token is learned by the host's
+    in-flight count at dispatch (the engine queues every worker's requests), from every
+    worker's streams, and every worker prices it at the host's count."""
+    one, two = HostSegment(tmp_path), HostSegment(tmp_path, pid=1)
+    config = BackendConfig(name="b", url="http://127.0.0.1:1")
+    mine, theirs = Backend(config, ewma_alpha=0.5), Backend(config, ewma_alpha=0.5)
+    mine.share_load(one)
+    theirs.share_load(two)
+    # two slots: at 0 or 1 in flight 30 ms to the first token, at 2 130 ms; the other
+    # worker's streams teach it, four samples short of five at 2 ...
+    for _ in range(WAIT_SAMPLES):
+        theirs.first_piece(0, 0.03)
+        theirs.first_piece(1, 0.03)
+    for _ in range(WAIT_SAMPLES - 1):
+        theirs.first_piece(2, 0.13)
+    for _ in range(3):
+        theirs.acquire()  # three in flight, all the other worker's
+    assert (mine.local_in_flight, mine.in_flight) == (0, 3)
+    assert mine.queue_wait() == 0.0
+    mine.first_piece(2, 0.13)  # ... and this worker's fifth completes it
+    assert mine.queue_wait() == theirs.queue_wait() == pytest.approx(0.1)
+    theirs.release()
+    theirs.release()
+    assert mine.queue_wait() == 0.0  # one in flight on the host
+    # the forwarder's level is the host's count, not this worker's share
+    lease = Lease(mine, "/v1/chat/completions", RouterMetrics())
+    assert lease.level == 1
+    lease.release(200, True)
+    # leaving the segment, a worker keeps what the host learned
+    mine.share_load(None)
+    mine.in_flight = 2
+    assert mine.queue_wait() == pytest.approx(0.1)
     one.release()
