@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from continuum.config import BackendConfig
     from continuum.hostshm import HostSegment
 
-__all__ = ["WAIT_LEVELS", "WAIT_SAMPLES", "Backend", "BackendPool"]
 #: Samples a count needs before its time to a first token counts (one slow prefill is not
 #: a queue).
 WAIT_SAMPLES = 5
@@ -244,17 +243,16 @@ class Backend:
         under them cost about nothing, and queues beyond them). Never less than at a
         smaller count; 0 before any count has enough samples."""
         shared = self._shared
-        if shared is None:
-            waits = self._waits
-            if waits is None:
-                waits = self._waits = _learned_waits(self._ttfp, self._ttfp_samples)
-            return waits[min(self._local, WAIT_LEVELS - 1)]
-        version = shared.first_piece_version(self._col)
+        if shared is not None:  # the host's table: recomputed once another sample is in
+            version = shared.first_piece_version(self._col)
+            if version != self._waits_version:
+                self._waits, self._waits_version = None, version
         waits = self._waits
-        if waits is None or version != self._waits_version:
-            waits = self._waits = _learned_waits(*shared.first_pieces(self._col))
-            self._waits_version = version
-        return waits[min(shared.host_total(self._col), WAIT_LEVELS - 1)]
+        if waits is None:
+            ttfp, samples = (self._ttfp, self._ttfp_samples) if shared is None \
+                else shared.first_pieces(self._col)
+            waits = self._waits = _learned_waits(ttfp, samples)
+        return waits[min(self.in_flight, WAIT_LEVELS - 1)]
 
     def __repr__(self) -> str:
         return f"<Backend {self.name} in_flight={self.in_flight} healthy={self.healthy}>"

@@ -75,8 +75,8 @@ class ReplayResult:
             if self.wall_seconds > 0
             else 0.0,
             "ttft_ms_mean": round(sum(ttfts) / len(ttfts), 2) if ttfts else None,
-            "ttft_ms_p50": _percentile(ttfts, 50),
-            "ttft_ms_p99": _percentile(ttfts, 99),
+            "ttft_ms_p50": percentile(ttfts, 50),
+            "ttft_ms_p99": percentile(ttfts, 99),
             "prompt_tokens": prompt,
             "cached_tokens": cached,
             "client_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
@@ -97,7 +97,7 @@ class ReplayResult:
         return [asdict(r) for r in self.records]
 
 
-def _percentile(ordered: list[float], pct: float) -> float | None:
+def percentile(ordered: list[float], pct: float) -> float | None:
     """Nearest-rank percentile of an ascending list."""
     if not ordered:
         return None

@@ -217,7 +217,7 @@ def test_replay_skips_turns_after_a_failure(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_percentile_is_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]
-    assert replay_mod._percentile(values, 99) == 99.0
-    assert replay_mod._percentile(values, 50) == 50.0
-    assert replay_mod._percentile([5.0], 99) == 5.0
-    assert replay_mod._percentile([], 99) is None
+    assert replay_mod.percentile(values, 99) == 99.0
+    assert replay_mod.percentile(values, 50) == 50.0
+    assert replay_mod.percentile([5.0], 99) == 5.0
+    assert replay_mod.percentile([], 99) is None

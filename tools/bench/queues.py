@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from continuum.sim.replay import percentile
+
 
 @dataclass(frozen=True)
 class Sent:
@@ -82,15 +84,6 @@ def loads_at_send(records: Sequence[dict[str, Any]]) -> list[Sent]:
     return sent
 
 
-def _percentile(values: Sequence[float], pct: float) -> float | None:
-    """Nearest-rank percentile (as the demo's)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(int(-(-pct * len(ordered) // 100)), 1)
-    return ordered[rank - 1]
-
-
 def summarize(sent: Sequence[Sent], slots: int, tail: int = 10) -> dict[str, Any]:
     """The shares, the first-token percentiles and the slowest ``tail`` (see the module
     docstring); times in ms."""
@@ -100,8 +93,8 @@ def summarize(sent: Sequence[Sent], slots: int, tail: int = 10) -> dict[str, Any
     rest = [s for s in sent if s.loads[s.backend] < slots]
 
     def ms(group: Sequence[Sent], pct: float) -> float | None:
-        value = _percentile([s.record["ttft"] for s in group], pct)
-        return None if value is None else round(value * 1000, 1)
+        value = percentile(sorted(s.record["ttft"] * 1000 for s in group), pct)
+        return None if value is None else round(value, 1)
 
     total = max(len(sent), 1)
     slowest = sorted(sent, key=lambda s: -s.record["ttft"])[:tail]
