@@ -125,7 +125,7 @@ class Child:
         self.log = log
         self.name = name or (log.name.removesuffix(".log") if log else Path(argv[0]).name)
         self.stop_signal = stop_signal
-        preexec = _die_with_parent() if die_with_parent else None
+        preexec = die_with_parent_hook() if die_with_parent else None
         env_dict = dict(env) if env is not None else None
         if log is None:
             self.popen = subprocess.Popen(
@@ -272,7 +272,7 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _die_with_parent() -> Callable[[], None] | None:
+def die_with_parent_hook() -> Callable[[], None] | None:
     """A ``preexec_fn`` asking Linux to SIGTERM the child when its parent dies; None
     elsewhere. Resolved here, in the parent: the child between fork and exec must not
     import anything."""

@@ -1,0 +1,248 @@
+"""What each layer of the router's stack costs per request: the floor under issue 18's goals.
+
+Run::
+
+    python -m tools.bench.layers [--repeat 2] [--only floor worker-falcon router-pah] [--json]
+
+Each layer is a server that does what a proxy must (take a chat completion, send it to the
+upstream over a kept-alive connection, answer with the upstream's body), with one more
+piece of the router's stack than the one before (:mod:`tools.bench.layer_apps`):
+
+=================  ==========================================================================
+``floor``          a bare gevent ``StreamServer``, heads split by hand: what a Python proxy on
+                   gevent cannot skip (loopback sends and receives, wake-ups, greenlets)
+``gunicorn-wsgi``  gunicorn's own gevent worker (``-k gevent``) and a bare WSGI function
+                   that calls the upstream with the router's HTTP client
+``worker-wsgi``    the same function on the router's worker class
+                   (``continuum.gunicorn_worker.GeventWorker``)
+``worker-falcon``  a Falcon app with one resource on the router's worker class: the stack
+                   the design fixes (Falcon on gunicorn's gevent workers) doing nothing else
+``router-rr``      the router (``tools.bench.overhead``'s one-backend setup), RoundRobin
+``router-pah``     the router with PrefixAwareHash and ``prefix_routing`` on
+=================  ==========================================================================
+
+For each it prints router CPU per request (utime+stime of the serving process from
+``/proc``) non-streaming at concurrency 32 and 1, and the p50 latency added to the upstream
+direct at concurrency 1, with the same load generator as ``tools.bench.overhead``. The
+difference between ``worker-falcon`` and ``router-pah`` is what the router's own work
+costs (parsing, routing, the lease, metrics, the access log, usage); the one between
+``worker-falcon`` and a goal is what that goal leaves for it.
+
+Every child process runs on 127.0.0.1, is bounded by the phases' request counts and time
+limits, and is stopped by PID when the run ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from continuum.devtools.procs import Child, free_port, wait_http, wait_until
+from continuum.gunicorn_worker import WORKER_CLASS
+from tools.bench.overhead import (
+    PREFIX_ROUTING,
+    PYTHON,
+    ROOT,
+    BenchError,
+    Phase,
+    _child_env,
+    best_of,
+    children_of,
+    run_phase,
+    start_router,
+    start_upstream,
+)
+
+#: issue 18's goals this benchmark puts beside the layers (ms).
+CPU_GOAL_MS = 0.15
+ADDED_P50_GOAL_MS = 0.3
+
+LAYERS = ("floor", "gunicorn-wsgi", "worker-wsgi", "worker-falcon", "router-rr", "router-pah")
+
+
+@dataclass
+class LayerResult:
+    layer: str
+    cpu_c32_ms: float | None
+    cpu_c1_ms: float | None
+    added_p50_c1_ms: float | None
+    rps_c32: float | None
+    chunk_c32_us: float | None
+    chunk_c1_us: float | None
+
+
+def start_layer(layer: str, tmp: Path, upstream_port: int, src: str) -> Child:
+    """The server of ``layer`` (not the router's), serving once it answers ``/health``."""
+    port = free_port()
+    env = _child_env(str(ROOT))
+    env["LAYER_UPSTREAM_PORT"] = str(upstream_port)
+    if layer == "floor":
+        argv = [PYTHON, "-m", "tools.bench.layer_apps", "--port", str(port),
+                "--upstream-port", str(upstream_port)]
+    else:
+        worker = "gevent" if layer == "gunicorn-wsgi" else WORKER_CLASS
+        app = "falcon_app" if layer == "worker-falcon" else "wsgi"
+        env = _child_env(os.pathsep.join((src, str(ROOT))))
+        env["LAYER_UPSTREAM_PORT"] = str(upstream_port)
+        argv = [PYTHON, "-m", "gunicorn", "--bind", f"127.0.0.1:{port}", "--workers", "1",
+                "--worker-class", worker, "--worker-connections", "1000",
+                "--log-level", "warning", f"tools.bench.layer_apps:{app}"]
+    child = Child(argv, tmp / f"{layer}.log", name=layer, env=env, cwd=tmp)
+    child.port = port  # type: ignore[attr-defined]
+    wait_http(f"http://127.0.0.1:{port}/health", 30, children=[child])
+    wait_until(lambda: len(children_of(child.pid)) == 1, f"the {layer} server's worker", 20,
+               children=[child])
+    return child
+
+
+def measure(layer: str, args: argparse.Namespace, tmp: Path, children: list[Child]
+            ) -> LayerResult:
+    sub = tmp / layer
+    sub.mkdir()
+    upstream, up_port = start_upstream(sub, args.long_chunks, args.long_chunk_delay_ms)
+    children.append(upstream)
+    if layer.startswith("router-"):
+        extra = PREFIX_ROUTING if layer == "router-pah" else None
+        server, port = start_router(sub, up_port, 1, args.router_src, extra)
+    else:
+        server = start_layer(layer, sub, up_port, args.router_src)
+        port = server.port  # type: ignore[attr-defined]
+    children.append(server)
+    try:
+        runs: dict[tuple[str, bool, int], list[Phase]] = {}
+        phases = ((False, 32, args.requests_c32), (False, 1, args.requests_c1),
+                  (True, 32, args.long_requests_c32), (True, 1, args.long_requests_c1))
+        for _ in range(args.repeat):
+            for stream, conc, count in phases:
+                targets: list[tuple[str, int, Child | None]] = [("router", port, server)]
+                if conc == 1 and not stream:
+                    targets.insert(0, ("direct", up_port, None))
+                for mode, p, rt in targets:
+                    # Streams take a while (1 ms between records): few warm-up ones.
+                    warmup = 2 * conc if stream else args.warmup
+                    phase = run_phase(mode, p, stream, conc, count, warmup,
+                                      args.max_seconds * (3 if stream else 1), rt, upstream)
+                    runs.setdefault((mode, stream, conc), []).append(phase)
+        best = {key: best_of(phases) for key, phases in runs.items()}
+    finally:
+        for child in (server, upstream):
+            child.stop()
+            children.remove(child)
+    r32, r1, d1 = (best[("router", False, 32)], best[("router", False, 1)],
+                   best[("direct", False, 1)])
+    s32, s1 = best[("router", True, 32)], best[("router", True, 1)]
+    result = LayerResult(layer, r32.router_cpu_ms_per_req, r1.router_cpu_ms_per_req,
+                         round(r1.p50_ms - d1.p50_ms, 3), r32.rps,
+                         _per_chunk(s32, args.long_chunks), _per_chunk(s1, args.long_chunks))
+    print(f"  done: {layer:<14} cpu c=32 {_f(result.cpu_c32_ms)}  c=1 {_f(result.cpu_c1_ms)}"
+          f"  added p50 c=1 {_f(result.added_p50_c1_ms)} ms  per chunk c=32 "
+          f"{_f(result.chunk_c32_us, 1)} c=1 {_f(result.chunk_c1_us, 1)} us",
+          file=sys.stderr, flush=True)
+    return result
+
+
+def _per_chunk(phase: Phase, chunks: int) -> float | None:
+    cpu = phase.router_cpu_ms_per_req
+    return None if cpu is None else round(cpu / chunks * 1e3, 1)
+
+
+def _f(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def report(results: list[LayerResult], info: dict[str, Any]) -> None:
+    print(f"# what each layer costs per request  ({info['cpus']} CPUs, python "
+          f"{info['python']}, best of {info['repeat']} run(s) per phase)\n")
+    print("                   non-streaming                             "
+          f"{info['chunks']}-record streams")
+    print("layer           cpu ms/rq c=32  cpu ms/rq c=1  added p50 c=1 ms  req/s c=32"
+          "  cpu us/record c=32  c=1")
+    print("-" * 104)
+    for r in results:
+        print(f"{r.layer:<15} {_f(r.cpu_c32_ms):>14} {_f(r.cpu_c1_ms):>14} "
+              f"{_f(r.added_p50_c1_ms):>17} {r.rps_c32 or 0:>11.0f} "
+              f"{_f(r.chunk_c32_us, 1):>19} {_f(r.chunk_c1_us, 1):>4}")
+    by = {r.layer: r for r in results}
+    base, full = by.get("worker-falcon"), by.get("router-pah")
+    if base is None or base.cpu_c32_ms is None:
+        return
+    print("\n# what issue 18's goals leave for the router's own work, above worker-falcon")
+    left_cpu = CPU_GOAL_MS - base.cpu_c32_ms
+    print(f"  router CPU <= {CPU_GOAL_MS} ms at c=32: {left_cpu * 1e3:.0f} us left", end="")
+    if full is not None and full.cpu_c32_ms is not None:
+        print(f"; the router's own work takes {(full.cpu_c32_ms - base.cpu_c32_ms) * 1e3:.0f}"
+              " us (router-pah - worker-falcon)")
+    else:
+        print()
+    if base.added_p50_c1_ms is not None:
+        left_p50 = ADDED_P50_GOAL_MS - base.added_p50_c1_ms
+        print(f"  added p50 <= {ADDED_P50_GOAL_MS} ms at c=1: {left_p50 * 1e3:.0f} us left",
+              end="")
+        if full is not None and full.added_p50_c1_ms is not None:
+            print(f"; the router's own work adds "
+                  f"{(full.added_p50_c1_ms - base.added_p50_c1_ms) * 1e3:.0f} us")
+        else:
+            print()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench.layers",
+        description="Router CPU per request and added latency, layer by layer of the stack.")
+    parser.add_argument("--only", nargs="+", choices=LAYERS, help="layers to run (default: all)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs per phase, the best kept (default 1)")
+    parser.add_argument("--requests-c1", type=int, default=3000)
+    parser.add_argument("--requests-c32", type=int, default=8000)
+    parser.add_argument("--long-requests-c1", type=int, default=50)
+    parser.add_argument("--long-requests-c32", type=int, default=320)
+    parser.add_argument("--long-chunks", type=int, default=200,
+                        help="records per stream (default 200, as in the goal suite)")
+    parser.add_argument("--long-chunk-delay-ms", type=float, default=1.0)
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--max-seconds", type=float, default=15.0)
+    parser.add_argument("--router-src", default=str(ROOT),
+                        help="put first on the servers' PYTHONPATH (a modified continuum/)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="continuum-layers-"))
+    children: list[Child] = []
+    results: list[LayerResult] = []
+    try:
+        for layer in LAYERS:
+            if not args.only or layer in args.only:
+                results.append(measure(layer, args, tmp, children))
+    except (BenchError, RuntimeError, OSError) as exc:
+        print(f"benchmark failed: {exc}", file=sys.stderr)
+        for child in children:
+            print(f"--- {child.name} log (tail)\n{child.log_tail()}", file=sys.stderr)
+        return 2
+    finally:
+        for child in reversed(children):
+            child.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    info = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "repeat": args.repeat,
+            "chunks": args.long_chunks}
+    if args.json:
+        print(json.dumps({"info": info, "layers": [r.__dict__ for r in results]}, indent=2))
+    else:
+        report(results, info)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
