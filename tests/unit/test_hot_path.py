@@ -8,6 +8,7 @@ import uuid
 from typing import Any
 
 import gevent
+import pytest
 from gevent import socket
 
 from continuum.gunicorn_worker import _CoalescingSocket
@@ -124,6 +125,36 @@ def test_cached_http_date_is_gunicorns() -> None:
         time.sleep(0.01)
     else:
         raise AssertionError("the clock turned a second in every try")
+
+
+@pytest.mark.parametrize("errorlog", ["-", "/var/log/gunicorn-error.log"])
+def test_the_wsgi_errors_stream_is_gunicorns(errorlog: str) -> None:
+    """``wsgi.errors`` made without a ``getLogger`` per request writes where gunicorn's own
+    does, also once a handler's stream was replaced (a log file reopened on USR1)."""
+    import io
+    import logging
+    import types
+
+    from gunicorn.http.wsgi import WSGIErrorsWrapper
+
+    from continuum.gunicorn_worker import _ErrorsWrapper
+
+    errorlog_logger = logging.getLogger("gunicorn.error")
+    saved = list(errorlog_logger.handlers)
+    first, second = logging.StreamHandler(io.StringIO()), logging.StreamHandler(io.StringIO())
+    cfg = types.SimpleNamespace(errorlog=errorlog)
+    try:
+        errorlog_logger.handlers = [first, second, logging.NullHandler()]
+        assert _ErrorsWrapper(cfg).streams == WSGIErrorsWrapper(cfg).streams
+        second.setStream(io.StringIO())  # what gunicorn's reopen_files does
+        ours, theirs = _ErrorsWrapper(cfg), WSGIErrorsWrapper(cfg)
+        assert ours.streams == theirs.streams
+        assert second.stream in ours.streams
+        assert (first.stream in ours.streams) is (errorlog != "-")
+        ours.write("boom\n")
+        assert second.stream.getvalue() == "boom\n"
+    finally:
+        errorlog_logger.handlers = saved
 
 
 _SAMPLES_SCRIPT = """
