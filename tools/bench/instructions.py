@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                           "models": [ob.MODEL]}],
             **routing}))
         (tmp / "metrics").mkdir()
-        env = ob._child_env(args.router_src)
+        env = ob.pythonpath_env(args.router_src)
         env["CONTINUUM_CONFIG"] = str(config)
         env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp / "metrics")
         argv_ = ["valgrind", "--tool=callgrind", "--trace-children=yes",

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -52,9 +51,10 @@ from tools.bench.overhead import (
     ROOT,
     BenchError,
     Phase,
-    _child_env,
     best_of,
     children_of,
+    failed,
+    pythonpath_env,
     run_phase,
     start_router,
     start_upstream,
@@ -81,7 +81,7 @@ class LayerResult:
 def start_layer(layer: str, tmp: Path, upstream_port: int, src: str) -> Child:
     """The server of ``layer`` (not the router's), serving once it answers ``/health``."""
     port = free_port()
-    env = _child_env(str(ROOT))
+    env = pythonpath_env(os.pathsep.join((src, str(ROOT))))
     env["LAYER_UPSTREAM_PORT"] = str(upstream_port)
     if layer == "floor":
         argv = [PYTHON, "-m", "tools.bench.layer_apps", "--port", str(port),
@@ -89,8 +89,6 @@ def start_layer(layer: str, tmp: Path, upstream_port: int, src: str) -> Child:
     else:
         worker = "gevent" if layer == "gunicorn-wsgi" else WORKER_CLASS
         app = "falcon_app" if layer == "worker-falcon" else "wsgi"
-        env = _child_env(os.pathsep.join((src, str(ROOT))))
-        env["LAYER_UPSTREAM_PORT"] = str(upstream_port)
         argv = [PYTHON, "-m", "gunicorn", "--bind", f"127.0.0.1:{port}", "--workers", "1",
                 "--worker-class", worker, "--worker-connections", "1000",
                 "--log-level", "warning", f"tools.bench.layer_apps:{app}"]
@@ -219,22 +217,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="continuum-layers-"))
+    chosen = [layer for layer in LAYERS if not args.only or layer in args.only]
     children: list[Child] = []
-    results: list[LayerResult] = []
-    try:
-        for layer in LAYERS:
-            if not args.only or layer in args.only:
-                results.append(measure(layer, args, tmp, children))
-    except (BenchError, RuntimeError, OSError) as exc:
-        print(f"benchmark failed: {exc}", file=sys.stderr)
-        for child in children:
-            print(f"--- {child.name} log (tail)\n{child.log_tail()}", file=sys.stderr)
-        return 2
-    finally:
-        for child in reversed(children):
-            child.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="continuum-layers-") as tmp:
+        try:
+            results = [measure(layer, args, Path(tmp), children) for layer in chosen]
+        except (BenchError, RuntimeError, OSError) as exc:
+            return failed(exc, children)
+        finally:
+            for child in reversed(children):
+                child.stop()
     info = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "repeat": args.repeat,
             "chunks": args.long_chunks}
     if args.json:

@@ -120,7 +120,7 @@ def children_of(ppid: int) -> list[int]:
     return sorted(found)
 
 
-def _child_env(pythonpath: str) -> dict[str, str]:
+def pythonpath_env(pythonpath: str) -> dict[str, str]:
     """A local child's environment with ``pythonpath`` first on its module path."""
     path = os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p)
     return child_env({"PYTHONPATH": path, "PYTHONUNBUFFERED": "1"})
@@ -130,7 +130,7 @@ def start_upstream(tmp: Path, chunks: int, chunk_delay_ms: float) -> tuple[Child
     port = free_port()
     argv = [PYTHON, "-m", "tools.bench.upstream", "--port", str(port), "--model", MODEL,
             "--chunks", str(chunks), "--chunk-delay-ms", str(chunk_delay_ms)]
-    child = Child(argv, tmp / "upstream.log", name="upstream", env=_child_env(str(ROOT)),
+    child = Child(argv, tmp / "upstream.log", name="upstream", env=pythonpath_env(str(ROOT)),
                   cwd=tmp)
     wait_http(f"http://127.0.0.1:{port}/health", 20, children=[child])
     return child, port
@@ -154,7 +154,7 @@ def start_router(tmp: Path, upstream_port: int, workers: int, src: str,
     }, indent=2))
     metrics_dir = tmp / "metrics"
     metrics_dir.mkdir(exist_ok=True)
-    env = _child_env(src)
+    env = pythonpath_env(src)
     env["CONTINUUM_CONFIG"] = str(config)
     env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     argv = [PYTHON, "-m", "gunicorn", "-c", "python:continuum.gunicorn_conf",
@@ -836,6 +836,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def failed(exc: Exception, children: list[Child]) -> int:
+    """Say why a run failed, with the end of each child's log; the exit status (2)."""
+    print(f"benchmark failed: {exc}", file=sys.stderr)
+    for child in children:
+        print(f"--- {child.name} log (tail)\n{child.log_tail()}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="continuum-bench-"))
@@ -866,10 +874,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"c={conc:<3} {phase.requests} requests in {phase.seconds:.1f}s",
                               file=sys.stderr, flush=True)
     except (BenchError, RuntimeError, OSError) as exc:
-        print(f"benchmark failed: {exc}", file=sys.stderr)
-        for child in children:
-            print(f"--- {child.name} log (tail)\n{child.log_tail()}", file=sys.stderr)
-        return 2
+        return failed(exc, children)
     finally:
         for child in reversed(children):
             if child.name == "py-spy":
@@ -900,10 +905,7 @@ def main_suite(args: argparse.Namespace, tmp: Path) -> int:
     try:
         phases = run_suite(args, tmp, children)
     except (BenchError, RuntimeError, OSError) as exc:
-        print(f"benchmark failed: {exc}", file=sys.stderr)
-        for child in children:
-            print(f"--- {child.name} log (tail)\n{child.log_tail()}", file=sys.stderr)
-        return 2
+        return failed(exc, children)
     finally:
         for child in reversed(children):
             child.stop()
