@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import io
 import json
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,7 +63,10 @@ def test_the_floor_server_relays_the_upstreams_answers_on_a_kept_alive_connectio
         answers = _post(port, stream)
     finally:
         floor.stop()
-    assert floor.popen.returncode is not None  # the parent passed the stop on and ended
+    # 0: the parent caught the stop, passed it on to the serving child and saw it end
+    assert floor.popen.returncode == 0
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
     assert [(status, backend) for status, backend, _ in answers] == [(200, "layer")] * 2
     assert all(body == direct[2] for _, _, body in answers)
     if stream:
