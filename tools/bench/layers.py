@@ -46,6 +46,8 @@ from typing import Any
 from continuum.devtools.procs import Child, free_port, wait_http, wait_until
 from continuum.gunicorn_worker import WORKER_CLASS
 from tools.bench.overhead import (
+    GOAL_PAH_ADDED_P50_MS,
+    GOAL_PAH_CPU_C32_MS,
     PREFIX_ROUTING,
     PYTHON,
     ROOT,
@@ -54,15 +56,12 @@ from tools.bench.overhead import (
     best_of,
     children_of,
     failed,
+    figure,
     pythonpath_env,
     run_phase,
     start_router,
     start_upstream,
 )
-
-#: issue 18's goals this benchmark puts beside the layers (ms).
-CPU_GOAL_MS = 0.15
-ADDED_P50_GOAL_MS = 0.3
 
 LAYERS = ("floor", "gunicorn-wsgi", "worker-wsgi", "worker-falcon", "router-rr", "router-pah")
 
@@ -78,8 +77,9 @@ class LayerResult:
     chunk_c1_us: float | None
 
 
-def start_layer(layer: str, tmp: Path, upstream_port: int, src: str) -> Child:
-    """The server of ``layer`` (not the router's), serving once it answers ``/health``."""
+def start_layer(layer: str, tmp: Path, upstream_port: int, src: str) -> tuple[Child, int]:
+    """The server of ``layer`` (not the router's) and its port, once it answers
+    ``/health``."""
     port = free_port()
     env = pythonpath_env(os.pathsep.join((src, str(ROOT))))
     env["LAYER_UPSTREAM_PORT"] = str(upstream_port)
@@ -93,11 +93,10 @@ def start_layer(layer: str, tmp: Path, upstream_port: int, src: str) -> Child:
                 "--worker-class", worker, "--worker-connections", "1000",
                 "--log-level", "warning", f"tools.bench.layer_apps:{app}"]
     child = Child(argv, tmp / f"{layer}.log", name=layer, env=env, cwd=tmp)
-    child.port = port  # type: ignore[attr-defined]
     wait_http(f"http://127.0.0.1:{port}/health", 30, children=[child])
     wait_until(lambda: len(children_of(child.pid)) == 1, f"the {layer} server's worker", 20,
                children=[child])
-    return child
+    return child, port
 
 
 def measure(layer: str, args: argparse.Namespace, tmp: Path, children: list[Child]
@@ -110,8 +109,7 @@ def measure(layer: str, args: argparse.Namespace, tmp: Path, children: list[Chil
         extra = PREFIX_ROUTING if layer == "router-pah" else None
         server, port = start_router(sub, up_port, 1, args.router_src, extra)
     else:
-        server = start_layer(layer, sub, up_port, args.router_src)
-        port = server.port  # type: ignore[attr-defined]
+        server, port = start_layer(layer, sub, up_port, args.router_src)
     children.append(server)
     try:
         runs: dict[tuple[str, bool, int], list[Phase]] = {}
@@ -128,7 +126,7 @@ def measure(layer: str, args: argparse.Namespace, tmp: Path, children: list[Chil
                     phase = run_phase(mode, p, stream, conc, count, warmup,
                                       args.max_seconds * (3 if stream else 1), rt, upstream)
                     runs.setdefault((mode, stream, conc), []).append(phase)
-        best = {key: best_of(phases) for key, phases in runs.items()}
+        best = {key: best_of(repeats) for key, repeats in runs.items()}
     finally:
         for child in (server, upstream):
             child.stop()
@@ -139,9 +137,10 @@ def measure(layer: str, args: argparse.Namespace, tmp: Path, children: list[Chil
     result = LayerResult(layer, r32.router_cpu_ms_per_req, r1.router_cpu_ms_per_req,
                          round(r1.p50_ms - d1.p50_ms, 3), r32.rps,
                          _per_chunk(s32, args.long_chunks), _per_chunk(s1, args.long_chunks))
-    print(f"  done: {layer:<14} cpu c=32 {_f(result.cpu_c32_ms)}  c=1 {_f(result.cpu_c1_ms)}"
-          f"  added p50 c=1 {_f(result.added_p50_c1_ms)} ms  per chunk c=32 "
-          f"{_f(result.chunk_c32_us, 1)} c=1 {_f(result.chunk_c1_us, 1)} us",
+    print(f"  done: {layer:<14} cpu c=32 {figure(result.cpu_c32_ms)}  "
+          f"c=1 {figure(result.cpu_c1_ms)}  "
+          f"added p50 c=1 {figure(result.added_p50_c1_ms)} ms  per chunk c=32 "
+          f"{figure(result.chunk_c32_us, 1)} c=1 {figure(result.chunk_c1_us, 1)} us",
           file=sys.stderr, flush=True)
     return result
 
@@ -149,10 +148,6 @@ def measure(layer: str, args: argparse.Namespace, tmp: Path, children: list[Chil
 def _per_chunk(phase: Phase, chunks: int) -> float | None:
     cpu = phase.router_cpu_ms_per_req
     return None if cpu is None else round(cpu / chunks * 1e3, 1)
-
-
-def _f(value: float | None, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def report(results: list[LayerResult], info: dict[str, Any]) -> None:
@@ -164,24 +159,25 @@ def report(results: list[LayerResult], info: dict[str, Any]) -> None:
           "  cpu us/record c=32  c=1")
     print("-" * 104)
     for r in results:
-        print(f"{r.layer:<15} {_f(r.cpu_c32_ms):>14} {_f(r.cpu_c1_ms):>14} "
-              f"{_f(r.added_p50_c1_ms):>17} {r.rps_c32 or 0:>11.0f} "
-              f"{_f(r.chunk_c32_us, 1):>19} {_f(r.chunk_c1_us, 1):>4}")
+        print(f"{r.layer:<15} {figure(r.cpu_c32_ms):>14} {figure(r.cpu_c1_ms):>14} "
+              f"{figure(r.added_p50_c1_ms):>17} {r.rps_c32 or 0:>11.0f} "
+              f"{figure(r.chunk_c32_us, 1):>19} {figure(r.chunk_c1_us, 1):>4}")
     by = {r.layer: r for r in results}
     base, full = by.get("worker-falcon"), by.get("router-pah")
     if base is None or base.cpu_c32_ms is None:
         return
     print("\n# what issue 18's goals leave for the router's own work, above worker-falcon")
-    left_cpu = CPU_GOAL_MS - base.cpu_c32_ms
-    print(f"  router CPU <= {CPU_GOAL_MS} ms at c=32: {left_cpu * 1e3:.0f} us left", end="")
+    left_cpu = GOAL_PAH_CPU_C32_MS - base.cpu_c32_ms
+    print(f"  router CPU <= {GOAL_PAH_CPU_C32_MS} ms at c=32: {left_cpu * 1e3:.0f} us left",
+          end="")
     if full is not None and full.cpu_c32_ms is not None:
         print(f"; the router's own work takes {(full.cpu_c32_ms - base.cpu_c32_ms) * 1e3:.0f}"
               " us (router-pah - worker-falcon)")
     else:
         print()
     if base.added_p50_c1_ms is not None:
-        left_p50 = ADDED_P50_GOAL_MS - base.added_p50_c1_ms
-        print(f"  added p50 <= {ADDED_P50_GOAL_MS} ms at c=1: {left_p50 * 1e3:.0f} us left",
+        left_p50 = GOAL_PAH_ADDED_P50_MS - base.added_p50_c1_ms
+        print(f"  added p50 <= {GOAL_PAH_ADDED_P50_MS} ms at c=1: {left_p50 * 1e3:.0f} us left",
               end="")
         if full is not None and full.added_p50_c1_ms is not None:
             print(f"; the router's own work adds "

@@ -488,7 +488,8 @@ def run_phase(mode: str, port: int, stream: bool, concurrency: int, count: int, 
 # --------------------------------------------------------------------------- report
 
 
-def _f(value: float | None, digits: int = 3) -> str:
+def figure(value: float | None, digits: int = 3) -> str:
+    """``value`` with ``digits`` decimals for a table, ``-`` when there is none."""
     return "-" if value is None else f"{value:.{digits}f}"
 
 
@@ -555,9 +556,9 @@ def print_report(phases: list[Phase], rows: list[dict[str, Any]], checks: list[d
     for p in phases:
         print(f"{p.mode:<7}{'yes' if p.stream else 'no':>7}{p.concurrency:>6}{p.requests:>7}"
               f"{p.errors:>5}{p.rps:>9.0f}{p.p50_ms:>9.3f}{p.p99_ms:>9.3f}"
-              f"{_f(p.ttfc_p50_ms):>9}{_f(p.ttfc_p99_ms):>9}"
-              f"{_f(p.router_cpu_ms_per_req):>10}{_f(p.upstream_cpu_ms_per_req):>10}"
-              f"{_f(p.client_cpu_ms_per_req):>10}{_f(p.others_cpu_pct, 0):>8}")
+              f"{figure(p.ttfc_p50_ms):>9}{figure(p.ttfc_p99_ms):>9}"
+              f"{figure(p.router_cpu_ms_per_req):>10}{figure(p.upstream_cpu_ms_per_req):>10}"
+              f"{figure(p.client_cpu_ms_per_req):>10}{figure(p.others_cpu_pct, 0):>8}")
     print()
     print("# added by the router (router - direct)")
     head = (f"{'stream':<7}{'conc':>6}{'+p50 ms':>10}{'+p99 ms':>10}{'+ttfc50':>10}"
@@ -567,8 +568,8 @@ def print_report(phases: list[Phase], rows: list[dict[str, Any]], checks: list[d
     for r in rows:
         print(f"{'yes' if r['stream'] else 'no':<7}{r['concurrency']:>6}"
               f"{r['added_p50_ms']:>10.3f}{r['added_p99_ms']:>10.3f}"
-              f"{_f(r['added_ttfc_p50_ms']):>10}{_f(r['added_ttfc_p99_ms']):>10}"
-              f"{_f(r['router_cpu_ms_per_req']):>12}{r['direct_rps']:>14.0f}"
+              f"{figure(r['added_ttfc_p50_ms']):>10}{figure(r['added_ttfc_p99_ms']):>10}"
+              f"{figure(r['router_cpu_ms_per_req']):>12}{r['direct_rps']:>14.0f}"
               f"{r['router_rps']:>14.0f}")
     coarse = [p for p in phases if p.router_cpu_ticks is not None and p.router_cpu_ticks < 100]
     busy = [p for p in phases if (p.others_cpu_pct or 0) > 20]
@@ -673,7 +674,7 @@ def run_suite(args: argparse.Namespace, tmp: Path, children: list[Child]) -> lis
                         print(f"  done: {cfg.name:<8} {mode:<6} stream="
                               f"{'yes' if stream else 'no ':<3} c={conc:<3} "
                               f"{phase.requests} requests in {phase.seconds:.1f}s, router cpu "
-                              f"{_f(phase.router_cpu_ms_per_req)} ms/rq",
+                              f"{figure(phase.router_cpu_ms_per_req)} ms/rq",
                               file=sys.stderr, flush=True)
                 for mode, _port, _rt in targets:
                     best = best_of(runs[mode])
@@ -752,9 +753,9 @@ def print_suite(phases: list[Phase], checks: list[dict[str, Any]], info: dict[st
                      if p.stream and p.router_cpu_ms_per_req is not None and p.chunks else None)
         print(f"{p.config:<9}{p.mode:<7}{'yes' if p.stream else 'no':>7}"
               f"{p.chunks if p.stream else '':>7}{p.concurrency:>6}{p.requests:>7}"
-              f"{p.errors:>5}{p.rps:>9.0f}{p.p50_ms:>9.3f}{_f(p.ttfc_p50_ms):>9}"
-              f"{_f(p.router_cpu_ms_per_req):>10}{_f(per_chunk, 1):>10}"
-              f"{_f(p.others_cpu_pct, 0):>8}")
+              f"{p.errors:>5}{p.rps:>9.0f}{p.p50_ms:>9.3f}{figure(p.ttfc_p50_ms):>9}"
+              f"{figure(p.router_cpu_ms_per_req):>10}{figure(per_chunk, 1):>10}"
+              f"{figure(p.others_cpu_pct, 0):>8}")
     for p in phases:
         if p.worker_cpu_shares and p.router_cpu_ms_per_req is not None:
             shares = "/".join(f"{share:.0%}" for share in p.worker_cpu_shares)
