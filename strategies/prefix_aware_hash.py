@@ -44,6 +44,8 @@ OVERFLOW = "overflow"
 FALLBACK = "fallback"
 _in_flight = attrgetter("in_flight")
 _ONE_EACH = (1, 1)
+#: Prefix keys remembered as counted in :attr:`PrefixAwareHash.prefixes`; more start over.
+_MAX_COUNTED = 4096
 
 
 def load_bound(candidates: Sequence[Backend], epsilon: float) -> int:
@@ -76,6 +78,9 @@ class PrefixAwareHash(ConsistentHash):
         self.metrics = metrics
         self.decisions = {PREFIX_HASH: 0, OVERFLOW: 0, FALLBACK: 0}
         self.prefixes = DistinctCounter()
+        #: Keys already given to :attr:`prefixes`: giving one again changes nothing, and
+        #: a set lookup costs less than the estimator's register update.
+        self._counted: set[bytes] = set()
         #: (decision, backend) -> the two counters' children (labels are bounded: three
         #: decisions times the configured backends).
         self._counters: dict[tuple[str, str], Callable[[tuple[float, ...]], None]] = {}
@@ -120,8 +125,9 @@ class PrefixAwareHash(ConsistentHash):
         """Pick by prefix key with bounded loads (see the module docstring)."""
         backend, label, _limit = self.decide(candidates, ctx)
         self.decisions[label] += 1
-        if ctx.prefix_key is not None:
-            self.prefixes.add(ctx.prefix_key)
+        prefix = ctx.prefix_key
+        if prefix is not None and prefix not in self._counted:
+            self._count(prefix)
         metrics = self.metrics
         if metrics is not None:
             counters = self._counters.get((label, backend.name))
@@ -131,6 +137,13 @@ class PrefixAwareHash(ConsistentHash):
                     metrics.adder(metrics.prefix_distribution, backend.name)))
             counters(_ONE_EACH)
         return backend
+
+    def _count(self, prefix: bytes) -> None:
+        counted = self._counted
+        if len(counted) >= _MAX_COUNTED:
+            counted.clear()
+        counted.add(prefix)
+        self.prefixes.add(prefix)
 
     def explain(self, candidates: Sequence[Backend], ctx: RequestContext) -> dict[str, Any]:
         """What :meth:`select` would do for ``ctx`` and why, changing nothing."""

@@ -18,6 +18,8 @@ DEFAULT_VIRTUAL_NODES = 150
 _RING = 1 << 64
 #: Big-endian 64-bit word unpackers for the usual digest sizes (SHA-256: 4 probes).
 _WORDS = {n: struct.Struct(f">{n}Q").unpack for n in (1, 2, 4)}
+#: Keys whose :meth:`HashRing.lookup_probes` answer a ring remembers; more start over.
+_MAX_REMEMBERED = 4096
 
 
 def stable_hash(data: bytes) -> int:
@@ -41,7 +43,7 @@ class HashRing:
         owners: ``owners[i]`` is the index in ``names`` of the backend at ``positions[i]``.
     """
 
-    __slots__ = ("names", "owners", "positions")
+    __slots__ = ("_probed", "names", "owners", "positions")
 
     def __init__(self, names: Sequence[str], virtual_nodes: int = DEFAULT_VIRTUAL_NODES) -> None:
         if virtual_nodes < 1:
@@ -56,6 +58,11 @@ class HashRing:
         )
         self.positions: list[int] = [node[0] for node in nodes]
         self.owners: list[int] = [node[2] for node in nodes]
+        #: digest -> :meth:`lookup_probes` answer. Prefix keys repeat by design (a system
+        #: prompt, a session), and a remembered one costs a dict lookup instead of four
+        #: probes' bisecting and 64-bit arithmetic. The ring never changes, so neither do
+        #: the answers; the memo lives and dies with the ring.
+        self._probed: dict[bytes, int] = {}
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -106,6 +113,9 @@ class HashRing:
         Raises:
             LookupError: the ring is empty.
         """
+        best_index = self._probed.get(digest)
+        if best_index is not None:
+            return best_index
         positions = self.positions
         total = len(positions)
         if not total:
@@ -126,6 +136,10 @@ class HashRing:
             distance = (positions[index] - probe) % _RING
             if distance < best_distance:
                 best_index, best_distance = index, distance
+        probed = self._probed
+        if len(probed) >= _MAX_REMEMBERED:
+            probed.clear()
+        probed[digest] = best_index
         return best_index
 
     def walk_indices_from(self, position: int) -> Iterator[int]:

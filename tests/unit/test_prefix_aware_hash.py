@@ -136,6 +136,21 @@ def test_unique_prefixes_estimate() -> None:
     assert 950 <= strategy.stats()["unique_prefixes"] <= 1050
 
 
+def test_unique_prefixes_past_the_keys_remembered_as_counted() -> None:
+    """Keys are given to the estimator once while remembered; past the bound the memory
+    starts over and the estimate is unchanged by keys given again."""
+    from strategies import prefix_aware_hash
+
+    strategy = PrefixAwareHash(_config())
+    backends = make_backends(3)
+    distinct = prefix_aware_hash._MAX_COUNTED + 2000
+    for _ in range(2):
+        for i in range(distinct):
+            strategy.select(backends, make_context(prefix=_key(i)))
+            assert len(strategy._counted) <= prefix_aware_hash._MAX_COUNTED
+    assert 0.97 * distinct <= strategy.stats()["unique_prefixes"] <= 1.03 * distinct
+
+
 def test_loaded_through_registry_with_collaborators() -> None:
     cls = PluginRegistry().load("continuum.strategies", "PrefixAwareHash")
     assert cls is PrefixAwareHash

@@ -256,11 +256,42 @@ def test_hash_ring_walk_yields_each_backend_once_owner_first() -> None:
         assert [ring.names[j] for j in ring.walk_indices(key)] == walked
 
 
+def test_hash_ring_multi_probe_lookup_is_the_nearest_probe_and_remembered(monkeypatch) -> None:
+    """Each 8-byte word of the digest is a probe; the answer is the virtual node nearest
+    clockwise to any of them, the same when the ring answers from what it remembers, and
+    what it remembers stays within its bound."""
+    import continuum.routing.hashring as hashring
+
+    monkeypatch.setattr(hashring, "_MAX_REMEMBERED", 16)
+    ring = HashRing([f"n{i}" for i in range(5)], virtual_nodes=30)
+    span = 1 << 64
+
+    def nearest(digest: bytes) -> int:
+        best = None
+        for word in range(len(digest) // 8):
+            probe = int.from_bytes(digest[word * 8:word * 8 + 8], "big")
+            for index, position in enumerate(ring.positions):
+                distance = (position - probe) % span
+                if best is None or distance < best[0]:
+                    best = (distance, index)
+        assert best is not None
+        return best[1]
+
+    digests = [hashlib.sha256(f"k{i}".encode()).digest() for i in range(40)]
+    digests += [hashlib.sha256(b"short").digest()[:16], stable_hash(b"x").to_bytes(8, "big")]
+    for _ in range(2):
+        for digest in digests:
+            assert ring.lookup_probes(digest) == nearest(digest)
+            assert 1 <= len(ring._probed) <= 16
+
+
 def test_hash_ring_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="virtual_nodes"):
         HashRing(["a"], virtual_nodes=0)
     with pytest.raises(LookupError, match="empty"):
         HashRing([]).lookup(b"x")
+    with pytest.raises(LookupError, match="empty"):
+        HashRing([]).lookup_probes(hashlib.sha256(b"x").digest())
 
 
 def test_round_robin_workers_of_one_host_take_turns_from_one_cycle(tmp_path) -> None:
