@@ -115,3 +115,37 @@ def test_prefix_key_is_the_documented_sha256_for_any_model_and_length() -> None:
                     expected = hashlib.sha256(
                         model.encode("utf-8", "surrogatepass") + b"\x00" + tag + cut).digest()
                     assert prefix_key_from_text(model, tag, text, limit) == expected
+
+
+@given(st.text(), st.text(), st.integers(min_value=0, max_value=48),
+       st.sampled_from([SYSTEM_TAG, MESSAGE_TAG]))
+def test_remembered_keys_are_the_documented_sha256(head: str, tail: str, limit: int,
+                                                   tag: bytes) -> None:
+    """A key asked for again (remembered) is the documented digest, and so are the keys of
+    a text that differs from it only past the cut and of one that differs before it."""
+    text = head + tail
+    expected = _expected("m", tag, truncate_utf8(text, limit))
+    assert prefix_key_from_text("m", tag, text, limit) == expected
+    assert prefix_key_from_text("m", tag, text, limit) == expected
+    long = text + "x" * limit  # at least ``limit`` bytes: the cut falls inside it
+    cut = _expected("m", tag, truncate_utf8(long, limit))
+    assert prefix_key_from_text("m", tag, long, limit) == cut
+    assert prefix_key_from_text("m", tag, long[:limit] + "~tail", limit) == cut
+    other = "~" + text
+    assert prefix_key_from_text("m", tag, other, limit) == _expected(
+        "m", tag, truncate_utf8(other, limit))
+
+
+def test_remembered_keys_are_bounded_by_characters(monkeypatch) -> None:
+    from continuum import prefix
+
+    monkeypatch.setattr(prefix, "_recent", {})
+    monkeypatch.setattr(prefix, "_recent_chars", [0])
+    monkeypatch.setattr(prefix, "_MAX_RECENT_CHARS", 5000)
+    for i in range(40):
+        text = f"{i:04d}" + "y" * 2000  # 1024 characters kept per key, plus the model's 1
+        assert prefix_key_from_text("m", SYSTEM_TAG, text) == _expected(
+            "m", SYSTEM_TAG, text[:1024].encode())
+        assert prefix._recent_chars[0] == sum(len(k[0]) + len(k[3]) for k in prefix._recent)
+        assert prefix._recent_chars[0] <= 5000
+        assert len(prefix._recent) == i % 4 + 1
