@@ -159,6 +159,7 @@ def _multiprocess_value_class(pid: list[int]) -> type:
     from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
     lock = _native_lock()
+    acquire, release = lock.acquire, lock.release
     files: dict[str, Any] = {}
     live: list[Any] = []
     owner = [pid[0]]  # the process the open files belong to
@@ -210,23 +211,31 @@ def _multiprocess_value_class(pid: list[int]) -> type:
             self._value, self._timestamp = file.read_value(key)  # makes the entry if new
             self._pos = file._positions[key]
 
+        # ``acquire()``/``release()`` rather than ``with lock``: the with statement costs
+        # about 250 ns more per sample under CPython 3.11 (its exit is a generic call).
         def inc(self, amount: float) -> None:
-            with lock:
+            acquire()
+            try:
                 if owner[0] != pid[0]:
                     forked()
                 value = self._value = self._value + amount
                 self._timestamp = 0.0
                 pos = self._pos
                 self._file._m[pos:pos + 16] = pack(value, 0.0)
+            finally:
+                release()
 
         def set(self, value: float, timestamp: float | None = None) -> None:
-            with lock:
+            acquire()
+            try:
                 if owner[0] != pid[0]:
                     forked()
                 self._value = value
                 stamp = self._timestamp = timestamp or 0.0
                 pos = self._pos
                 self._file._m[pos:pos + 16] = pack(value, stamp)
+            finally:
+                release()
 
         def set_exemplar(self, exemplar: Any) -> None:
             return  # not kept in multiprocess mode (as in prometheus-client)
@@ -242,15 +251,20 @@ def _multiprocess_value_class(pid: list[int]) -> type:
 
         @staticmethod
         def inc_each(values: tuple[Any, ...], amounts: tuple[float, ...]) -> None:
-            """``values[i].inc(amounts[i])`` for each, under one taking of the lock."""
-            with lock:
+            """``values[i].inc(amounts[i])`` for each, under one taking of the lock.
+            ``amounts`` has one amount per value (:func:`joint`'s callers build both; a
+            ``zip(strict=True)`` would parse a keyword on every call)."""
+            acquire()
+            try:
                 if owner[0] != pid[0]:
                     forked()
-                for value, amount in zip(values, amounts, strict=True):
+                for value, amount in zip(values, amounts):  # noqa: B905 (see above)
                     total = value._value = value._value + amount
                     value._timestamp = 0.0
                     pos = value._pos
                     value._file._m[pos:pos + 16] = pack(total, 0.0)
+            finally:
+                release()
 
     return MmapedValue
 

@@ -24,13 +24,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from continuum.cardinality import DistinctCounter
 from continuum.config import PrefixRoutingConfig
 from continuum.errors import NoHealthyBackendError
 from continuum.interfaces import PrefixRoutingDecisions, PrefixRoutingSettings, PrefixRoutingStats
+from continuum.routing.backends import in_flight_of
 from strategies.consistent_hash import ConsistentHash
 
 if TYPE_CHECKING:
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 PREFIX_HASH = "prefix_hash"
 OVERFLOW = "overflow"
 FALLBACK = "fallback"
-_in_flight = attrgetter("in_flight")
 _ONE_EACH = (1, 1)
 #: Prefix keys remembered as counted in :attr:`PrefixAwareHash.prefixes`; more start over.
 _MAX_COUNTED = 4096
@@ -50,7 +49,7 @@ _MAX_COUNTED = 4096
 
 def load_bound(candidates: Sequence[Backend], epsilon: float) -> int:
     """Most in-flight requests one backend may hold, counting the one being placed."""
-    return _bound(list(map(_in_flight, candidates)), epsilon)
+    return _bound(in_flight_of(candidates), epsilon)
 
 
 def _bound(loads: list[int], epsilon: float) -> int:
@@ -108,9 +107,13 @@ class PrefixAwareHash(ConsistentHash):
         ring = self.ring(candidates)
         # Each candidate's load is read once: nothing else runs until the choice is made,
         # so a second read would give the same count.
-        loads = list(map(_in_flight, candidates))
-        bound = _bound(loads, self.settings.load_factor_epsilon)
-        start = ring.lookup_probes(key)
+        loads = in_flight_of(candidates)
+        # _bound(loads, epsilon), inline: this runs for every request
+        bound = math.ceil((1.0 + self.settings.load_factor_epsilon) * (sum(loads) + 1)
+                          / len(loads))
+        start = ring.remembered.get(key)
+        if start is None:
+            start = ring.lookup_probes(key)
         first = ring.owners[start]
         owner = candidates[first]
         if loads[first] < bound:  # the common case, without the walk

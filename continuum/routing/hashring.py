@@ -43,7 +43,7 @@ class HashRing:
         owners: ``owners[i]`` is the index in ``names`` of the backend at ``positions[i]``.
     """
 
-    __slots__ = ("_probed", "names", "owners", "positions")
+    __slots__ = ("names", "owners", "positions", "remembered")
 
     def __init__(self, names: Sequence[str], virtual_nodes: int = DEFAULT_VIRTUAL_NODES) -> None:
         if virtual_nodes < 1:
@@ -58,11 +58,12 @@ class HashRing:
         )
         self.positions: list[int] = [node[0] for node in nodes]
         self.owners: list[int] = [node[2] for node in nodes]
-        #: digest -> :meth:`lookup_probes` answer. Prefix keys repeat by design (a system
+        #: digest -> :meth:`lookup_probes` answer (callers on a hot path may look here
+        #: first). Prefix keys repeat by design (a system
         #: prompt, a session), and a remembered one costs a dict lookup instead of four
         #: probes' bisecting and 64-bit arithmetic. The ring never changes, so neither do
         #: the answers; the memo lives and dies with the ring.
-        self._probed: dict[bytes, int] = {}
+        self.remembered: dict[bytes, int] = {}
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -113,7 +114,7 @@ class HashRing:
         Raises:
             LookupError: the ring is empty.
         """
-        best_index = self._probed.get(digest)
+        best_index = self.remembered.get(digest)
         if best_index is not None:
             return best_index
         positions = self.positions
@@ -136,7 +137,7 @@ class HashRing:
             distance = (positions[index] - probe) % _RING
             if distance < best_distance:
                 best_index, best_distance = index, distance
-        probed = self._probed
+        probed = self.remembered
         if len(probed) >= _MAX_REMEMBERED:
             probed.clear()
         probed[digest] = best_index

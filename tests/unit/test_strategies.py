@@ -282,7 +282,7 @@ def test_hash_ring_multi_probe_lookup_is_the_nearest_probe_and_remembered(monkey
     for _ in range(2):
         for digest in digests:
             assert ring.lookup_probes(digest) == nearest(digest)
-            assert 1 <= len(ring._probed) <= 16
+            assert 1 <= len(ring.remembered) <= 16
 
 
 def test_hash_ring_rejects_bad_input() -> None:
