@@ -46,6 +46,9 @@ class ConsistentHash(SelectionStrategy):
         super().__init__(config, **collaborators)
         self._virtual_nodes = virtual_nodes
         self._rings: dict[tuple[str, ...], HashRing] = {}
+        #: The same rings by the candidates themselves (a tuple of backends hashes and
+        #: compares by identity, without reading a name): the per-request lookup.
+        self._rings_of: dict[tuple[Backend, ...], HashRing] = {}
         self._key_hashes: dict[str, int] = {}
 
     def select(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend:
@@ -67,6 +70,16 @@ class ConsistentHash(SelectionStrategy):
 
     def ring(self, candidates: Sequence[Backend]) -> HashRing:
         """The (cached) ring whose ``names`` are the candidates' names, in their order."""
+        backends = tuple(candidates)
+        ring = self._rings_of.get(backends)
+        if ring is not None:
+            return ring
+        if len(self._rings_of) >= _MAX_RINGS:
+            self._rings_of.clear()
+        ring = self._rings_of[backends] = self._ring_of_names(candidates)
+        return ring
+
+    def _ring_of_names(self, candidates: Sequence[Backend]) -> HashRing:
         names = tuple(map(_name, candidates))
         ring = self._rings.get(names)
         if ring is None:
@@ -74,6 +87,11 @@ class ConsistentHash(SelectionStrategy):
                 self._rings.clear()
             ring = self._rings[names] = HashRing(names, self._virtual_nodes)
         return ring
+
+    def forget_rings(self) -> None:
+        """Drop every cached ring (their layout changed: ``virtual_nodes``)."""
+        self._rings.clear()
+        self._rings_of.clear()
 
     def stats(self) -> dict[str, Any]:
         """Ring parameters and how many candidate sets have a cached ring."""

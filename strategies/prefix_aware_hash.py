@@ -90,7 +90,7 @@ class PrefixAwareHash(ConsistentHash):
         settings = config.prefix_routing
         if settings.virtual_nodes != self._virtual_nodes:
             self._virtual_nodes = settings.virtual_nodes
-            self._rings.clear()
+            self.forget_rings()
         self.settings = settings
         self.config = config
         return []
@@ -101,9 +101,12 @@ class PrefixAwareHash(ConsistentHash):
         """The choice, its label and the load bound, without recording anything."""
         if not candidates:
             raise NoHealthyBackendError("no healthy backend to select from")
-        key = ctx.route_key
+        chain = ctx.chain  # ctx.route_key, without a property call
+        key = chain.route_key if chain is not None else None
         if key is None:
-            return super().select(candidates, ctx), FALLBACK, None
+            key = ctx.prefix_key
+            if key is None:
+                return super().select(candidates, ctx), FALLBACK, None
         ring = self.ring(candidates)
         # Each candidate's load is read once: nothing else runs until the choice is made,
         # so a second read would give the same count.
