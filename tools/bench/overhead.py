@@ -10,7 +10,10 @@ upstream: ``rr`` (RoundRobin) and ``pah`` (PrefixAwareHash with ``prefix_routing
 non-streaming at concurrency 1 and 32 and streaming (8 records) at concurrency 1, each
 against the upstream direct too; ``pah-long``, 200-record streams with 1 ms between
 records (a token stream), at concurrency 1 and 32, reported as router CPU per relayed
-record; ``pah-2w``, two workers, non-streaming at concurrency 32. With ``--repeat N`` every
+record; ``pah-2w``, two workers, non-streaming at concurrency 32; ``pair``, a RoundRobin and a
+PrefixAwareHash router side by side, their non-streaming phases taking turns (the
+PrefixAwareHash - RoundRobin goal is the median of these pairs' differences: the
+configurations a minute apart drift by more than the goal). With ``--repeat N`` every
 phase runs N times and the best value of each column is kept (the machine is shared: the
 quietest run is the truest). The summary prints each goal of issue 18 with ok/MISSED:
 PrefixAwareHash - RoundRobin <= 10 us CPU per request; <= 0.15 ms router CPU per request at
@@ -51,6 +54,7 @@ import os
 import shutil
 import signal
 import socket as std_socket
+import statistics
 import sys
 import tempfile
 import time
@@ -687,6 +691,63 @@ def run_suite(args: argparse.Namespace, tmp: Path, children: list[Child]) -> lis
     return phases
 
 
+#: The routers :func:`run_pairs` runs side by side.
+PAIRED = (("rr", None), ("pah", PREFIX_ROUTING))
+
+
+def run_pairs(args: argparse.Namespace, tmp: Path, children: list[Child]) -> list[Phase]:
+    """PrefixAwareHash - RoundRobin measured in pairs: a RoundRobin and a PrefixAwareHash
+    router up at once in front of one upstream, their non-streaming phases (c=32, then
+    c=1) taking turns, the first of each pair alternating, ``--repeat`` pairs of each. The
+    ``rr`` and ``pah`` configurations run a minute apart, and this machine's speed drifts
+    by more than the 10 us goal in a minute; two runs seconds apart drift less. Phases
+    are labelled ``pair<i>-rr`` and ``pair<i>-pah`` (:func:`paired_differences`)."""
+    sub = tmp / "pair"
+    sub.mkdir()
+    upstream, up_port = start_upstream(sub, args.chunks, args.chunk_delay_ms)
+    children.append(upstream)
+    routers: list[tuple[str, Child, int]] = []
+    phases: list[Phase] = []
+    try:
+        for name, extra in PAIRED:
+            (sub / name).mkdir()
+            router, port = start_router(sub / name, up_port, 1, args.router_src, extra)
+            children.append(router)
+            routers.append((name, router, port))
+        for i in range(args.repeat):
+            for conc, count in ((32, args.requests_c32), (1, args.requests_c1)):
+                for name, router, port in routers if i % 2 == 0 else routers[::-1]:
+                    phase = run_phase("router", port, False, conc, count, args.warmup,
+                                      args.max_seconds, router, upstream)
+                    phase.config = f"pair{i}-{name}"
+                    phases.append(phase)
+                    print(f"  done: pair {i} {name:<3} c={conc:<3} {phase.requests} requests, "
+                          f"router cpu {figure(phase.router_cpu_ms_per_req)} ms/rq",
+                          file=sys.stderr, flush=True)
+    finally:
+        for _name, router, _port in routers:
+            router.stop()
+            children.remove(router)
+        upstream.stop()
+        children.remove(upstream)
+    return phases
+
+
+def paired_differences(phases: list[Phase]) -> dict[int, list[float]]:
+    """Concurrency -> PrefixAwareHash - RoundRobin router CPU per request of each pair
+    :func:`run_pairs` ran, in microseconds."""
+    cpu: dict[tuple[str, int], float] = {}
+    for p in phases:
+        if p.config.startswith("pair") and p.router_cpu_ms_per_req is not None:
+            cpu[(p.config, p.concurrency)] = p.router_cpu_ms_per_req
+    out: dict[int, list[float]] = {}
+    for (config, conc), value in sorted(cpu.items()):
+        pair, _, name = config.rpartition("-")
+        if name == "pah" and (f"{pair}-rr", conc) in cpu:
+            out.setdefault(conc, []).append((value - cpu[(f"{pair}-rr", conc)]) * 1e3)
+    return out
+
+
 def suite_goals(phases: list[Phase]) -> list[dict[str, Any]]:
     """Each goal of the issue with its measured value, unit and verdict (missing phases
     are left out)."""
@@ -704,7 +765,14 @@ def suite_goals(phases: list[Phase]) -> list[dict[str, Any]]:
         met = value >= limit if higher_is_better else value <= limit
         out.append({"goal": goal, "value": value, "limit": limit, "unit": unit, "met": met})
 
+    pairs = paired_differences(phases)
     for conc in (32, 1):
+        diffs = pairs.get(conc)
+        if diffs:  # the paired figure when there is one (run_pairs)
+            add(f"PrefixAwareHash - RoundRobin router CPU/request, non-streaming c={conc}, "
+                f"median of {len(diffs)} pairs ({', '.join(f'{d:.0f}' for d in diffs)})",
+                statistics.median(diffs), GOAL_PAH_EXTRA_US, "us")
+            continue
         rr, pah = get("rr", "router", False, conc), get("pah", "router", False, conc)
         if rr and pah and rr.router_cpu_ms_per_req is not None \
                 and pah.router_cpu_ms_per_req is not None:
@@ -741,17 +809,17 @@ def print_suite(phases: list[Phase], checks: list[dict[str, Any]], info: dict[st
     print(f"# continuum router overhead, goal suite  ({info['cpus']} CPUs, python "
           f"{info['python']}, best of {info['repeat']} run(s) per phase)")
     print()
-    head = (f"{'config':<9}{'mode':<7}{'stream':>7}{'chunks':>7}{'conc':>6}{'reqs':>7}"
+    head = (f"{'config':<10}{'mode':<7}{'stream':>7}{'chunks':>7}{'conc':>6}{'reqs':>7}"
             f"{'err':>5}{'req/s':>9}{'p50 ms':>9}{'ttfc50':>9}{'router':>10}{'per chunk':>10}"
             f"{'others':>8}")
     print(head)
-    print(f"{'':<9}{'':<7}{'':>7}{'':>7}{'':>6}{'':>7}{'':>5}{'':>9}{'':>9}{'ms':>9}"
+    print(f"{'':<10}{'':<7}{'':>7}{'':>7}{'':>6}{'':>7}{'':>5}{'':>9}{'':>9}{'ms':>9}"
           f"{'cpu ms/rq':>10}{'cpu us':>10}{'cpu %':>8}")
     print("-" * len(head))
     for p in phases:
         per_chunk = (p.router_cpu_ms_per_req / p.chunks * 1e3
                      if p.stream and p.router_cpu_ms_per_req is not None and p.chunks else None)
-        print(f"{p.config:<9}{p.mode:<7}{'yes' if p.stream else 'no':>7}"
+        print(f"{p.config:<10}{p.mode:<7}{'yes' if p.stream else 'no':>7}"
               f"{p.chunks if p.stream else '':>7}{p.concurrency:>6}{p.requests:>7}"
               f"{p.errors:>5}{p.rps:>9.0f}{p.p50_ms:>9.3f}{figure(p.ttfc_p50_ms):>9}"
               f"{figure(p.router_cpu_ms_per_req):>10}{figure(per_chunk, 1):>10}"
@@ -789,7 +857,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "config (--strategy, --workers, --chunks) at --concurrency")
     parser.add_argument("--repeat", type=int, default=1,
                         help="goals suite: run every phase this many times, keep the best")
-    parser.add_argument("--only", nargs="+", choices=["rr", "pah", "pah-long", "pah-2w"],
+    parser.add_argument("--only", nargs="+", choices=["rr", "pah", "pah-long", "pah-2w", "pair"],
                         help="goals suite: only these configurations")
     parser.add_argument("--strategy", choices=["RoundRobin", "PrefixAwareHash"],
                         default="RoundRobin",
@@ -905,6 +973,8 @@ def main_suite(args: argparse.Namespace, tmp: Path) -> int:
     children: list[Child] = []
     try:
         phases = run_suite(args, tmp, children)
+        if not args.only or "pair" in args.only:
+            phases += run_pairs(args, tmp, children)
     except (BenchError, RuntimeError, OSError) as exc:
         return failed(exc, children)
     finally:
