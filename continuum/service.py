@@ -26,7 +26,7 @@ from continuum.kv.consumer import KvEventConsumerManager
 from continuum.kv.lease import leased_consumers
 from continuum.kv.scorer import KvOverlapScorer
 from continuum.metrics import CACHE, RequestRecord, RouterMetrics
-from continuum.prefix import anchor_text, prefix_key_from_text
+from continuum.prefix import request_prefix_key
 from continuum.registry import PluginRegistry
 from continuum.request import parse_request
 from continuum.resources import WorkerResources
@@ -341,11 +341,9 @@ class RouterService:
         cache may answer it, the cache key."""
         settings = self.config.prefix_routing
         if settings.enabled:
-            # request_prefix_key(ctx.keyed_body, ...), without the wrapper's keyword call
-            body = ctx.body if ctx.key_body is None else ctx.key_body
-            anchor = anchor_text(body)
-            ctx.prefix_key = None if anchor is None else prefix_key_from_text(
-                ctx.model, anchor[0], anchor[1], settings.max_prefix_length)
+            ctx.prefix_key = request_prefix_key(
+                ctx.keyed_body, ctx.model, max_prefix_length=settings.max_prefix_length
+            )
             chain_scorer = self._chain_scorer
             if chain_scorer is not None and ctx.prefix_key is not None:
                 ctx.chain = chain_scorer.request_chain(ctx)

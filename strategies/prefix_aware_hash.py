@@ -101,22 +101,15 @@ class PrefixAwareHash(ConsistentHash):
         """The choice, its label and the load bound, without recording anything."""
         if not candidates:
             raise NoHealthyBackendError("no healthy backend to select from")
-        chain = ctx.chain  # ctx.route_key, without a property call
-        key = chain.route_key if chain is not None else None
+        key = ctx.route_key
         if key is None:
-            key = ctx.prefix_key
-            if key is None:
-                return super().select(candidates, ctx), FALLBACK, None
+            return super().select(candidates, ctx), FALLBACK, None
         ring = self.ring(candidates)
         # Each candidate's load is read once: nothing else runs until the choice is made,
         # so a second read would give the same count.
         loads = in_flight_of(candidates)
-        # _bound(loads, epsilon), inline: this runs for every request
-        bound = math.ceil((1.0 + self.settings.load_factor_epsilon) * (sum(loads) + 1)
-                          / len(loads))
-        start = ring.remembered.get(key)
-        if start is None:
-            start = ring.lookup_probes(key)
+        bound = _bound(loads, self.settings.load_factor_epsilon)
+        start = ring.lookup_probes(key)
         first = ring.owners[start]
         owner = candidates[first]
         if loads[first] < bound:  # the common case, without the walk

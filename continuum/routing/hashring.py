@@ -58,8 +58,7 @@ class HashRing:
         )
         self.positions: list[int] = [node[0] for node in nodes]
         self.owners: list[int] = [node[2] for node in nodes]
-        #: digest -> :meth:`lookup_probes` answer (callers on a hot path may look here
-        #: first). Prefix keys repeat by design (a system
+        #: digest -> :meth:`lookup_probes` answer. Prefix keys repeat by design (a system
         #: prompt, a session), and a remembered one costs a dict lookup instead of four
         #: probes' bisecting and 64-bit arithmetic. The ring never changes, so neither do
         #: the answers; the memo lives and dies with the ring.

@@ -184,7 +184,7 @@ def test_an_unforeseen_exception_while_deriving_keys_is_a_400(
 
     body = {"model": "m", "messages": MSGS, "temperature": 0}
     for name, broken in (("cache_key", broken_cache_key),
-                         ("prefix_key_from_text", broken_prefix_key)):
+                         ("request_prefix_key", broken_prefix_key)):
         with monkeypatch.context() as patch:
             patch.setattr(service_module, name, broken)
             caplog.clear()
