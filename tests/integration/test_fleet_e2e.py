@@ -41,11 +41,19 @@ class Conn:
         resp = self.http.getresponse()
         return json.loads(resp.read())
 
-    def post(self, path: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+    def post(self, path: str, body: bytes,
+             timeout: float | None = None) -> tuple[int, dict[str, str], bytes]:
+        """``timeout``: seconds to wait for this answer instead of the connection's 10."""
         self.http.request("POST", path, body=body,
                           headers={"Content-Type": "application/json"})
-        resp = self.http.getresponse()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        if timeout is not None and self.http.sock is not None:
+            self.http.sock.settimeout(timeout)
+        try:
+            resp = self.http.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        finally:
+            if timeout is not None and self.http.sock is not None:
+                self.http.sock.settimeout(self.http.timeout)
 
     def chat(self) -> str:
         status, headers, _ = self.post("/v1/chat/completions", BODY)

@@ -98,7 +98,9 @@ def test_event_sources_reload_keeps_one_consumer_per_host(upstreams, router_fact
             source["reconnect_interval_ms"] = 150  # a change that restarts the consumers
         router.config_path.write_text(yaml.safe_dump(
             {**yaml.safe_load(router.config_path.read_text()), **config}))
-        status, _, raw = conns[0].post("/admin/config/reload", b"")
+        # The reload answers once this worker's consumers have stopped (their joins are
+        # bounded at 10 s and 5 s) and the other worker reported it: not a latency check.
+        status, _, raw = conns[0].post("/admin/config/reload", b"", timeout=60)
         doc = json.loads(raw)
         assert status == 200 and "kv_cache_index.event_sources" in doc["applied"], doc
         assert doc["fleet"]["workers_applied"] == 2, doc
