@@ -76,6 +76,8 @@ class BackendView:
     success_rate: float
     models: list[str]
     weight: int
+    #: ``backends[].slots``: requests the engine runs at once (None: not configured).
+    slots: int | None
 
 
 def backend_view(backend: Backend) -> BackendView:
@@ -95,6 +97,7 @@ def backend_view(backend: Backend) -> BackendView:
         success_rate=round(backend.success_rate, 4),
         models=sorted(backend.models),
         weight=backend.weight,
+        slots=backend.slots,
     )
 
 

@@ -101,6 +101,11 @@ class BackendConfig:
         doc="models served; empty = discovered from the backend's /v1/models",
     )
     weight: int = setting(1, doc="relative weight for weighted strategies", min=1, max=10000)
+    slots: int | None = setting(
+        None, doc="requests the engine runs at once (vLLM --max-num-seqs, SGLang "
+        "--max-running-requests); beyond them it queues. Set, the KV load guard prices "
+        "a holder's queue at its latency from its slots on, not only from the CHWBL bound",
+        min=1, max=1_000_000)
     api_key: str | None = setting(None, doc="API key sent upstream (x-goog-api-key for "
                                   "type: gemini)", secret=True)
     api_key_env: str | None = setting(None, doc="environment variable holding the API key",

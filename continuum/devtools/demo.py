@@ -243,12 +243,14 @@ def event_sources(listener: str, count: int) -> list[dict[str, Any]]:
 
 def router_config(
     scenario: Scenario, engines: Sequence[str], listener: str | None = None,
-    push: PushSetup | None = None,
+    push: PushSetup | None = None, slots: int | None = None,
 ) -> dict[str, Any]:
     """The router config of ``scenario`` in front of ``engines`` (``server.bind`` unset);
     ``listener`` is the KV listener's URL for a ``kv_events`` scenario, ``push`` makes its
-    sources ``transport: event_bus`` (``--push``)."""
-    backends = [{"name": name, "url": url, "models": [MODEL]}
+    sources ``transport: event_bus`` (``--push``), ``slots`` is each engine's
+    ``--max-num-seqs`` (``backends[].slots``: what an operator knows of their engines)."""
+    backends = [{"name": name, "url": url, "models": [MODEL],
+                 **({"slots": slots} if slots is not None else {})}
                 for name, url in zip(backend_names(len(engines)), engines, strict=True)]
     config = merge({**DEFAULT_ROUTER_CONFIG, "backends": backends}, scenario.overrides)
     if scenario.kv_events and push is not None:
@@ -362,7 +364,8 @@ def run_scenario(
             target = fleet.single[0]
         else:
             config = router_config(scenario, fleet.engines, fleet.listener,
-                                   getattr(args, "push_setup", None))
+                                   getattr(args, "push_setup", None),
+                                   getattr(args, "max_num_seqs", None))
             # each round its own Redis prefixes: a round must not find the last one's cache
             config = scale_config(config, args.workers or 1, redis_url, run_name,
                                   sharing=not args.no_sharing)

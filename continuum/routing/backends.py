@@ -66,6 +66,7 @@ class Backend:
         "healthy",
         "name",
         "probed",
+        "slots",
         "url",
         "weight",
     )
@@ -82,6 +83,8 @@ class Backend:
         self.name = config.name
         self.url = config.url.rstrip("/")
         self.weight = config.weight
+        #: ``backends[].slots``: requests the engine runs at once (None: not known).
+        self.slots = config.slots
         self._local = 0
         self._shared: HostSegment | None = None
         self._col = self._cell = 0

@@ -100,7 +100,8 @@ def test_admin_documents_keep_their_shape(
     a = upstreams("a")
     client = client_of({
         "backends": [{"name": "a", "url": a.url, "models": ["m"]},
-                     {"name": "b", "url": DEAD, "models": ["m"], "enabled": False}],
+                     {"name": "b", "url": DEAD, "models": ["m"], "enabled": False,
+                      "slots": 8}],
         "selection_strategy": "PrefixAwareHash",
         "prefix_routing": {"enabled": True},
         # the seed's key: the entry applied below is one, and no routed chain is recorded
@@ -153,9 +154,9 @@ def test_admin_documents_keep_their_shape(
     backends = _admin(client, "backends")["backends"]
     assert [list(row) for row in backends] == [[
         "name", "url", "type", "enabled", "internal", "healthy", "in_flight", "state",
-        "draining", "latency_ewma_ms", "success_rate", "models", "weight"]] * 2
-    assert [(row["name"], row["enabled"], row["models"]) for row in backends] == [
-        ("a", True, ["m"]), ("b", False, ["m"])]
+        "draining", "latency_ewma_ms", "success_rate", "models", "weight", "slots"]] * 2
+    assert [(row["name"], row["enabled"], row["models"], row["slots"]) for row in backends] \
+        == [("a", True, ["m"], None), ("b", False, ["m"], 8)]
     strategies = _admin(client, "strategies")
     assert list(strategies) == ["selection_strategy", "available", "loaded", "worker_pid"]
     assert {"group": "continuum.strategies", "name": "PrefixAwareHash"}.items() <= \

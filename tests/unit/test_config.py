@@ -61,7 +61,7 @@ def test_three_mistakes_are_all_reported_with_paths(tmp_path: Path) -> None:
 def test_types_ranges_choices_required() -> None:
     result = check_config({
         "backends": [{"name": "bad name!", "url": "http://h", "weight": True,
-                      "type": "grpc"}, {"url": "http://h"}],
+                      "type": "grpc", "slots": 0}, {"url": "http://h", "slots": "4"}],
         "health_check": {"interval_seconds": "soon"},
     })
     messages = {e.path: e.message for e in result.errors}
@@ -69,6 +69,8 @@ def test_types_ranges_choices_required() -> None:
     assert messages["backends[0].weight"] == "expected an integer"
     assert messages["backends[0].type"] == "must be one of 'openai', 'anthropic', 'gemini'"
     assert messages["backends[1].name"] == "is required"
+    assert messages["backends[0].slots"] == "must be between 1 and 1000000"
+    assert messages["backends[1].slots"] == "expected an integer"
     assert "duration" in messages["health_check.interval_seconds"]
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from continuum.config import parse_config
+from continuum.config import BackendConfig, parse_config
 from continuum.interfaces import CACHE_CREATED, TIER_GPU_HOT
 from continuum.kv.chain_scorer import ChainOverlapScorer
 from continuum.metrics import RouterMetrics
 from continuum.prefix import request_prefix_key
 from continuum.prefix_chain import request_chain
-from continuum.routing.backends import WAIT_SAMPLES
+from continuum.routing.backends import WAIT_SAMPLES, Backend
 from continuum.routing.selection import SelectionPipeline
 from continuum.testing import make_backends, make_context
 from stores.kv_memory import InMemoryKvIndex
@@ -145,6 +145,36 @@ def test_under_the_load_bound_latency_does_not_price_the_queue_and_ties_go_to_th
     # at the bound its 2 s latency over 4 in flight prices the queue far above the saving
     backends[2].in_flight = 4
     assert pick(scorer, backends, request(HISTORY + "Next?"))[1] == "scorer_fallback"
+
+
+def test_a_holder_at_its_slots_is_priced_at_its_latency_under_the_load_bound() -> None:
+    """``backends[].slots``: an engine queues the request beyond its slots however far
+    under the CHWBL bound (never under 4) it is, so from its slots on its latency prices
+    the queue. Unset, or above the bound, it changes nothing."""
+    index = InMemoryKvIndex()
+    ctx = request(HISTORY + "Next?")
+    hold(index, "b1", ctx, len(ctx.chain.keys))  # ~690 tokens: ~69 ms of prefill saved
+
+    def fleet(slots: int | None) -> list[Backend]:
+        backends = [Backend(BackendConfig(name=f"b{i}", url="http://127.0.0.1:9",
+                                          slots=slots)) for i in range(3)]
+        for backend in backends:
+            backend.latency_ewma = 0.3  # 300 ms answers
+        backends[1].in_flight = 2  # full with two slots; the bound is 4
+        return backends
+
+    scorer = scorer_for(index)
+    assert pick(scorer, fleet(None), request(HISTORY + "Next?")) == ("b1", "scorer")
+    assert pick(scorer, fleet(8), request(HISTORY + "Next?")) == ("b1", "scorer")
+    two = fleet(2)
+    assert pick(scorer, two, request(HISTORY + "Next?"))[1] == "scorer_fallback"
+    probe = request(HISTORY + "Next?")
+    scorer.prepare(probe, two)
+    row = {r["backend"]: r for r in scorer.explain(probe, two)}["b1"]
+    # 300 ms / 2 in flight, for the 1.33 requests over the mean
+    assert row["score"] == 0.0 and "costs ~200 ms" in row["why"], row
+    two[1].in_flight = 1  # a free slot: 10 ms a request over the mean, as without slots
+    assert pick(scorer, two, request(HISTORY + "Next?")) == ("b1", "scorer")
 
 
 def test_approximate_matches_count_less_and_events_confirm_them() -> None:
