@@ -158,6 +158,7 @@ class HostRelay:
         self._out: socket.socket | None = None
         self._peer_paths: list[str] = []
         self._peers_until = 0.0
+        self._closed = False
 
     def _peers(self) -> list[str]:
         # The worker table changes when a worker starts or dies: looked at once a second,
@@ -194,6 +195,9 @@ class HostRelay:
         sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.bind(str(self.path))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        if self._closed:  # closed before this greenlet first ran: nobody would close it
+            self.close()
+            return
         while True:
             try:
                 raw = sock.recv(1 << 20)
@@ -206,7 +210,12 @@ class HostRelay:
             except Exception:  # a bad record must not end the relay
                 log.exception("KV relay: record not applied")
 
+    def open(self) -> None:
+        """Ready for :meth:`serve` again (a manager that replaces a stopped one's)."""
+        self._closed = False
+
     def close(self) -> None:
+        self._closed = True
         for sock in (self._sock, self._out):
             if sock is not None:
                 sock.close()
@@ -233,6 +242,7 @@ class LeasedConsumers:
         self._stopping = threading.Event()  # made now, after gevent's patching
         if self.relay is not None:
             relay = self.relay
+            relay.open()
             self._handles.append(spawn(lambda: relay.serve(manager)))
         for index, consumer in enumerate(manager.consumers):
             if consumer.leased:

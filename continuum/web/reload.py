@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,17 +74,29 @@ class ConfigReloader:
         self.generation_file = _generation_file()
         self._seen = seen if seen is not None else config_state(self.path)
         self._greenlet: Any = None
+        # made in the worker, after gevent's patching: a lock greenlets wait on
+        self._lock = threading.Lock()
         self.reloads = 0
 
     def _generation(self) -> str | None:
         return _read_generation(self.generation_file)
 
     def reload(self, *, broadcast: bool = False) -> ReloadReport:
-        """Read the file and apply it.
+        """Read the file and apply it, after any reload already under way in this worker.
+
+        Three callers may ask at once: ``POST /admin/config/reload``, the watcher and a
+        fleet action another worker sent. A reload waits (the KV consumers' restart joins
+        their greenlets), and two applied together would each stop the same consumers
+        and each start their own, one set of them running on unseen.
 
         Raises:
             ConfigError: the file has errors; nothing was changed.
         """
+        with self._lock:
+            return self._reload(broadcast)
+
+    def _reload(self, broadcast: bool) -> ReloadReport:
+        signature = _signature(self.path)  # before the read: a later change is still one
         result = check_config_file(self.path, self.service.registry)
         if result.config is None:
             raise ConfigError(result.errors, str(self.path))
@@ -95,22 +108,25 @@ class ConfigReloader:
             tmp = self.generation_file.with_suffix(f".{os.getpid()}")
             tmp.write_text(f"{os.getpid()}:{self.reloads}:{_signature(self.path)}")
             tmp.replace(self.generation_file)
-        self._seen = (_signature(self.path), self._generation())
+        self._seen = (signature, self._generation())
         log.info("config reloaded: applied %s; restart required for %s",
                  report.applied or "nothing", report.restart_required or "nothing")
         return report
 
     def check(self) -> ReloadReport | None:
         """Reload if the file or the shared generation changed since the last look."""
-        current = (_signature(self.path), self._generation())
-        if current == self._seen:
+        if (_signature(self.path), self._generation()) == self._seen:
             return None
-        self._seen = current
-        try:
-            return self.reload()
-        except ConfigError as exc:
-            log.error("config change ignored, the running config stays:\n%s", exc)
-            return None
+        with self._lock:  # a reload under way ends first, and may have read this change
+            current = (_signature(self.path), self._generation())
+            if current == self._seen:
+                return None
+            self._seen = current
+            try:
+                return self._reload(broadcast=False)
+            except ConfigError as exc:
+                log.error("config change ignored, the running config stays:\n%s", exc)
+                return None
 
     def start(self, interval: float) -> None:
         """Watch from a greenlet (call in the worker process)."""

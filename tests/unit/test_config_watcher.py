@@ -3,7 +3,10 @@ the config it starts with and starting its watcher) is still reloaded."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -38,5 +41,55 @@ def test_a_change_while_the_worker_boots_is_reloaded(
         assert report is not None and report.applied == ["backends.b"]
         assert [b.name for b in service.pool] == ["a", "b"]
         assert reloader.check() is None  # and only once
+    finally:
+        service.stop()
+
+
+def test_reloads_in_one_worker_run_one_at_a_time_and_a_change_during_one_is_seen(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The admin endpoint, the watcher and a fleet action may each reload at once; a reload
+    waits inside (the KV consumers' restart), so they take turns. A file changed while a
+    reload runs is still a change for the watcher afterwards."""
+    monkeypatch.delenv("CONTINUUM_RUNTIME_DIR", raising=False)
+    path = tmp_path / "router.yaml"
+    _write(path, "a")
+    registry = PluginRegistry()
+    service = RouterService(load_config(path, registry), registry=registry,
+                            metrics=RouterMetrics())
+    reloader = ConfigReloader(service, path)
+    inside = []
+    overlaps = []
+    apply = service.reload
+
+    def slow_reload(config: Any) -> Any:
+        inside.append(1)
+        overlaps.append(len(inside))
+        time.sleep(0.2)  # as a consumer restart waits
+        inside.pop()
+        return apply(config)
+
+    monkeypatch.setattr(service, "reload", slow_reload)
+    try:
+        _write(path, "a", "b")
+        threads = [threading.Thread(target=reloader.reload), threading.Thread(
+            target=reloader.check)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert max(overlaps) == 1, overlaps
+        assert [b.name for b in service.pool] == ["a", "b"]
+        assert reloader.check() is None  # both read the same file: nothing left
+
+        def change_meanwhile(config: Any) -> Any:
+            _write(path, "a", "b", "c")  # lands after the file was read
+            return apply(config)
+
+        monkeypatch.setattr(service, "reload", change_meanwhile)
+        _write(path, "a", "b", "d")
+        reloader.reload()
+        monkeypatch.setattr(service, "reload", apply)
+        report = reloader.check()
+        assert report is not None and [b.name for b in service.pool] == ["a", "b", "c"]
     finally:
         service.stop()
