@@ -470,7 +470,9 @@ class ChainOverlapScorer(KvOverlapScorer):
         # history to one holding a little less of it (5 points of hit rate on `agent`).
         extra = max(0.0, in_flight - snapshot.mean_in_flight)
         extra_ms = self._queue_ms(backend, snapshot.mean_in_flight, snapshot.bound)
-        queue = f"its queue ({extra:.1f} in flight over the mean, load bound {snapshot.bound})"
+        queue = f"its queue ({extra:.1f} in flight over the mean, load bound {snapshot.bound}"
+        slots = backend.slots
+        queue += f", {slots} slots)" if slots is not None and slots < snapshot.bound else ")"
         if self.learned_wait:
             # An engine batches up to its slots and queues beyond them, wherever the
             # CHWBL bound is: the learned wait here beyond the least-waiting

@@ -172,7 +172,7 @@ def test_a_holder_at_its_slots_is_priced_at_its_latency_under_the_load_bound() -
     scorer.prepare(probe, two)
     row = {r["backend"]: r for r in scorer.explain(probe, two)}["b1"]
     # 300 ms / 2 in flight, for the 1.33 requests over the mean
-    assert row["score"] == 0.0 and "costs ~200 ms" in row["why"], row
+    assert row["score"] == 0.0 and "bound 4, 2 slots) costs ~200 ms" in row["why"], row
     two[1].in_flight = 1  # a free slot: 10 ms a request over the mean, as without slots
     assert pick(scorer, two, request(HISTORY + "Next?")) == ("b1", "scorer")
 
