@@ -71,3 +71,19 @@ def test_a_bad_set_item_is_refused_before_anything_starts() -> None:
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2, proc.stderr
     assert "expected PATH=VALUE" in proc.stderr
+
+
+def test_the_demo_tells_the_router_its_engines_slots() -> None:
+    """Each engine's ``--max-num-seqs`` goes into ``backends[].slots``, which the adaptive
+    guard reads; a valid config with it, and without it when the slots are not known."""
+    from continuum.config import check_config
+    from continuum.devtools.demo import KV_DEFAULT, router_config
+
+    engines = ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+    config = router_config(KV_DEFAULT, engines, "http://127.0.0.1:1", slots=2)
+    assert [b["slots"] for b in config["backends"]] == [2, 2]
+    result = check_config(config)
+    assert result.config is not None and not result.errors
+    assert [b.slots for b in result.config.backends] == [2, 2]
+    unknown = router_config(KV_DEFAULT, engines, "http://127.0.0.1:1")
+    assert all("slots" not in b for b in unknown["backends"])
