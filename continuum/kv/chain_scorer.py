@@ -156,6 +156,13 @@ class _Credit:
         self.saved_tokens = tokens * weight
 
 
+def _queue_bound(backend: Backend, bound: int) -> int:
+    """Where ``backend`` starts to queue: the CHWBL ``bound``, or its ``backends[].slots``
+    when fewer (beyond them it queues, however far under the bound it is)."""
+    slots = backend.slots
+    return slots if slots is not None and slots < bound else bound
+
+
 class _ChainSnapshot:
     """What one request's scoring reads (kept in ``ctx.kv_snapshot``): each holder's
     credit, the candidates' mean in-flight count, and for the composite score the seed
@@ -349,10 +356,7 @@ class ChainOverlapScorer(KvOverlapScorer):
         queue there."""
         in_flight = backend.in_flight
         per_request = self.queue_ms
-        slots = backend.slots
-        if slots is not None and slots < bound:
-            bound = slots  # it queues beyond its slots wherever the CHWBL bound is
-        if in_flight + 1 > bound and backend.latency_ewma is not None:
+        if in_flight + 1 > _queue_bound(backend, bound) and backend.latency_ewma is not None:
             per_request = max(per_request, backend.latency_ewma * 1000.0 / max(in_flight, 1))
         return max(0.0, in_flight - reference) * per_request
 
@@ -471,8 +475,8 @@ class ChainOverlapScorer(KvOverlapScorer):
         extra = max(0.0, in_flight - snapshot.mean_in_flight)
         extra_ms = self._queue_ms(backend, snapshot.mean_in_flight, snapshot.bound)
         queue = f"its queue ({extra:.1f} in flight over the mean, load bound {snapshot.bound}"
-        slots = backend.slots
-        queue += f", {slots} slots)" if slots is not None and slots < snapshot.bound else ")"
+        limit = _queue_bound(backend, snapshot.bound)
+        queue += f", {limit} slots)" if limit < snapshot.bound else ")"
         if self.learned_wait:
             # An engine batches up to its slots and queues beyond them, wherever the
             # CHWBL bound is: the learned wait here beyond the least-waiting
