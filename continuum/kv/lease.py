@@ -143,22 +143,39 @@ class RedisLease:
             log.debug("KV lease %s: release failed: %s", backend, exc)
 
 
+class _Receiving:
+    """One :meth:`HostRelay.open` .. :meth:`HostRelay.close` span: the receiver spawned for
+    it serves only while it is the relay's current span and not closed."""
+
+    __slots__ = ("closed", "sock")
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.sock: socket.socket | None = None
+
+
 class HostRelay:
     """Hands the records the lease holder reads to the host's other workers (memory index).
 
     Every worker binds ``kv-relay-<pid>.sock`` (a Unix datagram socket) in the runtime
     directory; the holder sends each record to every other live worker's socket.
+
+    Each :meth:`open` starts a span that the receiver it was spawned for carries
+    (:meth:`serve`). A receiver whose span was closed, or replaced by a later
+    :meth:`open`, before its greenlet first ran returns without binding, so a relay
+    reopened for the next manager never has two receivers on its path, whatever order
+    the greenlets run in.
     """
 
     def __init__(self, segment: HostSegment) -> None:
         self.segment = segment
         self.path = segment.directory / f"kv-relay-{os.getpid()}.sock"
         self.relayed = self.received = self.dropped = 0
-        self._sock: socket.socket | None = None
         self._out: socket.socket | None = None
         self._peer_paths: list[str] = []
         self._peers_until = 0.0
-        self._closed = False
+        self._span = _Receiving()
+        self._span.closed = True  # until the first open()
 
     def _peers(self) -> list[str]:
         # The worker table changes when a worker starts or dies: looked at once a second,
@@ -188,21 +205,28 @@ class HostRelay:
                 self.dropped += 1
                 log.debug("KV relay to %s failed: %s", peer, exc)
 
-    def serve(self, manager: KvEventConsumerManager) -> None:
-        """Receive relayed records and apply them to this worker's index (a greenlet)."""
+    def open(self) -> _Receiving:
+        """Start a span for a new receiver (a manager that replaces a stopped one's); pass
+        it to :meth:`serve`. An earlier span still open is closed first."""
+        self.close()
+        self._span = _Receiving()
+        return self._span
+
+    def serve(self, manager: KvEventConsumerManager, span: _Receiving) -> None:
+        """Receive relayed records and apply them to this worker's index (a greenlet),
+        while ``span`` (from :meth:`open`) is the relay's current one."""
+        if span.closed or span is not self._span:
+            return  # closed or replaced before this greenlet first ran
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock = span.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.bind(str(self.path))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        if self._closed:  # closed before this greenlet first ran: nobody would close it
-            self.close()
-            return
         while True:
             try:
                 raw = sock.recv(1 << 20)
             except OSError:
-                return  # closed by stop()
+                return  # closed by close()
             try:
                 backend, sse_event, data, record_id = json.loads(raw)
                 manager.consumer(backend).handle(sse_event, data, record_id)
@@ -210,16 +234,18 @@ class HostRelay:
             except Exception:  # a bad record must not end the relay
                 log.exception("KV relay: record not applied")
 
-    def open(self) -> None:
-        """Ready for :meth:`serve` again (a manager that replaces a stopped one's)."""
-        self._closed = False
-
     def close(self) -> None:
-        self._closed = True
-        for sock in (self._sock, self._out):
-            if sock is not None:
-                sock.close()
-        self._sock = self._out = None
+        """End the current span: its receiver stops (or never starts); the path goes."""
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+        span = self._span
+        if span.closed:
+            return
+        span.closed = True
+        if span.sock is not None:
+            span.sock.close()
+            span.sock = None
         with contextlib.suppress(OSError):
             self.path.unlink()
 
@@ -242,8 +268,8 @@ class LeasedConsumers:
         self._stopping = threading.Event()  # made now, after gevent's patching
         if self.relay is not None:
             relay = self.relay
-            relay.open()
-            self._handles.append(spawn(lambda: relay.serve(manager)))
+            span = relay.open()
+            self._handles.append(spawn(lambda: relay.serve(manager, span)))
         for index, consumer in enumerate(manager.consumers):
             if consumer.leased:
                 self._handles.append(spawn(partial(self._supervise, manager, index, spawn)))
