@@ -76,8 +76,11 @@ class BackendView:
     success_rate: float
     models: list[str]
     weight: int
-    #: ``backends[].slots``: requests the engine runs at once (None: not configured).
+    #: Requests the engine runs at once: ``backends[].slots``, or learned from its metrics
+    #: (``backends[].learn_slots``); None: not known (yet).
     slots: int | None
+    #: ``configured``, ``learned`` (``learn_slots``; ``slots`` None until learned) or None.
+    slots_source: str | None
 
 
 def backend_view(backend: Backend) -> BackendView:
@@ -98,6 +101,8 @@ def backend_view(backend: Backend) -> BackendView:
         models=sorted(backend.models),
         weight=backend.weight,
         slots=backend.slots,
+        slots_source=("learned" if backend.config.learn_slots
+                      else "configured" if backend.config.slots is not None else None),
     )
 
 

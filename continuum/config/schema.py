@@ -106,6 +106,12 @@ class BackendConfig:
         "--max-running-requests); beyond them it queues. Set, the KV load guard prices "
         "a holder's queue at its latency from its slots on, not only from the CHWBL bound",
         min=1, max=1_000_000)
+    learn_slots: bool = setting(
+        False, doc="learn slots from the engine's own Prometheus /metrics (vLLM, SGLang): "
+        "each health probe also reads how many requests run and wait, and the slots are "
+        "the most that ran in the last 4 probes that found requests waiting (from the "
+        "second such probe on); for engines whose slots are not known or change with "
+        "their KV memory")
     api_key: str | None = setting(None, doc="API key sent upstream (x-goog-api-key for "
                                   "type: gemini)", secret=True)
     api_key_env: str | None = setting(None, doc="environment variable holding the API key",
@@ -145,6 +151,12 @@ class BackendConfig:
             )
         if self.api_key is not None and self.api_key_env is not None:
             issues.error(join(path, "api_key_env"), "set either api_key or api_key_env, not both")
+        if self.learn_slots and self.slots is not None:
+            issues.error(join(path, "learn_slots"), "set either slots or learn_slots, not both")
+        if self.learn_slots and self.type != "openai":
+            issues.error(join(path, "learn_slots"),
+                         f"needs an engine's Prometheus /metrics (vLLM, SGLang); a type: "
+                         f"{self.type} backend has none")
         if self.api_key_env is not None and self.api_key_env not in os.environ:
             issues.warn(
                 join(path, "api_key_env"),
@@ -851,6 +863,11 @@ class RouterConfig:
             seen.setdefault(backend.name, i)
         if not self.backends:
             issues.warn("backends", "no backends configured; every request will get 503")
+        if self.health_check is not None and not self.health_check.enabled:
+            for i, backend in enumerate(self.backends):
+                if backend is not None and backend.learn_slots:
+                    issues.error(f"backends[{i}].learn_slots",
+                                 "learned by the health probes: needs health_check.enabled")
         kv = self.kv_cache_index
         names = {b.name for b in self.backends if b is not None}
         for i, source in enumerate(kv.event_sources):

@@ -243,14 +243,16 @@ def event_sources(listener: str, count: int) -> list[dict[str, Any]]:
 
 def router_config(
     scenario: Scenario, engines: Sequence[str], listener: str | None = None,
-    push: PushSetup | None = None, slots: int | None = None,
+    push: PushSetup | None = None, slots: int | None = None, learn_slots: bool = False,
 ) -> dict[str, Any]:
     """The router config of ``scenario`` in front of ``engines`` (``server.bind`` unset);
     ``listener`` is the KV listener's URL for a ``kv_events`` scenario, ``push`` makes its
     sources ``transport: event_bus`` (``--push``), ``slots`` is each engine's
-    ``--max-num-seqs`` (``backends[].slots``: what an operator knows of their engines)."""
-    backends = [{"name": name, "url": url, "models": [MODEL],
-                 **({"slots": slots} if slots is not None else {})}
+    ``--max-num-seqs`` (``backends[].slots``: what an operator knows of their engines);
+    ``learn_slots`` has the router learn them from the engines' metrics instead
+    (``backends[].learn_slots``, ``--slots learned``)."""
+    told = {"learn_slots": True} if learn_slots else {"slots": slots} if slots else {}
+    backends = [{"name": name, "url": url, "models": [MODEL], **told}
                 for name, url in zip(backend_names(len(engines)), engines, strict=True)]
     config = merge({**DEFAULT_ROUTER_CONFIG, "backends": backends}, scenario.overrides)
     if scenario.kv_events and push is not None:
@@ -363,9 +365,11 @@ def run_scenario(
         if scenario.direct:
             target = fleet.single[0]
         else:
+            told = getattr(args, "slots", "given")
             config = router_config(scenario, fleet.engines, fleet.listener,
                                    getattr(args, "push_setup", None),
-                                   getattr(args, "max_num_seqs", None))
+                                   getattr(args, "max_num_seqs", None) if told == "given"
+                                   else None, learn_slots=told == "learned")
             # each round its own Redis prefixes: a round must not find the last one's cache
             config = scale_config(config, args.workers or 1, redis_url, run_name,
                                   sharing=not args.no_sharing)
@@ -544,6 +548,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int,
                    help=f"concurrent request slots of each engine (default "
                    f"{FleetShape.max_num_seqs}; {LOAD_MAX_NUM_SEQS} with --scenario load)")
+    p.add_argument("--slots", choices=("given", "learned", "unknown"), default="given",
+                   help="what the router knows of each engine's slots: given "
+                   "(backends[].slots is --max-num-seqs), learned (backends[].learn_slots: "
+                   "from the engines' /metrics by the health probes) or unknown")
     p.add_argument("--latency-scale", type=float, default=FleetShape.latency_scale,
                    help="multiplies every simulated latency")
     p.add_argument("--rate", type=float, help="session arrivals per second (default: built-in)")

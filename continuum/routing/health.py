@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import requests
 
+from continuum.routing.engine_metrics import SlotLearner, read_queue
 from continuum.routing.shared_health import FOLLOW_SECONDS
 
 if TYPE_CHECKING:
@@ -54,9 +55,11 @@ log = logging.getLogger(__name__)
 
 
 class HealthTracker:
-    """Consecutive-result counting for one backend (see the module's transition table)."""
+    """Consecutive-result counting for one backend (see the module's transition table), and
+    its slots learned from its metrics (``backends[].learn_slots``)."""
 
-    __slots__ = ("_failures", "_successes", "backend", "healthy_threshold", "unhealthy_threshold")
+    __slots__ = ("_failures", "_successes", "backend", "healthy_threshold", "metrics_warned",
+                 "slot_learner", "unhealthy_threshold")
 
     def __init__(self, backend: Backend, unhealthy_threshold: int, healthy_threshold: int) -> None:
         self.backend = backend
@@ -64,6 +67,8 @@ class HealthTracker:
         self.healthy_threshold = healthy_threshold
         self._failures = 0
         self._successes = 0
+        self.slot_learner = SlotLearner()
+        self.metrics_warned = False
 
     def observe(self, ok: bool) -> bool | None:
         """Record one result; return the new state if it changed, else None. The first
@@ -229,10 +234,37 @@ class HealthMonitor:
         except (requests.RequestException, ValueError) as exc:
             log.debug("probe of %s failed: %s", backend.name, exc)
             ok = False
+        if ok and backend.config.learn_slots:
+            self._learn_slots(backend, headers, timeout)
         if self.shared is not None and self.shared.holder:
             self.shared.record(backend, ok)
         self.observe(backend, ok)
         return ok
+
+    def _learn_slots(self, backend: Backend, headers: dict[str, str], timeout: float) -> None:
+        """Read ``backend``'s queue gauges from its ``/metrics`` and update its slots
+        (:mod:`continuum.routing.engine_metrics`). A failure here does not fail the probe:
+        the slots stay as they were."""
+        tracker = self.trackers.get(backend.name)
+        if tracker is None or tracker.backend is not backend:
+            return
+        try:
+            resp = self._session.get(backend.url + "/metrics", timeout=timeout, headers=headers)
+            queue = read_queue(resp.text) if resp.status_code < 400 else None
+        except requests.RequestException as exc:
+            log.debug("metrics of %s unreadable: %s", backend.name, exc)
+            return
+        if queue is None:
+            if not tracker.metrics_warned:
+                tracker.metrics_warned = True
+                log.warning("backend %s: learn_slots is on, but %s/metrics (HTTP %d) has no "
+                            "vLLM or SGLang queue gauges; its slots stay unknown",
+                            backend.name, backend.url, resp.status_code)
+            return
+        slots = tracker.slot_learner.observe(*queue)
+        if slots is not None and slots != backend.slots:
+            log.info("backend %s: %d slots, learned from its metrics", backend.name, slots)
+            backend.slots = slots
 
     def probe_all(self) -> None:
         """Probe every enabled backend concurrently and wait for the results."""
@@ -276,6 +308,8 @@ class HealthMonitor:
             fresh = entry.seq - seen if seen_holder == holder and seen <= entry.seq else 1
             if fresh > 0 and entry.results:
                 backend.discovered_models = entry.models
+                if backend.config.learn_slots:
+                    backend.slots = entry.slots
                 for ok in entry.results[-min(fresh, len(entry.results)):]:
                     self.observe(backend, ok)
                     taken += 1

@@ -12,12 +12,14 @@ reader never sees half of it):
 
     {"holder": "4711-1733340000.123",
      "backends": {"a": {"url": "http://10.0.0.5:8000", "seq": 17, "at": 81234.5,
-                        "results": [true, true, false], "models": ["m"]}}}
+                        "results": [true, true, false], "models": ["m"],
+                        "slots": 8}}}
 
 ``seq`` counts the holder's probes of the backend, ``results`` are the last
 :data:`HISTORY` of them (newest last), ``at`` is when the last one ended
 (``time.monotonic()``, one clock for every process of the host), ``models`` what the probes
-discovered (empty when the backend's models are configured). The other workers
+discovered (empty when the backend's models are configured), ``slots`` what they learned
+from its metrics (``backends[].learn_slots``; null when off or not yet learned). The other workers
 (followers) look at the file every :data:`FOLLOW_SECONDS` (a ``stat``; a read only when it
 changed) and feed each result they have not seen yet into their own
 :class:`~continuum.routing.health.HealthTracker`, as if they had probed themselves. So
@@ -70,10 +72,11 @@ class ProbeEntry:
     at: float
     results: tuple[bool, ...]
     models: frozenset[str]
+    slots: int | None = None
 
 
 class _Record:
-    __slots__ = ("at", "models", "results", "seq", "url")
+    __slots__ = ("at", "models", "results", "seq", "slots", "url")
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -81,6 +84,7 @@ class _Record:
         self.at = 0.0
         self.results: deque[bool] = deque(maxlen=HISTORY)
         self.models: frozenset[str] = frozenset()
+        self.slots: int | None = None
 
 
 class SharedProbes:
@@ -145,12 +149,13 @@ class SharedProbes:
         rec.at = time.monotonic()
         rec.results.append(ok)
         rec.models = backend.discovered_models
+        rec.slots = backend.slots if backend.config.learn_slots else None
 
     def publish(self, names: set[str]) -> None:
         """Write the records of ``names`` to ``health.json``, atomically."""
         doc = {"holder": self._token, "backends": {
             name: {"url": r.url, "seq": r.seq, "at": r.at, "results": list(r.results),
-                   "models": sorted(r.models)}
+                   "models": sorted(r.models), "slots": r.slots}
             for name, r in self._records.items() if name in names}}
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         try:
@@ -188,7 +193,8 @@ def _parse(raw: Any) -> dict[str, ProbeEntry]:
     for name, e in raw.items():
         out[str(name)] = ProbeEntry(
             str(e["url"]), int(e["seq"]), float(e["at"]), tuple(bool(r) for r in e["results"]),
-            frozenset(str(m) for m in e["models"]))
+            frozenset(str(m) for m in e["models"]),
+            None if e.get("slots") is None else int(e["slots"]))
     return out
 
 

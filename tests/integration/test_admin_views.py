@@ -154,9 +154,11 @@ def test_admin_documents_keep_their_shape(
     backends = _admin(client, "backends")["backends"]
     assert [list(row) for row in backends] == [[
         "name", "url", "type", "enabled", "internal", "healthy", "in_flight", "state",
-        "draining", "latency_ewma_ms", "success_rate", "models", "weight", "slots"]] * 2
-    assert [(row["name"], row["enabled"], row["models"], row["slots"]) for row in backends] \
-        == [("a", True, ["m"], None), ("b", False, ["m"], 8)]
+        "draining", "latency_ewma_ms", "success_rate", "models", "weight", "slots",
+        "slots_source"]] * 2
+    assert [(row["name"], row["enabled"], row["models"], row["slots"], row["slots_source"])
+            for row in backends] == [("a", True, ["m"], None, None),
+                                     ("b", False, ["m"], 8, "configured")]
     strategies = _admin(client, "strategies")
     assert list(strategies) == ["selection_strategy", "available", "loaded", "worker_pid"]
     assert {"group": "continuum.strategies", "name": "PrefixAwareHash"}.items() <= \

@@ -74,6 +74,28 @@ def test_types_ranges_choices_required() -> None:
     assert "duration" in messages["health_check.interval_seconds"]
 
 
+def test_learn_slots_needs_an_engine_a_probe_and_no_configured_slots() -> None:
+    assert parse_config({"backends": [dict(BACKEND, learn_slots=True)]}) \
+        .backends[0].learn_slots is True
+    result = check_config({
+        "backends": [dict(BACKEND, learn_slots=True, slots=4),
+                     {"name": "c", "url": "https://api.anthropic.com", "type": "anthropic",
+                      "learn_slots": True},
+                     {"name": "d", "url": "http://h:8000", "learn_slots": "yes"}],
+    })
+    messages = {e.path: e.message for e in result.errors}
+    assert messages == {
+        "backends[0].learn_slots": "set either slots or learn_slots, not both",
+        "backends[1].learn_slots": "needs an engine's Prometheus /metrics (vLLM, SGLang); "
+                                   "a type: anthropic backend has none",
+        "backends[2].learn_slots": "expected a boolean",
+    }
+    result = check_config({"backends": [dict(BACKEND, learn_slots=True)],
+                           "health_check": {"enabled": False}})
+    assert {e.path: e.message for e in result.errors} == {
+        "backends[0].learn_slots": "learned by the health probes: needs health_check.enabled"}
+
+
 def test_durations_and_duplicates() -> None:
     cfg = parse_config({"backends": [BACKEND], "health_check": {"interval_seconds": "2m"}})
     assert cfg.health_check.interval_seconds == 120.0

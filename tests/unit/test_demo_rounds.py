@@ -86,4 +86,19 @@ def test_the_demo_tells_the_router_its_engines_slots() -> None:
     assert result.config is not None and not result.errors
     assert [b.slots for b in result.config.backends] == [2, 2]
     unknown = router_config(KV_DEFAULT, engines, "http://127.0.0.1:1")
-    assert all("slots" not in b for b in unknown["backends"])
+    assert all("slots" not in b and "learn_slots" not in b for b in unknown["backends"])
+    learned = router_config(KV_DEFAULT, engines, "http://127.0.0.1:1", learn_slots=True)
+    result = check_config(learned)
+    assert result.config is not None and not result.errors
+    assert [(b.slots, b.learn_slots) for b in result.config.backends] == [(None, True)] * 2
+    assert result.config.health_check.enabled
+
+
+def test_demo_slots_option() -> None:
+    from continuum.devtools.demo import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args([]).slots == "given"
+    assert parser.parse_args(["--slots", "learned"]).slots == "learned"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--slots", "sometimes"])
