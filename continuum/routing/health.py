@@ -257,9 +257,9 @@ class HealthMonitor:
         if queue is None:
             if not tracker.metrics_warned:
                 tracker.metrics_warned = True
-                log.warning("backend %s: learn_slots is on, but %s/metrics (HTTP %d) has no "
-                            "vLLM or SGLang queue gauges; its slots stay unknown",
-                            backend.name, backend.url, resp.status_code)
+                log.warning("backend %s: learn_slots is on, but its /metrics (HTTP %d) has "
+                            "no vLLM or SGLang queue gauges; its slots stay unknown",
+                            backend.name, resp.status_code)
             return
         slots = tracker.slot_learner.observe(*queue)
         if slots is not None and slots != backend.slots:

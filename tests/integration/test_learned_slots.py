@@ -114,3 +114,37 @@ def test_a_backend_without_engine_gauges_keeps_no_slots_and_stays_healthy(
         assert len(warnings) == 1 and "has no vLLM or SGLang queue gauges" in warnings[0]
     finally:
         monitor.stop()
+
+
+def _slots_by_worker(url: str, token: str, workers: int) -> dict[int, tuple[Any, Any]]:
+    """``(slots, slots_source)`` of each worker's ``GET /admin/backends`` (fresh
+    connections, which the kernel spreads over the workers)."""
+    seen: dict[int, tuple[Any, Any]] = {}
+    for _ in range(200):
+        doc = requests.get(url + "/admin/backends", timeout=10,
+                           headers={"Authorization": f"Bearer {token}",
+                                    "Connection": "close"}).json()
+        row = doc["backends"][0]
+        seen[doc["worker_pid"]] = (row["slots"], row["slots_source"])
+        if len(seen) == workers:
+            break
+    return seen
+
+
+@pytest.mark.e2e
+def test_every_gunicorn_worker_routes_with_the_learned_slots(
+        engine: str, router_factory: Any) -> None:
+    """Two workers, one prober: the slots it learns while the engine queues reach both
+    workers' admin views."""
+    token = "learned-slots-token"
+    router = router_factory({
+        "admin": {"token": token},
+        "backends": [{"name": "e", "url": engine, "models": [MODEL], "learn_slots": True}],
+        "health_check": {"interval_seconds": 0.2},
+    }, workers=2)
+    wait_until(lambda: len(_slots_by_worker(router.url, token, 2)) == 2, "2 workers", 15)
+    assert set(_slots_by_worker(router.url, token, 2).values()) == {(None, "learned")}
+    streams = _Streams(router.url, SLOTS + 2)  # through the router
+    wait_until(lambda: set(_slots_by_worker(router.url, token, 2).values())
+               == {(SLOTS, "learned")}, "both workers to learn the engine's slots", 10)
+    assert streams.join() == [TOKENS] * (SLOTS + 2)
