@@ -7,6 +7,11 @@ owner passes the request clockwise to the first backend under the bound. Request
 without a key hash the model name and take the first node with no bound (the
 :class:`~strategies.consistent_hash.ConsistentHash` path).
 
+With ``kv_cache_index.scoring.load_guard.slot_wait`` (the KV scorer sets
+:attr:`~continuum.request.RequestContext.spill_at_slots`) an owner whose
+``backends[].slots`` are full passes the request clockwise to the first backend under the
+bound with a free slot, and only when none has one is the bound alone the test.
+
 Decision labels (``continuum_prefix_routing_requests_total{strategy=...}``), recorded
 once per ``select``:
   * ``prefix_hash``: the owner took it (including the all-full case, which keeps locality);
@@ -45,6 +50,11 @@ FALLBACK = "fallback"
 _ONE_EACH = (1, 1)
 #: Prefix keys remembered as counted in :attr:`PrefixAwareHash.prefixes`; more start over.
 _MAX_COUNTED = 4096
+
+
+def candidates_by_name(candidates: Sequence[Backend], name: str) -> Backend:
+    """The candidate called ``name`` (explain only)."""
+    return next(b for b in candidates if b.name == name)
 
 
 def load_bound(candidates: Sequence[Backend], epsilon: float) -> int:
@@ -112,7 +122,19 @@ class PrefixAwareHash(ConsistentHash):
         start = ring.lookup_probes(key)
         first = ring.owners[start]
         owner = candidates[first]
-        if loads[first] < bound:  # the common case, without the walk
+        slots = owner.slots
+        if loads[first] < bound and (slots is None or loads[first] < slots):
+            return owner, PREFIX_HASH, bound  # the common case, without the walk
+        if ctx.spill_at_slots:
+            # The owner's slots are full (KV scorer with load_guard.slot_wait): the first
+            # backend clockwise with a free slot under the bound, if any; an engine beyond
+            # its slots queues however far under the bound it is.
+            for index in ring.walk_indices_at(start):
+                backend = candidates[index]
+                limit = backend.slots
+                if loads[index] < bound and (limit is None or loads[index] < limit):
+                    return backend, (PREFIX_HASH if backend is owner else OVERFLOW), bound
+        if loads[first] < bound:
             return owner, PREFIX_HASH, bound
         for index in ring.walk_indices_at(start):  # the owner first: it is full
             if loads[index] < bound:
@@ -160,7 +182,9 @@ class PrefixAwareHash(ConsistentHash):
                 PREFIX_HASH: "the key's owner is under the load bound"
                 if backend.in_flight < (bound or 0)
                 else "every backend is at the bound; the owner keeps the request",
-                OVERFLOW: f"the owner {order[0]} is at the load bound; next under it clockwise",
+                OVERFLOW: f"the owner {order[0]} is at the load bound; next under it clockwise"
+                if candidates_by_name(candidates, order[0]).in_flight >= (bound or 0)
+                else f"the owner {order[0]} has no free slot; next with one clockwise",
             }[label]
         return {"decision": label, "backend": backend.name, "reason": reason,
                 "load_bound": bound, "ring_order": order}

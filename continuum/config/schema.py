@@ -384,6 +384,13 @@ class LoadGuardConfig:
         "took to their first token at each in-flight count (a holder turned down leaves the "
         "request to the strategy); shorter mean TTFT under load, about a point less prefix "
         "hit rate on the load demo", restart=True)
+    slot_wait: bool = setting(
+        True, doc="adaptive: a holder beyond its slots (backends[].slots or learn_slots) "
+        "is priced at least at its wait for a slot, the requests beyond its slots times its "
+        "latency EWMA / its in-flight count, beyond the least-waiting candidate's; and "
+        "PrefixAwareHash passes over a backend whose slots are full to the next on the ring "
+        "with a free one. Load demo, four two-slot engines: p99 TTFT about 40% lower for 1-2 "
+        "points of prefix hit rate", restart=True)
     load_factor_epsilon: float = setting(
         0.25, doc="bound = max(floor, ceil((1 + epsilon) * (in_flight_total + 1) / N))",
         min=0.01, max=10.0, restart=True,

@@ -53,6 +53,18 @@ Load guard (``scoring.load_guard``):
   it made slowed the engines, which raised the waits, which made more misses, and the
   ``load`` demo's hit rate fell to 87% and its p99 TTFT to seconds.)
 
+  With ``slot_wait`` (on by default) and a holder's slots known (``backends[].slots`` or
+  ``learn_slots``), ``extra`` is at least its wait for a slot beyond the least-waiting
+  candidate's: the requests beyond its slots, counting this one, times its latency EWMA /
+  its in-flight count (at least ``queue_ms_per_request``), where a backend with a free
+  slot waits 0. The request a full holder is turned down for then goes to the strategy
+  with :attr:`RequestContext.spill_at_slots <continuum.request.RequestContext.spill_at_slots>`
+  set, and PrefixAwareHash passes over owners whose slots are full to the next backend on
+  the ring with a free one. The guard alone compares a holder with the candidates' mean,
+  and PrefixAwareHash alone with the CHWBL bound, so on engines of two slots a holder
+  running four took the request while another ran one (the ``load`` demo: about a third
+  of all requests).
+
   Under the bound a request more costs little otherwise, so a lightly loaded fleet keeps
   its longest match; at the bound a backend's own latency prices its queue, so a
   saturated holder is recognised even before its waits are learned. A qualified holder scores
@@ -156,6 +168,20 @@ class _Credit:
         self.saved_tokens = tokens * weight
 
 
+def _slot_wait_ms(backend: Backend, queue_ms: float) -> float:
+    """``load_guard.slot_wait``: how long a request sent to ``backend`` now waits for a
+    slot: the requests beyond its slots (counting this one) times what its latency says one
+    request holds the queue for (latency EWMA / in-flight, at least ``queue_ms``); 0 with a
+    free slot or unknown slots."""
+    in_flight = backend.in_flight
+    slots = backend.slots
+    if slots is None or in_flight < slots:
+        return 0.0
+    ewma = backend.latency_ewma
+    per = max(queue_ms, ewma * 1000.0 / max(in_flight, 1)) if ewma is not None else queue_ms
+    return (in_flight - slots + 1) * per
+
+
 def _queue_bound(backend: Backend, bound: int) -> int:
     """Where ``backend`` starts to queue: the CHWBL ``bound``, or its ``backends[].slots``
     when fewer (beyond them it queues, however far under the bound it is)."""
@@ -168,7 +194,8 @@ class _ChainSnapshot:
     credit, the candidates' mean in-flight count, and for the composite score the seed
     scorer's in-flight snapshot (None in adaptive mode, which reads the queue live)."""
 
-    __slots__ = ("bound", "chain", "credits", "least_wait", "load", "mean_in_flight", "placed")
+    __slots__ = ("bound", "chain", "credits", "least_slot_wait", "least_wait", "load",
+                 "mean_in_flight", "placed")
 
     def __init__(self, chain: PrefixChain, credits: dict[str, _Credit], bound: int,
                  mean_in_flight: float, load: _Snapshot | None, least_wait: float = 0.0) -> None:
@@ -179,6 +206,7 @@ class _ChainSnapshot:
         self.load = load
         #: The shortest learned wait for a first token among the candidates (seconds).
         self.least_wait = least_wait
+        self.least_slot_wait = 0.0
         #: With placement: the backend a first-message match goes to, and each
         #: candidate's cost (lost prefill, pressure, queue, in ms).
         self.placed: Placed | None = None
@@ -204,6 +232,7 @@ class ChainOverlapScorer(KvOverlapScorer):
         self.prefill_ms_per_token = guard.prefill_ms_per_1k_tokens / 1000.0
         self.queue_ms = guard.queue_ms_per_request
         self.learned_wait = self.adaptive and guard.learned_wait
+        self.slot_wait = self.adaptive and guard.slot_wait
         self.approximate_weight = kv.approximate.weight
         self.approximate_ttl = kv.approximate.ttl_seconds if kv.approximate.enabled else None
         self.chunk_bytes = kv.chain.chunk_bytes
@@ -395,6 +424,10 @@ class ChainOverlapScorer(KvOverlapScorer):
             if self.learned_wait else 0.0
         mean_in_flight = total / max(len(candidates), 1)
         snapshot = _ChainSnapshot(chain, credits, bound, mean_in_flight, load, least_wait)
+        if self.slot_wait:
+            snapshot.least_slot_wait = min(
+                (_slot_wait_ms(b, self.queue_ms) for b in candidates), default=0.0)
+            ctx.spill_at_slots = True
         if self.placement:
             snapshot.placed = self._place(credits, chain, candidates, mean_in_flight, bound,
                                           now)
@@ -477,6 +510,12 @@ class ChainOverlapScorer(KvOverlapScorer):
         queue = f"its queue ({extra:.1f} in flight over the mean, load bound {snapshot.bound}"
         limit = _queue_bound(backend, snapshot.bound)
         queue += f", {limit} slots)" if limit < snapshot.bound else ")"
+        if self.slot_wait and backend.slots is not None:
+            wait_ms = _slot_wait_ms(backend, self.queue_ms) - snapshot.least_slot_wait
+            if wait_ms > extra_ms:
+                extra_ms = wait_ms
+                queue = (f"its wait for a slot ({backend.in_flight} in flight, "
+                         f"{backend.slots} slots) beyond the least-waiting candidate's")
         if self.learned_wait:
             # An engine batches up to its slots and queues beyond them, wherever the
             # CHWBL bound is: the learned wait here beyond the least-waiting

@@ -14,6 +14,7 @@ from continuum.routing.backends import WAIT_SAMPLES, Backend
 from continuum.routing.selection import SelectionPipeline
 from continuum.testing import make_backends, make_context
 from stores.kv_memory import InMemoryKvIndex
+from strategies.prefix_aware_hash import PrefixAwareHash
 from strategies.round_robin import RoundRobin
 
 SYSTEM = "You are the assistant of the harbour office. " * 24  # ~1.1 KB
@@ -175,6 +176,39 @@ def test_a_holder_at_its_slots_is_priced_at_its_latency_under_the_load_bound() -
     assert row["score"] == 0.0 and "bound 4, 2 slots) costs ~200 ms" in row["why"], row
     two[1].in_flight = 1  # a free slot: 10 ms a request over the mean, as without slots
     assert pick(scorer, two, request(HISTORY + "Next?")) == ("b1", "scorer")
+
+
+def test_slot_wait_turns_down_a_full_holder_and_the_ring_sends_it_to_a_free_slot() -> None:
+    """``load_guard.slot_wait``: a holder with 3 in flight on 2 slots makes the request
+    wait for two answers' share of its latency (2 x 300 ms / 3), more than the prefill it
+    saves, while another backend has a free slot. The guard alone prices only its
+    queue beyond the candidates' mean (1/3 x 100 ms) and keeps it there."""
+    index = InMemoryKvIndex()
+    ctx = request(HISTORY * 2 + "Next?")
+    hold(index, "b1", ctx, len(ctx.chain.keys))  # ~1,380 tokens: ~138 ms saved
+
+    def fleet() -> list[Backend]:
+        backends = [Backend(BackendConfig(name=f"b{i}", url="http://127.0.0.1:9", slots=2))
+                    for i in range(3)]
+        for backend, in_flight in zip(backends, (5, 3, 0), strict=True):
+            backend.latency_ewma = 0.3
+            backend.in_flight = in_flight
+        return backends
+
+    off = scorer_for(index, scoring={"load_guard": {"slot_wait": False}})
+    assert pick(off, fleet(), request(HISTORY * 2 + "Next?")) == ("b1", "scorer")
+    on = scorer_for(index)  # on by default
+    backends = fleet()
+    probe = request(HISTORY * 2 + "Next?")
+    chosen = SelectionPipeline(PrefixAwareHash(parse_config({})), [on]).select(backends, probe)
+    assert chosen.name == "b2" and probe.spill_at_slots  # the only free slot
+    assert on.decisions["fallback"] == 1
+    row = {r["backend"]: r for r in on.explain(probe, backends)}["b1"]
+    assert row["score"] == 0.0 and row["why"].startswith(
+        "its wait for a slot (3 in flight, 2 slots) beyond the least-waiting candidate's "
+        "costs ~200 ms"), row
+    backends[1].in_flight = 1  # a free slot: no wait, the match wins
+    assert pick(on, backends, request(HISTORY * 2 + "Next?")) == ("b1", "scorer")
 
 
 def test_approximate_matches_count_less_and_events_confirm_them() -> None:

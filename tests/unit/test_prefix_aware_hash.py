@@ -108,6 +108,37 @@ def test_owner_keeps_request_below_bound_then_overflows_clockwise() -> None:
     assert strategy.select(backends, ctx).name == order[1]
 
 
+def test_with_spill_at_slots_a_full_owner_passes_to_the_next_with_a_free_slot() -> None:
+    """``load_guard.slot_wait`` (the KV scorer sets ``ctx.spill_at_slots``): an owner
+    whose slots are full passes the request on although it is under the CHWBL bound; the
+    next backend clockwise whose slots are full too is passed over as well. Without the
+    flag, or with every slot full, the bound alone decides, as before."""
+    strategy = PrefixAwareHash(_config())
+    backends = make_backends(4)
+    ctx = make_context(prefix=_key(3))
+    order = strategy.explain(backends, ctx)["ring_order"]
+    by_name = {b.name: b for b in backends}
+    for backend in backends:
+        backend.slots = 2
+    by_name[order[0]].in_flight = 2  # its two slots are full
+    by_name[order[1]].in_flight = 2
+    by_name[order[3]].in_flight = 4
+    bound = strategy.explain(backends, ctx)["load_bound"]
+    assert bound == 3  # ceil(1.25 * (8 + 1) / 4): the owner is under it
+    assert strategy.select(backends, ctx).name == order[0]
+    ctx.spill_at_slots = True
+    explained = strategy.explain(backends, ctx)
+    assert (explained["decision"], explained["backend"]) == ("overflow", order[2])
+    assert explained["reason"] == f"the owner {order[0]} has no free slot; next with one clockwise"
+    assert strategy.select(backends, ctx).name == order[2]
+    for backend in backends:
+        backend.in_flight = 2  # every slot full: the owner keeps it under the bound
+    assert strategy.select(backends, ctx).name == order[0]
+    by_name[order[0]].slots = None  # unknown slots: only the bound counts
+    by_name[order[0]].in_flight = 1
+    assert strategy.select(backends, ctx).name == order[0]
+
+
 def test_no_prefix_key_hashes_the_model_without_bound() -> None:
     strategy = PrefixAwareHash(_config())
     backends = make_backends(4)
