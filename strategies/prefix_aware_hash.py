@@ -52,7 +52,7 @@ _ONE_EACH = (1, 1)
 _MAX_COUNTED = 4096
 
 
-def candidates_by_name(candidates: Sequence[Backend], name: str) -> Backend:
+def _named(candidates: Sequence[Backend], name: str) -> Backend:
     """The candidate called ``name`` (explain only)."""
     return next(b for b in candidates if b.name == name)
 
@@ -183,7 +183,7 @@ class PrefixAwareHash(ConsistentHash):
                 if backend.in_flight < (bound or 0)
                 else "every backend is at the bound; the owner keeps the request",
                 OVERFLOW: f"the owner {order[0]} is at the load bound; next under it clockwise"
-                if candidates_by_name(candidates, order[0]).in_flight >= (bound or 0)
+                if _named(candidates, order[0]).in_flight >= (bound or 0)
                 else f"the owner {order[0]} has no free slot; next with one clockwise",
             }[label]
         return {"decision": label, "backend": backend.name, "reason": reason,

@@ -206,6 +206,7 @@ class _ChainSnapshot:
         self.load = load
         #: The shortest learned wait for a first token among the candidates (seconds).
         self.least_wait = least_wait
+        #: ``load_guard.slot_wait``: the shortest wait for a slot among the candidates (ms).
         self.least_slot_wait = 0.0
         #: With placement: the backend a first-message match goes to, and each
         #: candidate's cost (lost prefill, pressure, queue, in ms).
