@@ -168,18 +168,24 @@ class _Credit:
         self.saved_tokens = tokens * weight
 
 
+def _held_ms(backend: Backend, in_flight: int, queue_ms: float) -> float:
+    """What ``backend``'s latency says one request holds its queue for (latency EWMA /
+    ``in_flight``), at least ``queue_ms``; ``queue_ms`` before any latency is known."""
+    ewma = backend.latency_ewma
+    if ewma is None:
+        return queue_ms
+    return max(queue_ms, ewma * 1000.0 / max(in_flight, 1))
+
+
 def _slot_wait_ms(backend: Backend, queue_ms: float) -> float:
     """``load_guard.slot_wait``: how long a request sent to ``backend`` now waits for a
-    slot: the requests beyond its slots (counting this one) times what its latency says one
-    request holds the queue for (latency EWMA / in-flight, at least ``queue_ms``); 0 with a
-    free slot or unknown slots."""
+    slot: the requests beyond its slots (counting this one) times :func:`_held_ms`; 0 with
+    a free slot or unknown slots."""
     in_flight = backend.in_flight
     slots = backend.slots
     if slots is None or in_flight < slots:
         return 0.0
-    ewma = backend.latency_ewma
-    per = max(queue_ms, ewma * 1000.0 / max(in_flight, 1)) if ewma is not None else queue_ms
-    return (in_flight - slots + 1) * per
+    return (in_flight - slots + 1) * _held_ms(backend, in_flight, queue_ms)
 
 
 def _queue_bound(backend: Backend, bound: int) -> int:
@@ -386,8 +392,8 @@ class ChainOverlapScorer(KvOverlapScorer):
         queue there."""
         in_flight = backend.in_flight
         per_request = self.queue_ms
-        if in_flight + 1 > _queue_bound(backend, bound) and backend.latency_ewma is not None:
-            per_request = max(per_request, backend.latency_ewma * 1000.0 / max(in_flight, 1))
+        if in_flight + 1 > _queue_bound(backend, bound):
+            per_request = _held_ms(backend, in_flight, per_request)
         return max(0.0, in_flight - reference) * per_request
 
     def prepare(self, ctx: RequestContext, candidates: Sequence[Backend]) -> None:
@@ -425,9 +431,10 @@ class ChainOverlapScorer(KvOverlapScorer):
             if self.learned_wait else 0.0
         mean_in_flight = total / max(len(candidates), 1)
         snapshot = _ChainSnapshot(chain, credits, bound, mean_in_flight, load, least_wait)
-        if self.slot_wait:
-            snapshot.least_slot_wait = min(
-                (_slot_wait_ms(b, self.queue_ms) for b in candidates), default=0.0)
+        if self.slot_wait and any(b.slots is not None for b in candidates):
+            # Without known slots every wait is 0 and the spill walks the ring as the
+            # bound does: neither is worth its work on the request's path.
+            snapshot.least_slot_wait = min(_slot_wait_ms(b, self.queue_ms) for b in candidates)
             ctx.spill_at_slots = True
         if self.placement:
             snapshot.placed = self._place(credits, chain, candidates, mean_in_flight, bound,
