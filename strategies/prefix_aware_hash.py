@@ -52,11 +52,6 @@ _ONE_EACH = (1, 1)
 _MAX_COUNTED = 4096
 
 
-def _named(candidates: Sequence[Backend], name: str) -> Backend:
-    """The candidate called ``name`` (explain only)."""
-    return next(b for b in candidates if b.name == name)
-
-
 def load_bound(candidates: Sequence[Backend], epsilon: float) -> int:
     """Most in-flight requests one backend may hold, counting the one being placed."""
     return _bound(in_flight_of(candidates), epsilon)
@@ -177,13 +172,14 @@ class PrefixAwareHash(ConsistentHash):
         else:
             ring = self.ring(candidates)
             start = ring.lookup_probes(key)
+            owner = candidates[ring.owners[start]]
             order = [candidates[i].name for i in ring.walk_indices_at(start)]
             reason = {
                 PREFIX_HASH: "the key's owner is under the load bound"
                 if backend.in_flight < (bound or 0)
                 else "every backend is at the bound; the owner keeps the request",
                 OVERFLOW: f"the owner {order[0]} is at the load bound; next under it clockwise"
-                if _named(candidates, order[0]).in_flight >= (bound or 0)
+                if owner.in_flight >= (bound or 0)
                 else f"the owner {order[0]} has no free slot; next with one clockwise",
             }[label]
         return {"decision": label, "backend": backend.name, "reason": reason,
