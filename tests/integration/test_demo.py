@@ -136,8 +136,9 @@ def test_demo_push_mode_routes_like_pull() -> None:
 def test_demo_load_scenario_guard_keeps_tail_latency_down() -> None:
     """``--scenario load --quick`` (three rows, about 70 s on 2 cores): without a guard the seed
     scorer keeps sending the popular prompt to its one busy holder (p99 TTFT about 2 s);
-    the default chain index's adaptive guard keeps the tail near the hash ring's (about
-    0.32-0.39 s) with a hit rate at least as good."""
+    the default chain index's guard keeps the tail near the hash ring's or below it (about
+    0.36-0.42 s against 0.41-0.49 s) at about the ring's hit rate (0.5-1.2 points above it
+    in three runs, 0.3 below it in one CI run: slot_wait gives up some hits for the tail)."""
     assert [row.name for row in WORKLOADS["load"][1]] == [
         "single engine", "RoundRobin", "PrefixAwareHash", "KV index (seed key)",
         "KV index (seed key) + load guard", "KV index"]
@@ -151,7 +152,8 @@ def test_demo_load_scenario_guard_keeps_tail_latency_down() -> None:
         _assert_kv_row(row)
     assert adaptive["ttft_ms_p99"] < unguarded["ttft_ms_p99"], rows
     assert max(adaptive["engine_requests"]) < max(unguarded["engine_requests"]), rows
-    assert adaptive["prefix_hit_rate"] >= rows["PrefixAwareHash"]["prefix_hit_rate"], rows
+    # a quick run routes about 400 requests: a point of hits is four of them
+    assert adaptive["prefix_hit_rate"] >= rows["PrefixAwareHash"]["prefix_hit_rate"] - 0.02, rows
 
 
 @pytest.mark.slow
