@@ -59,6 +59,8 @@ from continuum.wire.waits import arm, timer_for, wait_watcher
 if TYPE_CHECKING:  # imported where a gate is made: in a worker of several, not the master
     from continuum.wire.accept_balance import AcceptGate
 
+log = logging.getLogger(__name__)
+
 #: The Python path gunicorn loads this worker by (``worker_class``).
 WORKER_CLASS = "continuum.gunicorn_worker.GeventWorker"
 
@@ -150,6 +152,52 @@ def _answer_timeout(sock: Any, message: str) -> None:
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     with contextlib.suppress(OSError), gevent.Timeout(_ANSWER_SECONDS, False):
         sock.sendall(head + body)
+
+
+#: The error ``code`` of each status gunicorn answers a request it refuses itself with.
+_REFUSAL_CODES = {400: "bad_request", 403: "forbidden", 414: "request_line_too_long",
+                  417: "expectation_failed", 431: "request_header_fields_too_large",
+                  500: "internal_error", 501: "unsupported_transfer_coding"}
+
+
+class _AnthropicClient:
+    """A client socket whose refusal is written in Anthropic's error shape (the request's
+    path was read, and is under ``/anthropic/``)."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
+def _write_refusal(sock: Any, status: int, reason: str, message: str) -> None:
+    """gunicorn's ``util.write_error`` in this worker: the answer to a request gunicorn
+    refuses before the application sees it (a request line over ``limit_request_line``,
+    too many or too long headers, malformed HTTP, a bad chunk) in the JSON error shape
+    every other answer has, with an ``X-Request-Id``, instead of an HTML page. The
+    connection is closed after it, as gunicorn closes it."""
+    from continuum.request import new_request_id  # loaded in the worker by now
+    from continuum.routing import anthropic
+    from continuum.web.http import error_body
+
+    rid = new_request_id()
+    if not message:  # an error of gunicorn's own, logged by it
+        message = "internal error in the router (logged)"
+    if status >= 500:
+        message = f"{message} (request id {rid})"
+    if isinstance(sock, _AnthropicClient):
+        sock = sock.sock
+        body = anthropic.error_document(status, message, rid)
+    else:
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        body = error_body(message, kind, _REFUSAL_CODES.get(status, str(status)), None, rid)
+    log.info("refused a request before reading it: %s %s: %s (request id %s)",
+             status, reason, message, rid)
+    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"X-Request-Id: {rid}\r\n\r\n").encode("latin-1")
+    gunicorn_util.write_nonblock(sock, head + body)
 
 
 class _CoalescingSocket:
@@ -313,8 +361,10 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         gunicorn's to parse, as before). gunicorn's parser makes its requests from the
         ``mesg_class`` of its class; there is no per-worker hook for it.
 
-        Three more changes to gunicorn's module state, in this worker process only (the
-        master and other worker classes keep gunicorn as it is): ``util.http_date`` is
+        Four more changes to gunicorn's module state, in this worker process only (the
+        master and other worker classes keep gunicorn as it is): ``util.write_error`` is
+        :func:`_write_refusal` (the requests gunicorn refuses itself are answered in JSON,
+        not HTML); ``util.http_date`` is
         :class:`_HttpDate` (the same text, made once a second instead of per response);
         ``wsgi.errors`` is :class:`_ErrorsWrapper` (the same streams, without a
         ``logging.getLogger`` per request); and ``SCRIPT_NAME`` is set empty in the
@@ -324,6 +374,7 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         (:class:`_SettledConfig`)."""
         RequestParser.mesg_class = FastRequest
         gunicorn_wsgi.WSGIErrorsWrapper = _ErrorsWrapper
+        gunicorn_util.write_error = _write_refusal
         if not isinstance(gunicorn_util.http_date, _HttpDate):
             gunicorn_util.http_date = _HttpDate(gunicorn_util.http_date)
         os.environ.setdefault("SCRIPT_NAME", "")
@@ -386,6 +437,15 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
                 # The unread bytes: seek to the end reports their count without copying
                 # them (the unreader seeks there itself before every read).
                 conn.buffered = buf is None or buf.seek(0, os.SEEK_END) > 0
+
+    def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
+        """gunicorn's answer to an error (its log lines and access record included),
+        written by :func:`_write_refusal`: in Anthropic's shape when the request's path
+        was read and is under ``/anthropic/``."""
+        path = getattr(req if req is not None else getattr(exc, "req", None), "path", None)
+        if isinstance(path, str) and path.startswith("/anthropic/"):
+            client = _AnthropicClient(client)
+        super().handle_error(req, client, addr, exc)
 
     def timeout_ctx(self) -> Any:
         """The deadline for reading the next request's header (see the module doc)."""

@@ -18,7 +18,12 @@ import gevent
 
 from continuum import request as rq
 from continuum.config import ServerConfig
-from continuum.errors import ContinuumError, PayloadTooLargeError, RequestTimeoutError
+from continuum.errors import (
+    ContinuumError,
+    PayloadTooLargeError,
+    RequestError,
+    RequestTimeoutError,
+)
 from continuum.routing import anthropic
 
 log = logging.getLogger(__name__)
@@ -118,16 +123,31 @@ def read_body(
 ) -> bytes:
     """Read the request body, refusing more than ``limit`` bytes, and a client that takes
     longer than ``timeout`` seconds to send it (408), which is then hung up on so that it
-    holds none of the worker's connections any longer."""
+    holds none of the worker's connections any longer.
+
+    A body sent with ``Transfer-Encoding: chunked`` (no ``Content-Length``: Go's and
+    Node's clients with a streamed body, ``curl -T -``) is read from the server's own
+    decoder to its last chunk, under the same limit; Falcon's bounded stream would read it
+    as empty."""
     length = req.content_length
     if length is not None and length > limit:
         raise PayloadTooLargeError(
             f"request body of {length} bytes exceeds the limit of {limit} bytes"
         )
+    chunked = length is None and "chunked" in (req.get_header("Transfer-Encoding") or "").lower()
+    # the WSGI server's own input ends where the chunks end
+    stream = req.stream if chunked else req.bounded_stream
     timer = gevent.Timeout(timeout)
     try:
         with timer:
-            data = req.bounded_stream.read(limit + 1)
+            data = stream.read(limit + 1)
+    except Exception as exc:  # the server's decoder: gunicorn's errors are plain Exceptions
+        if not chunked:
+            raise
+        _stop_reading(req)  # where the next request would start is unknown
+        why = "it ended before its last chunk" if isinstance(exc, OSError) else str(exc)
+        raise RequestError(f"request body is not valid chunked transfer coding: {why}",
+                           code="invalid_chunked_body") from None
     except gevent.Timeout as exc:
         if exc is not timer:
             raise

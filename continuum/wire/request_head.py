@@ -16,8 +16,9 @@ accept it *and* build exactly the same request from it:
 
 Anything else — a head still incomplete, a PROXY protocol preamble, obsolete line folding,
 a bare LF, a limit exceeded, a malformed line — goes to gunicorn's parser untouched (the
-bytes read are handed back first), which accepts or refuses it as it always did, with its
-own error pages. The body reader, keep-alive and pipelining are gunicorn's in both cases.
+bytes read are handed back first), which accepts or refuses it as it always did (the
+router's worker writes its refusals in JSON: :func:`continuum.gunicorn_worker._write_refusal`).
+The body reader, keep-alive and pipelining are gunicorn's in both cases.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Hostile requests against the router under real gunicorn -k gevent: 400 in JSON, the same
-worker keeps serving, and gunicorn's own HTML error pages are what the docs say."""
+worker keeps serving; what gunicorn refuses before the app sees it is answered in JSON
+too; chunked request bodies are read to their last chunk under the same limits."""
 
 from __future__ import annotations
 
+import json
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -91,23 +93,99 @@ def test_the_deepest_configurable_nesting_is_served_by_a_real_worker(
     assert "more than 512 levels deep" in too_deep.json()["error"]["message"]
 
 
-def test_gunicorn_answers_malformed_http_itself_in_html(
+def _split(answer: bytes) -> tuple[bytes, dict[str, str], Any]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    return status.encode(), headers, json.loads(body)
+
+
+def test_what_gunicorn_refuses_itself_is_answered_in_json(
     upstreams: Callable[[str], FakeUpstream], router_factory: Callable[..., RouterProcess]
 ) -> None:
-    """What README and the man page document: these never reach the app, so they are
-    gunicorn's HTML pages with Connection: close."""
+    """Requests refused before the app sees them (gunicorn's limits, malformed HTTP) get
+    gunicorn's status and Connection: close, with the router's JSON error shape (Anthropic's
+    when the path was read and is under /anthropic/) and an X-Request-Id; the worker goes
+    on serving."""
     up = upstreams("up")
     router = router_factory({"backends": [{"name": "up", "url": up.url, "models": ["m"]}],
                              "health_check": {"enabled": False}})
+    pid = _worker_pid(router)
     long_line = b"GET /" + b"a" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
     many_headers = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(
         b"X-H%d: v\r\n" % i for i in range(101)) + b"\r\n"
     big_header = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"v" * 9000 + b"\r\n\r\n"
     garbage = b"NOT HTTP AT ALL\r\n\r\n"
-    for request, status in ((long_line, b"414"), (many_headers, b"431"),
-                            (big_header, b"431"), (garbage, b"400")):
-        answer = _raw_http(router.port, request)
-        head = answer.split(b"\r\n\r\n", 1)[0]
-        assert head.startswith(b"HTTP/1.1 " + status), answer[:200]
-        assert b"Content-Type: text/html" in head and b"Connection: close" in head
+    for request, status, code in (
+            (long_line, b"414", "request_line_too_long"),
+            (many_headers, b"431", "request_header_fields_too_large"),
+            (big_header, b"431", "request_header_fields_too_large"),
+            (garbage, b"400", "bad_request")):
+        line, headers, doc = _split(_raw_http(router.port, request))
+        assert line.startswith(b"HTTP/1.1 " + status), (line, doc)
+        assert headers["content-type"] == "application/json"
+        assert headers["connection"] == "close"
+        error = doc["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == code, doc
+        assert error["request_id"] == headers["x-request-id"] and len(error["request_id"]) == 32
+    assert "Request Line is too large" in \
+        _split(_raw_http(router.port, long_line))[2]["error"]["message"]
+    # a transfer coding gunicorn does not accept, on a path it read: Anthropic's shape
+    line, headers, doc = _split(_raw_http(
+        router.port, b"POST /anthropic/v1/messages HTTP/1.1\r\nHost: x\r\n"
+                     b"Transfer-Encoding: gzip\r\n\r\n"))
+    assert line.startswith(b"HTTP/1.1 400"), doc
+    assert doc["type"] == "error" and doc["error"]["type"] == "invalid_request_error", doc
+    assert doc["request_id"] == headers["x-request-id"]
+    assert requests.get(router.url + "/health", timeout=5).status_code == 200
+    assert _worker_pid(router) == pid
+    assert "Traceback" not in router.proc.log_text()
+
+
+def _pieces(body: bytes, size: int) -> Iterator[bytes]:
+    """A generator body: requests sends it with Transfer-Encoding: chunked."""
+    for start in range(0, len(body), size):
+        yield body[start:start + size]
+
+
+def test_a_chunked_request_body_is_read_to_its_last_chunk(
+    upstreams: Callable[[str], FakeUpstream], router_factory: Callable[..., RouterProcess]
+) -> None:
+    """A body without Content-Length, in chunks (Go's and Node's clients with a streamed
+    body), is routed like a sized one; beyond server.max_body_bytes it is a 413; a malformed
+    or truncated chunk is a 400 and that connection is closed."""
+    up = upstreams("up")
+    router = router_factory({"backends": [{"name": "up", "url": up.url, "models": ["m"]}],
+                             "server": {"max_body_bytes": 65536},
+                             "health_check": {"enabled": False}})
+    body = json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": "chunked " + "y" * 3000}]}).encode()
+    resp = requests.post(router.url + "/v1/chat/completions", data=_pieces(body, 1000),
+                         headers={"Content-Type": "application/json"}, timeout=10)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == "hello from up"
+    stats = up.stats()
+    assert stats["requests"] == 1
+    assert stats["last_body"]["messages"][0]["content"] == "chunked " + "y" * 3000
+    too_big = requests.post(router.url + "/v1/chat/completions",
+                            data=_pieces(b"z" * 70000, 10000),
+                            headers={"Content-Type": "application/json"}, timeout=10)
+    assert too_big.status_code == 413, too_big.text
+    assert too_big.json()["error"]["code"] == "request_too_large"
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for tail, why in ((b"zz\r\n", "Invalid chunk size"),
+                      (b"5\r\n{\"mod\r\n", "ended before its last chunk")):
+        with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
+            sock.sendall(head + tail)
+            if why.startswith("ended"):
+                sock.shutdown(socket.SHUT_WR)
+            answer = b""
+            while chunk := sock.recv(65536):  # the router closes the connection
+                answer += chunk
+        line, _, doc = _split(answer)
+        assert line.startswith(b"HTTP/1.1 400"), doc
+        assert doc["error"]["code"] == "invalid_chunked_body" and why in \
+            doc["error"]["message"], doc
+    assert up.stats()["requests"] == 1  # nothing refused reached the upstream
     assert requests.get(router.url + "/health", timeout=5).status_code == 200
