@@ -137,7 +137,7 @@ class AnthropicModelsResource:
 
 
 class HealthResource:
-    """``GET /health``: 200 while at least one routable backend is healthy, else 503. Like
+    """``GET /health`` (and ``HEAD``): 200 while at least one routable backend is healthy, else 503. Like
     a request, it first waits for the first probe results when no backend is healthy yet
     but some are unprobed (a worker that just started): a live fleet is not reported down
     for the milliseconds its first probes take."""
@@ -157,6 +157,10 @@ class HealthResource:
             {"status": "ok" if ok else "unavailable",
              "backends": {"healthy": healthy, "total": len(routable)}}
         ).encode()
+
+    #: ``HEAD /health`` (load balancers' checks such as HAProxy's ``httpchk HEAD``): the
+    #: same status and headers, no body (Falcon drops it for HEAD).
+    on_head = on_get
 
 
 class MetricsResource:

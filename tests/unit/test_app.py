@@ -48,6 +48,17 @@ def test_models_union_and_health(client: falcon.testing.TestClient) -> None:
     assert client.simulate_get("/v1/models").json["data"][0]["id"] == "m"
     assert client.simulate_get("/health").json == {
         "status": "ok", "backends": {"healthy": 1, "total": 1}}
+    head = client.simulate_head("/health")  # load balancers' HEAD checks
+    assert head.status_code == 200 and head.content == b""
+    assert int(head.headers["Content-Length"]) == len(client.simulate_get("/health").content)
+
+
+def test_head_health_is_503_when_no_backend_is_healthy() -> None:
+    app = create_app(parse_config({**CFG, "backends": [
+        {"name": "a", "url": "http://127.0.0.1:9", "models": ["m"], "enabled": False}]}),
+        registry=PluginRegistry())
+    head = falcon.testing.TestClient(app).simulate_head("/health")
+    assert head.status_code == 503 and head.content == b""
 
 
 def test_admin_requires_bearer_token(client: falcon.testing.TestClient) -> None:
