@@ -530,6 +530,39 @@ def render_table(rows: Sequence[dict[str, Any]], scale_out: bool = False) -> str
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 
+def _count(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (got {text})")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0 (got {text})")
+    return value
+
+
+def _scale(text: str) -> float:
+    """An argparse type: a finite number >= 0 (0: no simulated latency at all)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (got {text})")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``continuum-router demo`` argument parser."""
     p = argparse.ArgumentParser(
@@ -542,36 +575,36 @@ def build_parser() -> argparse.ArgumentParser:
                    "with Zipf popularity in the user turn; agent: long sessions growing "
                    "with tool outputs; load: heavy multi-turn chat with skewed prompt "
                    "popularity")
-    p.add_argument("--engines", type=int, default=4, help="simulated engines behind the router")
-    p.add_argument("--num-blocks", type=int, default=FleetShape.num_blocks,
+    p.add_argument("--engines", type=_count, default=4, help="simulated engines behind the router")
+    p.add_argument("--num-blocks", type=_count, default=FleetShape.num_blocks,
                    help="KV capacity of each engine, in 16-token blocks")
-    p.add_argument("--max-num-seqs", type=int,
+    p.add_argument("--max-num-seqs", type=_count,
                    help=f"concurrent request slots of each engine (default "
                    f"{FleetShape.max_num_seqs}; {LOAD_MAX_NUM_SEQS} with --scenario load)")
     p.add_argument("--slots", choices=("given", "learned", "unknown"), default="given",
                    help="what the router knows of each engine's slots: given "
                    "(backends[].slots is --max-num-seqs), learned (backends[].learn_slots: "
                    "from the engines' /metrics by the health probes) or unknown")
-    p.add_argument("--latency-scale", type=float, default=FleetShape.latency_scale,
+    p.add_argument("--latency-scale", type=_scale, default=FleetShape.latency_scale,
                    help="multiplies every simulated latency")
-    p.add_argument("--rate", type=float, help="session arrivals per second (default: built-in)")
-    p.add_argument("--requests", type=int, help="cap on requests per scenario")
-    p.add_argument("--duration", type=float, default=30.0,
+    p.add_argument("--rate", type=_seconds, help="session arrivals per second (default: built-in)")
+    p.add_argument("--requests", type=_count, help="cap on requests per scenario")
+    p.add_argument("--duration", type=_seconds, default=30.0,
                    help="seconds after which a scenario starts no new request")
-    p.add_argument("--request-timeout", type=float, default=30.0,
+    p.add_argument("--request-timeout", type=_seconds, default=30.0,
                    help="seconds one request may take before it counts as an error")
     p.add_argument("--strategies", nargs="+", metavar="NAME",
                    help="scenarios to run (names from the table, or any strategy name); "
                    "default: all of the --scenario")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--concurrency", type=int,
+    p.add_argument("--concurrency", type=_count,
                    help=f"sessions in flight at once (default 64; {LOAD_CONCURRENCY} with "
                    "--scenario load)")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=_count, default=None,
                    help="gunicorn workers per router (default 1); with more than one worker "
                    "or router the response cache and KV index use a redis-server the demo "
                    "starts, and the table gets the scale-out columns (docs/scale-out.md)")
-    p.add_argument("--routers", type=int, default=None,
+    p.add_argument("--routers", type=_count, default=None,
                    help="router instances, taking requests in turn (default 1)")
     p.add_argument("--redis", action="store_true",
                    help="put the response cache and KV index on a redis-server the demo "
@@ -591,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--keep-logs", action="store_true",
                    help="keep the work directory with every process's log and config")
-    p.add_argument("--rounds", type=int, default=1, metavar="N",
+    p.add_argument("--rounds", type=_count, default=1, metavar="N",
                    help="replay every row N times, the rows taking turns (round 1 of every "
                    "row, then round 2, ...), and print each row's median of every number; "
                    "--json keeps every round's row under 'rounds'")
@@ -656,11 +689,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.max_num_seqs = LOAD_MAX_NUM_SEQS if load else FleetShape.max_num_seqs
     if args.concurrency is None:
         args.concurrency = LOAD_CONCURRENCY if load else 64
-    if args.engines < 1 or args.concurrency < 1 or args.max_num_seqs < 1 \
-            or (args.workers or 1) < 1 or (args.routers or 1) < 1 or args.rounds < 1:
-        print("continuum-router demo: --engines, --concurrency, --max-num-seqs, --workers, "
-              "--routers and --rounds must be >= 1", file=sys.stderr)
-        return 2
     began = time.monotonic()
 
     def progress(message: str) -> None:

@@ -137,10 +137,10 @@ class AnthropicModelsResource:
 
 
 class HealthResource:
-    """``GET /health`` (and ``HEAD``): 200 while at least one routable backend is healthy, else 503. Like
-    a request, it first waits for the first probe results when no backend is healthy yet
-    but some are unprobed (a worker that just started): a live fleet is not reported down
-    for the milliseconds its first probes take."""
+    """``GET /health`` (and ``HEAD``): 200 while at least one routable backend is healthy,
+    else 503. Like a request, it first waits for the first probe results when no backend
+    is healthy yet but some are unprobed (a worker that just started): a live fleet is not
+    reported down for the milliseconds its first probes take."""
 
     def __init__(self, service: RouterService) -> None:
         self.service = service

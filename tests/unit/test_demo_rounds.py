@@ -48,11 +48,26 @@ def test_records_are_one_json_line_per_request(tmp_path: Path) -> None:
     assert [json.loads(line) for line in path.read_text().splitlines()] == records
 
 
-def test_rounds_below_one_are_refused_before_anything_starts() -> None:
-    proc = subprocess.run([sys.executable, "-m", "continuum.cli", "demo", "--rounds", "0"],
+@pytest.mark.parametrize(("option", "value", "says"), [
+    ("--rounds", "0", "--rounds: must be a whole number >= 1 (got 0)"),
+    ("--workers", "0", "--workers: must be a whole number >= 1 (got 0)"),
+    ("--routers", "-2", "--routers: must be a whole number >= 1 (got -2)"),
+    ("--requests", "0", "--requests: must be a whole number >= 1 (got 0)"),
+    ("--engines", "x", "--engines: must be a whole number >= 1 (got x)"),
+    ("--duration", "-5", "--duration: must be a number > 0 (got -5)"),
+    ("--rate", "0", "--rate: must be a number > 0 (got 0)"),
+    ("--request-timeout", "nan", "--request-timeout: must be a number > 0 (got nan)"),
+    ("--latency-scale", "-1", "--latency-scale: must be a number >= 0 (got -1)"),
+])
+def test_out_of_range_options_are_refused_before_anything_starts(
+        option: str, value: str, says: str) -> None:
+    """Each one was once taken as its default (0 for --workers, --routers, --rate and
+    --requests) or ran an empty replay (--duration -5) instead of being refused."""
+    proc = subprocess.run([sys.executable, "-m", "continuum.cli", "demo", option, value],
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2, proc.stderr
-    assert "--rounds must be >= 1" in proc.stderr
+    assert says in proc.stderr
+    assert "starting" not in proc.stderr
 
 
 def test_set_items_become_one_nested_router_override() -> None:
