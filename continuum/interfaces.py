@@ -66,6 +66,11 @@ class SelectionStrategy(abc.ABC):
 
     #: Config name under which the strategy is registered (``selection_strategy: <name>``).
     name: ClassVar[str] = ""
+    #: True when ``select`` itself reads :attr:`RequestContext.spill_at_slots
+    #: <continuum.request.RequestContext.spill_at_slots>` (PrefixAwareHash walks its ring
+    #: for a free slot). Otherwise, with that flag set, the pipeline passes ``select`` only
+    #: the candidates with a free slot when some have one.
+    spills_at_slots: ClassVar[bool] = False
 
     def __init__(self, config: RouterConfig | None = None, **collaborators: Any) -> None:
         self.config = config

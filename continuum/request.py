@@ -83,8 +83,9 @@ class RequestContext:
     #: Responses request's ``instructions`` and ``input`` as a chat-shaped body
     #: (:func:`responses_key_body`).
     key_body: dict[str, Any] | None = None
-    #: Set by the KV scorer with ``load_guard.slot_wait``: a prefix-hashing strategy passes
-    #: over a backend whose ``slots`` are full while another on the ring has a free one.
+    #: Set by the KV scorer with ``load_guard.slot_wait``: a backend whose ``slots`` are
+    #: full is passed over while another has a free one (PrefixAwareHash along its ring,
+    #: any other strategy by the pipeline: :mod:`continuum.routing.selection`).
     spill_at_slots: bool = False
 
     @property

@@ -68,6 +68,7 @@ class PrefixAwareHash(ConsistentHash):
     name: ClassVar[str] = "PrefixAwareHash"
     deterministic: ClassVar[bool] = True
     sticky: ClassVar[bool] = True
+    spills_at_slots: ClassVar[bool] = True  # along its ring, under the bound
 
     def __init__(
         self,

@@ -60,10 +60,11 @@ Load guard (``scoring.load_guard``):
   slot waits 0. The request a full holder is turned down for then goes to the strategy
   with :attr:`RequestContext.spill_at_slots <continuum.request.RequestContext.spill_at_slots>`
   set, and PrefixAwareHash passes over owners whose slots are full to the next backend on
-  the ring with a free one. The guard alone compares a holder with the candidates' mean,
-  and PrefixAwareHash alone with the CHWBL bound, so on engines of two slots a holder
-  running four took the request while another ran one (the ``load`` demo: about a third
-  of all requests).
+  the ring with a free one (any other strategy chooses among the backends with a free
+  slot: :mod:`continuum.routing.selection`). The guard alone compares a holder with the
+  candidates' mean, and PrefixAwareHash alone with the CHWBL bound, so on engines of two
+  slots a holder running four took the request while another ran one (the ``load`` demo:
+  about a third of all requests).
 
   Under the bound a request more costs little otherwise, so a lightly loaded fleet keeps
   its longest match; at the bound a backend's own latency prices its queue, so a

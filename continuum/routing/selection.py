@@ -6,6 +6,13 @@ configured :class:`~continuum.interfaces.SelectionStrategy` decides. Every score
 the outcome of the pass (:meth:`~continuum.interfaces.BackendScorer.observe`: the winner,
 its score and the tier it holds, or None when the strategy took over); the KV scorer
 labels ``continuum_kv_index_routing_decisions_total{decision,tier}`` with it.
+
+When the KV scorer turned a holder down for its wait for a slot
+(:attr:`RequestContext.spill_at_slots <continuum.request.RequestContext.spill_at_slots>`),
+a strategy that does not spill by itself
+(:attr:`SelectionStrategy.spills_at_slots <continuum.interfaces.SelectionStrategy.spills_at_slots>`
+false: every built-in one but PrefixAwareHash, and third-party ones) chooses among the
+candidates with a free slot, or among all of them when none has one.
 """
 
 from __future__ import annotations
@@ -61,7 +68,12 @@ class SelectionPipeline:
             chosen = self._score(candidates, ctx)
             if chosen is not None:
                 return chosen, KV_AWARE
-        return self.strategy.select(candidates, ctx), STRATEGY
+        strategy = self.strategy
+        if ctx.spill_at_slots and not strategy.spills_at_slots:
+            free = [b for b in candidates if b.slots is None or b.in_flight < b.slots]
+            if free:
+                candidates = free
+        return strategy.select(candidates, ctx), STRATEGY
 
     def _score(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend | None:
         best: Backend | None = None

@@ -14,6 +14,7 @@ from continuum.routing.backends import WAIT_SAMPLES, Backend
 from continuum.routing.selection import SelectionPipeline
 from continuum.testing import make_backends, make_context
 from stores.kv_memory import InMemoryKvIndex
+from strategies.least_latency import LeastLatency
 from strategies.prefix_aware_hash import PrefixAwareHash
 from strategies.round_robin import RoundRobin
 
@@ -209,6 +210,41 @@ def test_slot_wait_turns_down_a_full_holder_and_the_ring_sends_it_to_a_free_slot
         "costs ~200 ms"), row
     backends[1].in_flight = 1  # a free slot: no wait, the match wins
     assert pick(on, backends, request(HISTORY * 2 + "Next?")) == ("b1", "scorer")
+
+
+def test_a_strategy_that_does_not_spill_itself_is_given_the_backends_with_a_free_slot() -> None:
+    """Behind the KV scorer's slot wait, LeastLatency (which knows nothing of slots) is
+    offered only the backends with a free slot: not b1, the fastest, which is full. With
+    every slot full it chooses among all of them, as without slots."""
+    index = InMemoryKvIndex()
+    hold(index, "b0", request(HISTORY * 2 + "Next?"), len(request(HISTORY * 2 + "Next?")
+                                                           .chain.keys))
+
+    def fleet(free_b3: bool) -> list[Backend]:
+        backends = [Backend(BackendConfig(name=f"b{i}", url="http://127.0.0.1:9", slots=2))
+                    for i in range(4)]
+        loads = (3, 2, 3, 1 if free_b3 else 2)
+        for backend, in_flight, latency in zip(backends, loads, (0.3, 0.1, 0.2, 0.5),
+                                               strict=True):
+            backend.latency_ewma = latency
+            backend.in_flight = in_flight
+        return backends
+
+    assert not LeastLatency.spills_at_slots and PrefixAwareHash.spills_at_slots
+    scorer = scorer_for(index)
+    pipeline = SelectionPipeline(LeastLatency(parse_config({})), [scorer])
+    ctx = request(HISTORY * 2 + "Next?")
+    assert pipeline.decide(fleet(free_b3=True), ctx)[0].name == "b3"
+    assert ctx.spill_at_slots and scorer.decisions["fallback"] == 1
+    # every slot full: the holder's wait is the least one, so the match wins again
+    ctx = request(HISTORY * 2 + "Next?")
+    backends = fleet(free_b3=False)
+    backends[0].in_flight = 2
+    assert pipeline.decide(backends, ctx) == (backends[0], "kv_aware")
+    # and the strategy, when it decides with every slot full, sees every candidate
+    ctx = request("a question of its own, held nowhere")
+    assert pipeline.decide(fleet(free_b3=False), ctx)[0].name == "b1"
+    assert ctx.spill_at_slots
 
 
 def test_approximate_matches_count_less_and_events_confirm_them() -> None:
