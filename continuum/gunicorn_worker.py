@@ -38,6 +38,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -158,6 +159,26 @@ def _answer_timeout(sock: Any, message: str) -> None:
 _REFUSAL_CODES = {400: "bad_request", 403: "forbidden", 414: "request_line_too_long",
                   417: "expectation_failed", 431: "request_header_fields_too_large",
                   500: "internal_error", 501: "unsupported_transfer_coding"}
+
+
+#: gevent's warning when ``ssl`` was imported before the worker patched it, when the only
+#: module holding ssl's own ``SSLContext`` is redis-py's asyncio client (its package
+#: imports it; the router uses the sync client, whose ssl use is patched).
+_REDIS_ASYNCIO_SSL_WARNING = (
+    r"Monkey-patching ssl after ssl has already been imported .*"
+    r"Modules that had direct imports \(NOT patched\): "
+    r"\['redis\.asyncio\.connection \([^)]*\)'\]\. $")
+
+
+def _ignore_redis_asyncio_ssl_warning() -> None:
+    """Silence gevent's ``MonkeyPatchWarning`` about patching ``ssl`` late when redis-py's
+    unused asyncio client is the only module it names: ``continuum-router serve`` checks
+    the config, and so imports a Redis store's module, in the process that becomes the
+    master. With any other module named the warning shows as before."""
+    from gevent.monkey import MonkeyPatchWarning
+
+    warnings.filterwarnings("ignore", message=_REDIS_ASYNCIO_SSL_WARNING,
+                            category=MonkeyPatchWarning)
 
 
 class _AnthropicClient:
@@ -375,6 +396,7 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         RequestParser.mesg_class = FastRequest
         gunicorn_wsgi.WSGIErrorsWrapper = _ErrorsWrapper
         gunicorn_util.write_error = _write_refusal
+        _ignore_redis_asyncio_ssl_warning()  # before gunicorn's worker patches ssl
         if not isinstance(gunicorn_util.http_date, _HttpDate):
             gunicorn_util.http_date = _HttpDate(gunicorn_util.http_date)
         os.environ.setdefault("SCRIPT_NAME", "")
