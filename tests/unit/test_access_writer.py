@@ -29,6 +29,8 @@ def root_stream(monkeypatch: pytest.MonkeyPatch) -> Iterator[io.StringIO]:
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     monkeypatch.setattr(observe, "_test_handler", handler, raising=False)
     monkeypatch.setattr(observe.time, "time", lambda: NOW)
+    # logging's records read time.time_ns() from Python 3.13 on
+    monkeypatch.setattr(observe.time, "time_ns", lambda: int(NOW * 1e9))
     try:
         yield stream
     finally:

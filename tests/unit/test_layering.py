@@ -251,14 +251,30 @@ def declared_requirements() -> list[str]:
     return names
 
 
+def _top_level_modules() -> dict[str, set[str]]:
+    """Each installed distribution's top-level modules, by normalized name: its
+    ``top_level.txt``, else the first part of the paths it installed (what
+    ``packages_distributions`` does from Python 3.11 on; 3.10's reads ``top_level.txt``
+    only, which the wheels of redis and pyzmq do not have)."""
+    provided_by: dict[str, set[str]] = {}
+    for dist in metadata.distributions():
+        names = set((dist.read_text("top_level.txt") or "").split())
+        if not names:
+            for path in dist.files or ():
+                first = path.parts[0]
+                if first.endswith((".dist-info", ".egg-info")) or first.startswith(".."):
+                    continue
+                if len(path.parts) > 1 or first.endswith(".py"):
+                    names.add(first.removesuffix(".py"))
+        provided_by.setdefault(_normalize(dist.metadata["Name"]), set()).update(names)
+    return provided_by
+
+
 def test_every_declared_runtime_dependency_is_imported() -> None:
     graph = grimp.build_graph(*PACKAGES, include_external_packages=True,
                               exclude_type_checking_imports=True, cache_dir=None)
     imported = {module for module in graph.modules if module.split(".")[0] not in PACKAGES}
-    provided_by: dict[str, set[str]] = {}
-    for top_level, distributions in metadata.packages_distributions().items():
-        for distribution in distributions:
-            provided_by.setdefault(_normalize(distribution), set()).add(top_level)
+    provided_by = _top_level_modules()
     declared = declared_requirements()
     assert "falcon" in declared and "gunicorn" in declared
     unused = {name: sorted(provided_by.get(_normalize(name), set()))
