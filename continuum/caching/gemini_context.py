@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -90,20 +91,28 @@ def _delete_key(key: str, store: CacheStore) -> None:
     store.delete(key)
 
 
+#: RFC 3339 as Google writes ``expireTime``: seconds, 0-9 fraction digits, ``Z`` or an offset.
+_RFC3339 = re.compile(
+    r"(\d{4}-\d\d-\d\d)[Tt](\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?([Zz]|[+-]\d\d:\d\d)")
+
+
 def parse_expire_time(text: Any) -> float | None:
-    """Epoch seconds of Google's ``expireTime`` (RFC 3339, up to 9 fraction digits)."""
-    if not isinstance(text, str) or not text:
+    """Epoch seconds of Google's ``expireTime`` (RFC 3339, up to 9 fraction digits); None
+    for anything else. The same on every Python the router supports (3.10's
+    ``fromisoformat`` takes neither ``Z`` nor more than 6 digits) and in every local time
+    zone (the offset is always kept)."""
+    if not isinstance(text, str):
         return None
-    stamp = text.replace("Z", "+00:00")
-    head, dot, rest = stamp.partition(".")
-    if dot:  # Python parses at most 6 fraction digits
-        digits = "".join(ch for ch in rest if ch.isdigit())
-        zone = rest[len(digits):]
-        stamp = f"{head}.{digits[:6].ljust(6, '0')}{zone}"
+    match = _RFC3339.fullmatch(text)
+    if match is None:
+        return None
+    day, clock, fraction, zone = match.groups()
+    offset = "+00:00" if zone in ("Z", "z") else zone
     try:
-        return datetime.fromisoformat(stamp).timestamp()
-    except ValueError:
+        seconds = datetime.fromisoformat(f"{day}T{clock}{offset}").timestamp()
+    except ValueError:  # a day or time out of range
         return None
+    return seconds + (int(fraction) / 10 ** len(fraction) if fraction else 0.0)
 
 
 def entry_key(backend: str, model: str, system: str) -> str:

@@ -4,6 +4,7 @@ HTTP), with the manager's clock in the test's hands and its background calls run
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from continuum.caching.gemini_context import GeminiContextCache, entry_key
+from continuum.caching.gemini_context import GeminiContextCache, entry_key, parse_expire_time
 from continuum.config import BackendConfig, parse_config
 from continuum.devtools.gemini_fake import FakeGeminiProcess
 from continuum.metrics import RouterMetrics
@@ -132,3 +133,34 @@ def test_disabled_builds_nothing(tmp_path: Path) -> None:
     none = RouterService(parse_config({"backends": [plain], "gemini_context_cache": {
         "enabled": True}}), registry=PluginRegistry(), metrics=RouterMetrics(CollectorRegistry()))
     assert none.gemini is None and none.gemini_context is None
+
+
+@pytest.mark.parametrize(("text", "epoch"), [
+    ("1970-01-01T00:00:01Z", 1.0),
+    ("1970-01-01T00:00:01.5Z", 1.5),
+    ("1970-01-01T00:00:01.123456789Z", 1.123456789),
+    ("1970-01-01T00:00:01.25z", 1.25),
+    ("1970-01-01t00:00:01Z", 1.0),
+    ("1970-01-01T02:00:01.5+02:00", 1.5),
+    ("1969-12-31T19:00:01.000001-05:00", 1.000001),
+])
+def test_expire_time_keeps_its_offset_in_any_local_time_zone(
+        text: str, epoch: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Google's expireTime in every form RFC 3339 allows. A fraction once made the parser
+    drop the offset (the time was then read as local time) and, on Python 3.10, fail."""
+    for zone in ("UTC", "America/New_York", "Asia/Kolkata"):
+        with monkeypatch.context() as env:
+            env.setenv("TZ", zone)
+            time.tzset()
+            try:
+                assert parse_expire_time(text) == pytest.approx(epoch, abs=1e-9), zone
+            finally:
+                env.undo()
+                time.tzset()
+
+
+@pytest.mark.parametrize("text", [None, 5, "", "2026-12-06", "2026-12-06T01:50:00",
+                                  "2026-12-06T01:50:00.Z", "2026-13-06T01:50:00Z",
+                                  "2026-12-06T01:50:00.1234567890Z", " 2026-12-06T01:50:00Z"])
+def test_anything_else_is_no_expire_time(text: object) -> None:
+    assert parse_expire_time(text) is None
