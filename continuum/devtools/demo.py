@@ -24,6 +24,7 @@ Later tiers add a row by appending a :class:`Scenario` to :data:`SCENARIOS`.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import secrets
@@ -541,26 +542,21 @@ def _count(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
-    """An argparse type: a finite number > 0."""
+def _number(text: str, *, zero_ok: bool) -> float:
+    """An argparse type: a finite number > 0 (>= 0 with ``zero_ok``)."""
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0 (got {text})")
+    if not ((value >= 0) if zero_ok else (value > 0)) or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"must be a number {'>=' if zero_ok else '>'} 0 (got {text})")
     return value
 
 
-def _scale(text: str) -> float:
-    """An argparse type: a finite number >= 0 (0: no simulated latency at all)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0 (got {text})")
-    return value
+#: Durations and rates (> 0), and the latency scale (>= 0: no simulated latency at all).
+_seconds = functools.partial(_number, zero_ok=False)
+_scale = functools.partial(_number, zero_ok=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
