@@ -214,10 +214,11 @@ def create_app(
     app.add_route("/v1/responses", ProxyResource(service, rq.RESPONSES, "/v1/responses"))
     models = ModelsResource(service)
     app.add_route("/v1/models", models)
-    app.add_route("/v1/models/{model_id}", models, suffix="one")
+    # :path: model ids such as meta-llama/Llama-3.1-8B-Instruct hold slashes
+    app.add_route("/v1/models/{model_id:path}", models, suffix="one")
     anthropic_models = AnthropicModelsResource(service)
     app.add_route("/anthropic/v1/models", anthropic_models)
-    app.add_route("/anthropic/v1/models/{model_id}", anthropic_models, suffix="one")
+    app.add_route("/anthropic/v1/models/{model_id:path}", anthropic_models, suffix="one")
     app.add_route(
         "/anthropic/v1/messages",
         ProxyResource(service, rq.ANTHROPIC_MESSAGES, "/v1/messages"),

@@ -8,7 +8,7 @@ Anthropic API, each speaking its real wire format.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import anthropic
 import openai
@@ -17,7 +17,7 @@ import requests
 
 from continuum.devtools.fleet import metric_sum
 from continuum.devtools.procs import Child, free_port, wait_http
-from continuum.devtools.servers import RouterProcess
+from continuum.devtools.servers import FakeUpstream, RouterProcess
 
 pytestmark = pytest.mark.e2e
 
@@ -168,3 +168,29 @@ def test_count_tokens_reaches_the_anthropic_backend(router: RouterProcess,
     with pytest.raises(anthropic.NotFoundError):
         client.messages.count_tokens(model="claude-nope",
                                      messages=[{"role": "user", "content": "x"}])
+
+
+def test_model_ids_with_slashes_are_retrieved_by_the_sdks(
+    upstreams: Callable[[str], FakeUpstream], router_factory: Callable[..., RouterProcess]
+) -> None:
+    """Hugging Face model ids (``org/name``) are what vLLM and SGLang serve; the SDKs ask
+    for ``/v1/models/org/name``, which matched no route (404 ``404 Not Found``)."""
+    up = upstreams("up")
+    hf, claude = "meta-llama/Llama-3.1-8B-Instruct", "vendor/claude-like"
+    router = router_factory({
+        "backends": [{"name": "up", "url": up.url, "models": [hf]},
+                     {"name": "ant", "url": up.url, "type": "anthropic", "api_key": "k",
+                      "models": [claude]}],
+        "health_check": {"enabled": False}})
+    with openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0) as client:
+        assert client.models.retrieve(hf).id == hf
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve("meta-llama/no-such-model")
+    assert "meta-llama/no-such-model" in str(missing.value)
+    # the same id with its slash escaped, as a client that quotes path segments sends it
+    escaped = requests.get(router.url + "/v1/models/meta-llama%2FLlama-3.1-8B-Instruct",
+                           timeout=10)
+    assert escaped.status_code == 200 and escaped.json()["id"] == hf
+    with anthropic.Anthropic(base_url=router.url + "/anthropic", api_key="x",
+                             max_retries=0) as ant:
+        assert ant.models.retrieve(claude).id == claude
