@@ -144,15 +144,22 @@ def _wait_readable(conn: _Connection, idle: float) -> None:
         raise StopIteration("keep-alive timeout")
 
 
+def _closing_answer(status: int, reason: str, body: bytes, request_id: str | None = None) -> bytes:
+    """An answer the worker writes itself, outside the application: a JSON error ``body``
+    (with ``X-Request-Id`` when given), after which the connection is closed."""
+    extra = f"X-Request-Id: {request_id}\r\n" if request_id is not None else ""
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n")
+    return head.encode("latin-1") + body
+
+
 def _answer_timeout(sock: Any, message: str) -> None:
     """Send a 408 with an OpenAI-shaped error body, without waiting on the client."""
     from continuum.web.http import error_body  # loaded in the worker by now; not in the master
 
     body = error_body(message, "invalid_request_error", "request_timeout")
-    head = (f"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     with contextlib.suppress(OSError), gevent.Timeout(_ANSWER_SECONDS, False):
-        sock.sendall(head + body)
+        sock.sendall(_closing_answer(408, "Request Timeout", body))
 
 
 #: The error ``code`` of each status gunicorn answers a request it refuses itself with.
@@ -215,10 +222,7 @@ def _write_refusal(sock: Any, status: int, reason: str, message: str) -> None:
         body = error_body(message, kind, _REFUSAL_CODES.get(status, str(status)), None, rid)
     log.info("refused a request before reading it: %s %s: %s (request id %s)",
              status, reason, message, rid)
-    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            f"X-Request-Id: {rid}\r\n\r\n").encode("latin-1")
-    gunicorn_util.write_nonblock(sock, head + body)
+    gunicorn_util.write_nonblock(sock, _closing_answer(status, reason, body, rid))
 
 
 class _CoalescingSocket:
