@@ -387,10 +387,11 @@ class LoadGuardConfig:
     slot_wait: bool = setting(
         True, doc="adaptive: a holder beyond its slots (backends[].slots or learn_slots) "
         "is priced at least at its wait for a slot, the requests beyond its slots times its "
-        "latency EWMA / its in-flight count, beyond the least-waiting candidate's; and "
-        "PrefixAwareHash passes over a backend whose slots are full to the next on the ring "
-        "with a free one. Load demo, four two-slot engines: p99 TTFT about 40% lower for 1-2 "
-        "points of prefix hit rate", restart=True)
+        "latency EWMA / its in-flight count, beyond the least-waiting candidate's; and the "
+        "strategy passes over backends whose slots are full (PrefixAwareHash to the next on "
+        "its ring with a free slot, any other chooses among those with one). Load demo, "
+        "four two-slot engines: p99 TTFT about 40% lower for 1-2 points of prefix hit rate",
+        restart=True)
     load_factor_epsilon: float = setting(
         0.25, doc="bound = max(floor, ceil((1 + epsilon) * (in_flight_total + 1) / N))",
         min=0.01, max=10.0, restart=True,
