@@ -83,10 +83,16 @@ class AdminResource:
         self.service = service
 
     def _spread(self, doc: dict[str, Any], action: str) -> None:
-        """Add the ``fleet`` section: how many workers and routers applied ``action``."""
+        """Add the ``fleet`` section: how many workers and routers applied ``action``; and
+        add what the others cleared to this worker's counts in ``doc``, so that they are the
+        fleet's."""
         fleet = fleet_of(self.service)
         if fleet is not None:
-            doc["fleet"] = fleet.spread(action)
+            section = fleet.spread(action)
+            for key, count in section.pop("elsewhere", {}).items():
+                if isinstance(doc.get(key), int):
+                    doc[key] += count
+            doc["fleet"] = section
 
     def _send(self, resp: falcon.Response, doc: dict[str, Any], status: int = 200) -> None:
         resp.status = status

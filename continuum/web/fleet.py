@@ -58,6 +58,8 @@ POLL_SECONDS = 1.0
 MEMBER_SECONDS = 5.0  # how often a worker renews its fleet membership
 MEMBER_TTL = 3 * MEMBER_SECONDS
 KEEP_FILES = 64  # spool files kept for workers that fall behind
+#: The counts in an action's result that the reply sums over every worker that applied it.
+COUNTED = ("cleared_entries", "cleared_semantic_index_entries", "entries_before_clear")
 _SEEN_IDS = 512
 
 ACTIONS = ("response_cache_clear", "kv_index_clear", "gemini_context_clear", "reload")
@@ -111,7 +113,8 @@ class FleetBus:
             return {"cleared_entries": cleared, "cleared_semantic_index_entries": semantic}
         if action == "kv_index_clear":
             done = service.clear_kv_index()
-            return {} if done is None else {"cleared_entries": done.cleared_entries}
+            return {} if done is None else {"entries_before_clear": done.entries_before_clear,
+                                            "cleared_entries": done.cleared_entries}
         if action == "gemini_context_clear":
             return {"cleared_entries": service.clear_gemini_context()}
         if action == "reload":
@@ -120,15 +123,20 @@ class FleetBus:
             return self.reloader.reload().as_dict()
         raise ValueError(f"unknown fleet action {action!r}")
 
-    def _apply_once(self, action_id: str, action: str, payload: dict[str, Any]) -> None:
+    def _apply_once(self, action_id: str, action: str,
+                    payload: dict[str, Any]) -> dict[str, Any] | None:
+        """Apply an action once; its counts (:data:`COUNTED`), None when it was applied
+        before or failed."""
         if action_id in self._applied:
-            return
+            return None
         self._remember(action_id)
         try:
-            self._apply(action, payload)
+            result = self._apply(action, payload)
             self.applied_remote += 1
         except Exception:  # one failed action must not stop the next
             log.exception("fleet action %s (%s) failed in this worker", action, action_id)
+            return None
+        return {key: result[key] for key in COUNTED if isinstance(result.get(key), int)}
 
     def _remember(self, action_id: str) -> None:
         self._applied[action_id] = None
@@ -155,16 +163,32 @@ class FleetBus:
                 except (OSError, ValueError):
                     log.warning("fleet action %d is gone from %s; skipped", generation, spool)
                     continue
-                self._apply_once(doc["id"], doc["action"], doc.get("payload") or {})
+                counts = self._apply_once(doc["id"], doc["action"], doc.get("payload") or {})
+                if counts:
+                    self._report(spool, generation, counts)
             self._seen_generation = current
             segment.applied = current
             return current
+
+    @staticmethod
+    def _report(spool: Path, generation: int, counts: dict[str, int]) -> None:
+        """Leave this worker's counts of host action ``generation`` for its sender (written
+        before the worker records the generation applied, which the sender waits for)."""
+        path = spool / f"{generation}.{os.getpid()}.counts"
+        tmp = spool / f".{generation}.{os.getpid()}.counts"
+        try:
+            tmp.write_text(json.dumps(counts))
+            tmp.replace(path)
+        except OSError as exc:
+            log.warning("fleet action %d: counts not reported: %s", generation, exc)
 
     # --- sending -------------------------------------------------------------------------
 
     def spread(self, action: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
         """Spread ``action``, already applied in this worker, to the host's other workers
-        and the other routers; wait for them; the ``fleet`` section of the reply."""
+        and the other routers; wait for them; the ``fleet`` section of the reply, with
+        ``elsewhere``: the :data:`COUNTED` counts of the workers that applied it besides
+        this one, summed (the caller adds them to its own and drops the key)."""
         if action not in ACTIONS:
             raise ValueError(f"unknown fleet action {action!r}")
         payload = payload or {}
@@ -188,6 +212,8 @@ class FleetBus:
             segment.bump_generation()
             stale = spool / f"{generation - KEEP_FILES}.json"
             stale.unlink(missing_ok=True)
+            for counts in spool.glob(f"{generation - KEEP_FILES}.*.counts"):
+                counts.unlink(missing_ok=True)
         self._kick_others(segment)
         with self._mutex():
             # Everything up to ours is applied here (catch_up above, ours just now).
@@ -234,6 +260,44 @@ class FleetBus:
     def _ack_key(self, action_id: str) -> str:
         return f"{self.channel}:ack:{action_id}"
 
+    def _counts_key(self, action_id: str) -> str:
+        return f"{self.channel}:counts:{action_id}"
+
+    def _counts_elsewhere(self, action_id: str, generation: int, workers: list[Any],
+                          acked: set[str]) -> dict[str, int]:
+        """What the host's other workers and the other routers' workers that applied the
+        action counted (each worker's own store: memory stores hold separate entries, a
+        shared one is emptied by the first and counts 0 for the rest)."""
+        totals: dict[str, int] = {}
+
+        def add(counts: Any) -> None:
+            if isinstance(counts, dict):
+                for key in COUNTED:
+                    value = counts.get(key)
+                    if isinstance(value, int):
+                        totals[key] = totals.get(key, 0) + value
+
+        me = os.getpid()
+        if self.spool is not None and generation:
+            for _slot, pid, applied in workers:
+                if pid != me and applied >= generation:
+                    try:
+                        add(json.loads((self.spool / f"{generation}.{pid}.counts").read_text()))
+                    except (OSError, ValueError):
+                        pass  # a worker that applied nothing countable
+        others = acked - {self.member}
+        if self.redis is not None and others:
+            try:
+                found = self.redis.hgetall(self._counts_key(action_id))
+            except Exception:  # Redis went away meanwhile: count what the host knows
+                found = {}
+            for member, raw in found.items():
+                name = member.decode() if isinstance(member, bytes) else str(member)
+                if name in others:
+                    with contextlib.suppress(ValueError):
+                        add(json.loads(raw))
+        return totals
+
     def _wait(self, action_id: str, generation: int, expected: set[str]) -> dict[str, Any]:
         import gevent
 
@@ -257,7 +321,9 @@ class FleetBus:
         host_workers = max(len(workers), 1)
         return {"workers": host_workers, "workers_applied": max(done, 1),
                 "routers": len(routers), "routers_applied": len(routers_applied),
-                "complete": complete}
+                "complete": complete,
+                "elsewhere": self._counts_elsewhere(action_id, generation, workers,
+                                                    acked & expected)}
 
     # --- background ----------------------------------------------------------------------
 
@@ -330,8 +396,11 @@ class FleetBus:
             return
         self.catch_up()  # a message from this host: its spool file is there already
         with self._mutex():
-            self._apply_once(action_id, action, doc.get("payload") or {})
+            counts = self._apply_once(action_id, action, doc.get("payload") or {})
         try:
+            if counts:  # before the ack, which the sender waits for
+                self.redis.hset(self._counts_key(action_id), self.member, json.dumps(counts))
+                self.redis.expire(self._counts_key(action_id), 300)
             self.redis.sadd(self._ack_key(action_id), self.member)
         except Exception as exc:
             log.debug("fleet ack failed: %s", exc)

@@ -84,6 +84,11 @@ def _one_per_worker(url: str, workers: int, attempts: int = 200) -> list[Conn]:
     return list(found.values())
 
 
+def _question(n: int) -> bytes:
+    return json.dumps({"model": "m", "temperature": 0,
+                       "messages": [{"role": "user", "content": f"Question {n}?"}]}).encode()
+
+
 def test_clear_all_misses_on_every_worker_memory_store(upstreams, router_factory) -> None:
     up = upstreams("a")
     router = router_factory(_config(up), workers=2)
@@ -92,11 +97,18 @@ def test_clear_all_misses_on_every_worker_memory_store(upstreams, router_factory
         for conn in conns:  # each worker has its own memory store: warm each
             assert conn.chat() in ("MISS", "HIT")
             assert conn.chat() == "HIT"
+        for n in range(3):  # three more entries, in the second worker's store only
+            assert conns[1].post("/v1/chat/completions", _question(n))[0] == 200
+        entries = [conn.get("/admin/response-cache/stats")["entries"] for conn in conns]
+        assert entries == [1, 4]
         status, _, raw = conns[0].post("/admin/response-cache/invalidate",
                                        b'{"clear_all": true}')
         doc = json.loads(raw)
         assert status == 200 and doc["success"] is True
         assert doc["fleet"]["workers"] == 2 and doc["fleet"]["workers_applied"] == 2
+        # The reply counts what every worker cleared, not only the one that answered.
+        assert doc["cleared_entries"] == 5, doc
+        assert [conn.get("/admin/response-cache/stats")["entries"] for conn in conns] == [0, 0]
         # Without the fleet bus only conns[0]'s worker would miss (issue 16: HIT HIT MISS).
         assert [conn.chat() for conn in conns] == ["MISS", "MISS"]
         assert [conn.chat() for conn in conns] == ["HIT", "HIT"]
@@ -132,6 +144,33 @@ def test_clear_all_misses_on_every_worker_of_two_routers(upstreams, router_facto
         # fresh entry; no worker serves the entry from before the clear.
         assert results[0] == "MISS" and results.count("MISS") == 1
         assert up.stats()["requests"] == 2
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_clear_all_counts_what_every_router_cleared(upstreams, router_factory,
+                                                   redis_server) -> None:
+    """Two routers with memory stores, joined by fleet.use_redis: the reply's count is
+    both routers' entries."""
+    up = upstreams("a")
+    redis_cfg = {"url": redis_server.url, "key_prefix": unique_prefix("fc")}
+    config = {**_config(up, redis=redis_cfg), "fleet": {"use_redis": True}}
+    first, second = router_factory(config), router_factory(config)
+    conns = [Conn(first.url), Conn(second.url)]
+    try:
+        for n, conn in ((0, conns[0]), (1, conns[1]), (2, conns[1])):
+            assert conn.post("/v1/chat/completions", _question(n))[0] == 200
+        client = redis.Redis.from_url(redis_server.url)
+        members = redis_cfg["key_prefix"].rstrip(":") + ".fleet:members"
+        wait_until(lambda: client.zcard(members) == 2, "2 fleet members", 15)
+        client.close()
+        status, _, raw = conns[0].post("/admin/response-cache/invalidate",
+                                       b'{"clear_all": true}')
+        doc = json.loads(raw)
+        assert status == 200 and doc["fleet"]["routers_applied"] == 2, doc
+        assert doc["cleared_entries"] == 3, doc
+        assert [c.get("/admin/response-cache/stats")["entries"] for c in conns] == [0, 0]
     finally:
         for conn in conns:
             conn.close()
