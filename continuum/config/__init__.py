@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from continuum.config.fields import Issues, build_section, walk
+from continuum.config.fields import Issues, build_section, section_refused, walk
 from continuum.config.fields import defaults_text as render_defaults
 from continuum.config.loader import read_yaml
 from continuum.config.schema import (
@@ -86,7 +86,9 @@ def check_config(
     """Read a parsed YAML document; collect every error and warning."""
     issues = Issues()
     config = build_section(RouterConfig, data, "", issues)
-    if config is not None and registry is not None:
+    # The plugins are looked up by name once every name is a string (a refused value has
+    # its error already).
+    if config is not None and registry is not None and not section_refused(config):
         from continuum.errors import PluginError
 
         try:

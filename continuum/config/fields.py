@@ -341,9 +341,40 @@ def build_section(cls: type, data: Any, path: str, issues: Issues) -> Any:
     except TypeError:  # a required field was missing; an error is already recorded
         section = None
     check = getattr(cls, "check", None)
-    if section is not None and check is not None:
+    # A section's own checks read its fields as declared: one whose value was refused
+    # (None where the type has no None, in a field or a list item) already has its error,
+    # and the checks that need it would trip over the None (`config defaults` prints
+    # ``url: null`` for the backend to fill in).
+    if section is not None and check is not None and not _has_refused(values, types_):
         check(section, path, issues)
     return section
+
+
+def _has_refused(values: dict[str, Any], types_: dict[str, Any]) -> bool:
+    """Whether a value in ``values``, or in a section or list below it, is None where its
+    declared type does not allow it."""
+    for name, value in values.items():
+        tp, optional = _unwrap_optional(types_[name])
+        if value is None:
+            if not optional:
+                return True
+        elif isinstance(value, tuple) and typing.get_origin(tp) in (tuple, list):
+            item_type, item_optional = _unwrap_optional((typing.get_args(tp) or (Any,))[0])
+            for item in value:
+                if item is None:
+                    if not item_optional:
+                        return True
+                elif _is_section(item_type) and section_refused(item):
+                    return True
+        elif _is_section(tp) and section_refused(value):
+            return True
+    return False
+
+
+def section_refused(section: Any) -> bool:
+    """Whether a value anywhere in ``section`` was refused (None where its type has none)."""
+    return _has_refused({f.name: getattr(section, f.name) for f in dataclasses.fields(section)},
+                        hints(type(section)))
 
 
 def read_value(tp: Any, value: Any, path: str, meta: dict[str, Any], issues: Issues) -> Any:
