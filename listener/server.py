@@ -76,6 +76,24 @@ def _json(resp: falcon.Response, doc: Any, status: str = falcon.HTTP_200) -> Non
     resp.data = json.dumps(doc, separators=(",", ":")).encode()
 
 
+#: The ``type`` of the listener's JSON errors, by status (Falcon's own refusals: an unknown
+#: path, a method a path does not take).
+_ERROR_TYPES = {404: "not_found", 405: "method_not_allowed"}
+
+
+def _serialize_error(req: falcon.Request, resp: falcon.Response,
+                     exc: falcon.HTTPError) -> None:
+    """Falcon's refusals in the shape of the listener's own errors (``{"error": {"message",
+    "type"}}``), not Falcon's ``{"title": ...}``."""
+    message = f"{exc.title}: {exc.description}" if exc.description else exc.title
+    if exc.status_code == 404:
+        message = f"no such path {req.path!r} (the listener serves /events/<backend>, " \
+                  "/health and /metrics)"
+    _json(resp, {"error": {"message": message,
+                           "type": _ERROR_TYPES.get(exc.status_code, "invalid_request")}},
+          str(falcon.code_to_http_status(exc.status_code)))
+
+
 class _Events:
     def __init__(self, hub: EventHub, keepalive: float, token: str | None) -> None:
         self.hub = hub
@@ -256,6 +274,7 @@ def create_app(
     events = _Events(hub, keepalive, token)
     registry.register(ListenerCollector(hub, sources, events))
     app = falcon.App()
+    app.set_error_serializer(_serialize_error)
     app.add_route("/events/{backend}", events)
     app.add_route("/health", _Health(hub, sources))
     app.add_route("/metrics", _Metrics(registry))

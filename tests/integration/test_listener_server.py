@@ -251,6 +251,22 @@ def test_unknown_backend_is_a_json_404(served: Served) -> None:
     assert resp.json()["error"]["backends"] == ["vllm-1", "vllm-2"]
 
 
+def test_unknown_paths_and_methods_are_json_errors_in_the_same_shape(served: Served) -> None:
+    resp = served.get("/stats")
+    assert resp.status_code == 404
+    assert resp.headers["Content-Type"].startswith("application/json")
+    error = resp.json()["error"]
+    assert error["type"] == "not_found" and "'/stats'" in error["message"]
+    assert "/events/<backend>" in error["message"]
+    result: list[requests.Response] = []
+    thread = threading.Thread(target=lambda: result.append(
+        requests.post(served.url + "/health", timeout=10)), daemon=True)
+    thread.start()
+    wait_until(lambda: not thread.is_alive(), "POST /health")
+    assert result[0].status_code == 405
+    assert result[0].json()["error"]["type"] == "method_not_allowed"
+
+
 def test_keepalive_comments_on_idle_streams(served: Served) -> None:
     chunks: list[bytes] = []
     done = threading.Event()
