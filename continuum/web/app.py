@@ -22,6 +22,7 @@ from continuum.errors import (
     ModelNotFoundError,
     RequestError,
 )
+from continuum.hostshm import RUNTIME_DIR_ENV
 from continuum.metrics import CONTENT_TYPE, RouterMetrics
 from continuum.registry import PluginRegistry
 from continuum.routing import anthropic
@@ -236,6 +237,16 @@ def create_app(
     return app
 
 
+#: Logged by every worker of a gunicorn started without ``continuum.gunicorn_conf``, which
+#: sets ``$CONTINUUM_RUNTIME_DIR`` in the master (plain ``gunicorn -k gevent``).
+WITHOUT_GUNICORN_CONF = (
+    "gunicorn was started without the router's settings (-c python:continuum.gunicorn_conf "
+    "or -c conf/gunicorn.conf.py; continuum-router serve passes them): the workers share "
+    "nothing. An admin clear or reload reaches only the worker that answers it; in-flight "
+    "counts, health checks and RoundRobin's rotation are each worker's own; /metrics shows "
+    "the samples of whichever worker answers the scrape; request headers have no deadline; "
+    "server.bind and server.workers are not read")
+
 #: Longest a starting worker waits for its first health check round before serving.
 _STARTUP_PROBE_SECONDS = 1.0
 
@@ -257,6 +268,8 @@ def get_app() -> RouterApp:
     )
     for warning in result.warnings:
         log.warning("config: %s", warning.render(result.source))
+    if not os.environ.get(RUNTIME_DIR_ENV):
+        log.warning(WITHOUT_GUNICORN_CONF)
     configure_access_log(config.server.access_log)
     metrics = RouterMetrics()
     metrics.workers.set(1)
