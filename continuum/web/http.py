@@ -113,8 +113,27 @@ def serialize_http_error(
     code = exc.status[:3] if isinstance(exc.status, str) else str(exc.status)
     error_type = "invalid_request_error" if code.startswith("4") else "server_error"
     message = exc.description or exc.title or "error"
+    if code == "404" and not exc.description:  # no route: say which, and what is served
+        message = f"no such endpoint: {req.method} {req.path}" + _ROUTE_HINTS.get(
+            req.path.rstrip("/"), "")
+    elif code == "405":
+        allowed = dict(exc.headers or {}).get("Allow") or resp.get_header("Allow") or ""
+        message = f"{req.method} is not allowed on {req.path}" + (
+            f" (allowed: {allowed})" if allowed else "")
     resp.content_type = JSON
     resp.data = _error_document(req, int(code), message, error_type, code)
+
+
+#: Paths clients ask for that the router serves elsewhere: the hint its 404 gives.
+_ROUTE_HINTS = {
+    path: "; Anthropic's Messages API is served under /anthropic: set the Anthropic SDK's "
+          "base_url (ANTHROPIC_BASE_URL) to http://<router>/anthropic"
+    for path in ("/v1/messages", "/v1/messages/count_tokens", "/messages")
+} | {
+    path: "; the OpenAI-compatible API is under /v1: set the SDK's base_url to "
+          "http://<router>/v1"
+    for path in ("/chat/completions", "/completions", "/embeddings", "/models", "/responses")
+}
 
 
 def read_body(

@@ -42,6 +42,29 @@ def test_400_and_404_shapes(client: falcon.testing.TestClient) -> None:
     assert resp.status_code == 404 and _error(resp)["code"] == "model_not_found"
     resp = client.simulate_get("/no/such/route")
     assert resp.status_code == 404 and _error(resp)["code"] == "404"
+    assert _error(resp)["message"] == "no such endpoint: GET /no/such/route"
+
+
+@pytest.mark.parametrize(("path", "hint"), [
+    ("/v1/messages", "set the Anthropic SDK's base_url (ANTHROPIC_BASE_URL) to "
+                     "http://<router>/anthropic"),
+    ("/chat/completions", "set the SDK's base_url to http://<router>/v1"),
+])
+def test_a_path_served_elsewhere_gets_a_404_saying_where(
+        client: falcon.testing.TestClient, path: str, hint: str) -> None:
+    resp = client.simulate_post(path, json={"model": "m"})
+    assert resp.status_code == 404
+    message = _error(resp)["message"]
+    assert message.startswith(f"no such endpoint: POST {path}; ") and message.endswith(hint)
+
+
+def test_a_method_a_route_does_not_take_is_a_405_naming_the_allowed_ones(
+        client: falcon.testing.TestClient) -> None:
+    resp = client.simulate_delete("/v1/chat/completions")
+    assert resp.status_code == 405
+    assert _error(resp)["message"] == (
+        "DELETE is not allowed on /v1/chat/completions (allowed: POST, OPTIONS)")
+    assert resp.headers["Allow"] == "POST, OPTIONS"
 
 
 def test_models_union_and_health(client: falcon.testing.TestClient) -> None:
