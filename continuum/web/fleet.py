@@ -58,8 +58,10 @@ POLL_SECONDS = 1.0
 MEMBER_SECONDS = 5.0  # how often a worker renews its fleet membership
 MEMBER_TTL = 3 * MEMBER_SECONDS
 KEEP_FILES = 64  # spool files kept for workers that fall behind
-#: The counts in an action's result that the reply sums over every worker that applied it.
-COUNTED = ("cleared_entries", "cleared_semantic_index_entries", "entries_before_clear")
+#: The counts in an action's result that the reply sums over every worker that applied it
+#: (the response cache's and the Gemini map's entries: each worker's own, or a shared
+#: store's, which the first to clear it counts).
+COUNTED = ("cleared_entries", "cleared_semantic_index_entries")
 _SEEN_IDS = 512
 
 ACTIONS = ("response_cache_clear", "kv_index_clear", "gemini_context_clear", "reload")
@@ -112,9 +114,10 @@ class FleetBus:
             cleared, semantic = service.clear_response_cache()
             return {"cleared_entries": cleared, "cleared_semantic_index_entries": semantic}
         if action == "kv_index_clear":
-            done = service.clear_kv_index()
-            return {} if done is None else {"entries_before_clear": done.entries_before_clear,
-                                            "cleared_entries": done.cleared_entries}
+            # Not counted: every worker's memory index is a copy of the same events (and a
+            # Redis one is shared), so the worker that answered already counted the index.
+            service.clear_kv_index()
+            return {}
         if action == "gemini_context_clear":
             return {"cleared_entries": service.clear_gemini_context()}
         if action == "reload":
