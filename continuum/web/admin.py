@@ -133,7 +133,7 @@ class ExplainResource(AdminResource):
         given = req.get_param("endpoint")
         if given not in (None, "anthropic", "chat"):
             raise RequestError(f"endpoint must be 'chat' (the default) or 'anthropic', got "
-                               f"'{given}'", param="endpoint")
+                               f"'{given}'", param="endpoint", code="invalid_value")
         endpoint = rq.ANTHROPIC_MESSAGES if given == "anthropic" else rq.CHAT
         server = self.service.config.server
         raw = read_body(req, server.max_body_bytes, server.client_body_timeout_seconds)
@@ -177,9 +177,11 @@ class ResponseCacheInvalidateResource(AdminResource):
         try:
             body = rq.load_json(raw or b"{}")
         except RequestError:
-            raise RequestError("body must be JSON: {\"clear_all\": true}") from None
+            raise RequestError("body must be JSON: {\"clear_all\": true}",
+                               code="invalid_json") from None
         if not isinstance(body, dict) or body.get("clear_all") is not True:
-            raise RequestError("only {\"clear_all\": true} is supported")
+            raise RequestError("only {\"clear_all\": true} is supported", param="clear_all",
+                               code="invalid_value")
         try:
             cleared, semantic = self.service.clear_response_cache()
         except StoreError as exc:

@@ -82,6 +82,21 @@ def test_allow_unauthenticated_opens_admin() -> None:
                                 json={"clear_all": True}).json["success"] is True
 
 
+@pytest.mark.parametrize(("body", "code", "param"), [
+    (b"{", "invalid_json", None),
+    (b'{"clear_all": false}', "invalid_value", "clear_all"),
+    (b'{"prefix": "x"}', "invalid_value", "clear_all"),
+])
+def test_invalidate_refuses_other_bodies_with_a_code(body: bytes, code: str,
+                                                     param: str | None) -> None:
+    client = _client({"allow_unauthenticated": True})
+    resp = client.simulate_post("/admin/response-cache/invalidate", body=body)
+    assert resp.status_code == 400
+    error = resp.json["error"]
+    assert (error["code"], error["param"]) == (code, param)
+    assert 'clear_all' in error["message"]
+
+
 def test_token_from_env_and_rotation_on_reload(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CR_TEST_ADMIN", "from-env")
     client = _client({"token_env": "CR_TEST_ADMIN"})
