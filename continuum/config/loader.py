@@ -119,7 +119,11 @@ class _Indexer:
                     key_path, f"duplicate key (first set at line "
                     f"{previous.start_mark.line + 1}); remove one of them",
                     location=_where(key_node.start_mark)))
-                continue
+                # YAML keeps the last value: errors in it are reported where it is written.
+                marks = self.doc.marks
+                for stale in [p for p in marks if p == key_path
+                              or p.startswith((f"{key_path}.", f"{key_path}["))]:
+                    del marks[stale]
             self.doc.marks[key_path] = _where(key_node.start_mark)
             self.walk(value_node, key_path)
 

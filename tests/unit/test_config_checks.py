@@ -184,6 +184,23 @@ def test_duplicate_keys_in_router_config(tmp_path: Path) -> None:
     ]
 
 
+def test_an_error_in_a_duplicated_keys_value_points_at_the_value_yaml_kept(
+        tmp_path: Path) -> None:
+    """YAML keeps the last of two equal keys: a fault in that value is reported on its
+    line, not on the first key's."""
+    path = tmp_path / "dup.yaml"
+    path.write_text("admin: {token: t}\nserver:\n  workers: 2\n  workers: -3\n"
+                    "backends: [{name: a, url: 'http://127.0.0.1:1'}]\n"
+                    "backends:\n  - name: b\n    url: ftp://x\n")
+    result = check_config_file(path)
+    assert [e.render("f") for e in result.errors] == [
+        "f:4:3: server.workers: duplicate key (first set at line 3); remove one of them",
+        "f:6:1: backends: duplicate key (first set at line 5); remove one of them",
+        "f:4:3: server.workers: must be between 1 and 256 (got -3)",
+        "f:8:5: backends[0].url: must be an http:// or https:// URL (got 'ftp://x')",
+    ]
+
+
 def test_duplicate_keys_in_listener_config(tmp_path: Path) -> None:
     path = tmp_path / "dup.yaml"
     path.write_text("history_size: 10\nlog_level: info\nhistory_size: 20\n")
