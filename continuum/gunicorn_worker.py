@@ -466,10 +466,12 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
 
     def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
         """gunicorn's answer to an error (its log lines and access record included),
-        written by :func:`_write_refusal`: in Anthropic's shape when the request's path
-        was read and is under ``/anthropic/``."""
+        written by :func:`_write_refusal`: in Anthropic's shape when the request's path,
+        read or only peeked at (a request line over the limit), is under ``/anthropic/``."""
         path = getattr(req if req is not None else getattr(exc, "req", None), "path", None)
-        if isinstance(path, str) and path.startswith("/anthropic/"):
+        anthropic = path.startswith("/anthropic/") if isinstance(path, str) else \
+            getattr(exc, "continuum_anthropic", False)  # FastRequest.parse peeked at the line
+        if anthropic:
             client = _AnthropicClient(client)
         super().handle_error(req, client, addr, exc)
 

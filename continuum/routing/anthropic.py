@@ -85,7 +85,10 @@ def injected_body(body: dict[str, Any]) -> bytes | None:
 def error_document(status: int, message: str, request_id: str | None = None) -> bytes:
     """An Anthropic-shaped error body for ``status`` (``request_id`` at the top level, as
     Anthropic's API has it, when given)."""
-    error_type = _ERROR_TYPES.get(status, "api_error")
+    # any other 4xx (405, 408, 409, 414, 431) is the client's request: Anthropic's
+    # api_error is its 5xx
+    error_type = _ERROR_TYPES.get(
+        status, "invalid_request_error" if 400 <= status < 500 else "api_error")
     doc: dict[str, Any] = {"type": "error", "error": {"type": error_type, "message": message}}
     if request_id is not None:
         doc["request_id"] = request_id

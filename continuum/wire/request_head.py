@@ -43,6 +43,13 @@ _SPECIAL = frozenset(("EXPECT", "TRANSFER-ENCODING"))
 _SINGLETONS = frozenset(("HOST", "CONTENT-TYPE"))
 
 
+def _targets_anthropic(data: bytes) -> bool:
+    """Whether the request line starting ``data`` (however long, or cut short) asks for a
+    path under ``/anthropic/``."""
+    space = data.find(b" ", 0, 32)  # after the method
+    return space > 0 and data.startswith(b"/anthropic/", space + 1)
+
+
 class FastRequest(Request):  # type: ignore[misc]
     """gunicorn's ``Request``, parsed by the strict fast path when the head allows it."""
 
@@ -68,7 +75,13 @@ class FastRequest(Request):  # type: ignore[misc]
         end = data.find(b"\r\n\r\n")
         if end < 0 or not self._parse_strict(data, end):
             unreader.unread(data)  # gunicorn's parser starts from the same bytes
-            return super().parse(unreader)  # type: ignore[no-any-return]
+            try:
+                return super().parse(unreader)  # type: ignore[no-any-return]
+            except Exception as exc:
+                # A head refused before it had a path (a request line or headers over the
+                # limits): say which API it was for, so the refusal takes that API's shape.
+                exc.continuum_anthropic = _targets_anthropic(data)  # type: ignore[attr-defined]
+                raise
         return data[end + 4:]  # type: ignore[no-any-return]
 
     def _parse_strict(self, data: bytes, end: int) -> bool:

@@ -137,6 +137,16 @@ def test_what_gunicorn_refuses_itself_is_answered_in_json(
     assert line.startswith(b"HTTP/1.1 400"), doc
     assert doc["type"] == "error" and doc["error"]["type"] == "invalid_request_error", doc
     assert doc["request_id"] == headers["x-request-id"]
+    # refused before the path was read (a line or headers over the limits), on /anthropic/:
+    # Anthropic's shape too, from a look at the request line
+    for request, status in (
+            (b"POST /anthropic/v1/messages?" + b"q" * 5000 + b" HTTP/1.1\r\n\r\n", b"414"),
+            (b"POST /anthropic/v1/messages HTTP/1.1\r\nX-Big: " + b"v" * 9000 + b"\r\n\r\n",
+             b"431")):
+        line, headers, doc = _split(_raw_http(router.port, request))
+        assert line.startswith(b"HTTP/1.1 " + status), (line, doc)
+        assert doc["type"] == "error" and doc["error"]["type"] == "invalid_request_error", doc
+        assert doc["request_id"] == headers["x-request-id"]
     assert requests.get(router.url + "/health", timeout=5).status_code == 200
     assert _worker_pid(router) == pid
     assert "Traceback" not in router.proc.log_text()

@@ -110,6 +110,10 @@ def test_precedence(global_injection: bool, backend_auto: bool, expected: bool) 
         (404, "not_found_error"),
         (413, "request_too_large"),
         (429, "rate_limit_error"),
+        (405, "invalid_request_error"),  # other 4xx: the client's request, not Anthropic's 5xx
+        (408, "invalid_request_error"),
+        (414, "invalid_request_error"),
+        (431, "invalid_request_error"),
         (500, "api_error"),
         (502, "api_error"),
         (503, "overloaded_error"),

@@ -12,7 +12,7 @@ from gunicorn.http.errors import LimitRequestHeaders, LimitRequestLine
 from gunicorn.http.message import Request
 from gunicorn.http.unreader import IterUnreader
 
-from continuum.wire.request_head import FastRequest
+from continuum.wire.request_head import FastRequest, _targets_anthropic
 
 ADDR = ("127.0.0.1", 40000)
 BODY = b'{"model":"m"}'
@@ -150,3 +150,18 @@ def test_keep_alive_is_decided_as_gunicorn_decides(version: bytes, fields: bytes
     data = b"GET /health HTTP/" + version + b"\r\nHost: a\r\n" + fields + b"\r\n"
     assert _took_fast_path(data)
     _same(data)
+
+
+@pytest.mark.parametrize(("data", "anthropic"), [
+    (b"POST /anthropic/v1/messages HTTP/1.1\r\nHost: x\r\n", True),
+    (b"POST /anthropic/v1/messages?" + b"q" * 9000, True),  # a line over the limit
+    (b"POST /anthropic/", True),                               # cut short after the path
+    (b"POST /anthropic HTTP/1.1\r\n", False),
+    (b"POST /v1/chat/completions HTTP/1.1\r\n", False),
+    (b"GET /health?next=/anthropic/ HTTP/1.1\r\n", False),
+    (b"X" * 40 + b" /anthropic/", False),                    # no method that long
+    (b"", False),
+])
+def test_a_refused_heads_request_line_is_peeked_for_the_anthropic_api(
+        data: bytes, anthropic: bool) -> None:
+    assert _targets_anthropic(data) is anthropic
