@@ -114,14 +114,21 @@ def serialize_http_error(
     error_type = "invalid_request_error" if code.startswith("4") else "server_error"
     message = exc.description or exc.title or "error"
     if code == "404" and not exc.description:  # no route: say which, and what is served
-        message = f"no such endpoint: {req.method} {req.path}" + _ROUTE_HINTS.get(
-            req.path.rstrip("/"), "")
+        message = f"no such endpoint: {req.method} {req.path}" + _route_hint(req.path)
     elif code == "405":
         allowed = dict(exc.headers or {}).get("Allow") or resp.get_header("Allow") or ""
         message = f"{req.method} is not allowed on {req.path}" + (
             f" (allowed: {allowed})" if allowed else "")
     resp.content_type = JSON
     resp.data = _error_document(req, int(code), message, error_type, code)
+
+
+def _route_hint(path: str) -> str:
+    """What a 404 adds for a path the router serves elsewhere ("" for none)."""
+    if "/v1/v1/" in path:
+        return ("; the SDK's base_url ends in /v1 and the client adds /v1 again: drop it "
+                "from the base_url")
+    return _ROUTE_HINTS.get(path.rstrip("/"), "")
 
 
 #: Paths clients ask for that the router serves elsewhere: the hint its 404 gives.

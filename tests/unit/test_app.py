@@ -49,12 +49,16 @@ def test_400_and_404_shapes(client: falcon.testing.TestClient) -> None:
     ("/v1/messages", "set the Anthropic SDK's base_url (ANTHROPIC_BASE_URL) to "
                      "http://<router>/anthropic"),
     ("/chat/completions", "set the SDK's base_url to http://<router>/v1"),
+    ("/v1/v1/chat/completions", "the SDK's base_url ends in /v1 and the client adds /v1 "
+                                "again: drop it from the base_url"),
+    ("/anthropic/v1/v1/messages", "the SDK's base_url ends in /v1 and the client adds /v1 "
+                                  "again: drop it from the base_url"),
 ])
 def test_a_path_served_elsewhere_gets_a_404_saying_where(
         client: falcon.testing.TestClient, path: str, hint: str) -> None:
     resp = client.simulate_post(path, json={"model": "m"})
     assert resp.status_code == 404
-    message = _error(resp)["message"]
+    message = resp.json["error"]["message"]  # Anthropic's shape under /anthropic/
     assert message.startswith(f"no such endpoint: POST {path}; ") and message.endswith(hint)
 
 
