@@ -82,13 +82,14 @@ class AdminResource:
     def __init__(self, service: RouterService) -> None:
         self.service = service
 
-    def _spread(self, doc: dict[str, Any], action: str) -> None:
+    def _spread(self, doc: dict[str, Any], action: str,
+                payload: dict[str, Any] | None = None) -> None:
         """Add the ``fleet`` section: how many workers and routers applied ``action``; and
         add what the others cleared to this worker's counts in ``doc``, so that they are the
         fleet's."""
         fleet = fleet_of(self.service)
         if fleet is not None:
-            section = fleet.spread(action)
+            section = fleet.spread(action, payload)
             for key, count in section.pop("elsewhere", {}).items():
                 if isinstance(doc.get(key), int):
                     doc[key] += count

@@ -232,6 +232,9 @@ def create_app(
     app.add_route("/metrics", MetricsResource(metrics))
     admin.add_routes(app, service, reloader)
     app.drain = drain.add_routes(app, service)
+    fleet = fleet_of(service)
+    if fleet is not None:  # drains made elsewhere reach this worker's set through the bus
+        fleet.drain = app.drain
     tracing.install(app, service, tracer_provider)
     app.service = service
     return app

@@ -7,10 +7,12 @@ stop or upgrade the engine. ``continuum_backend_draining`` is 1 while it is drai
 
 Every gunicorn worker has its own pool, so the drained set is kept in a file in
 ``$CONTINUUM_RUNTIME_DIR`` (set by ``continuum.gunicorn_conf``): the worker that gets the
-call writes it (under a lock) and applies it at once, every other worker notices the
-change within :data:`POLL_SECONDS`. Without a runtime directory (one process) the set is
-the worker's own. The set survives a config reload (by backend name) but not a restart
-of the router. Nothing here runs on the request path.
+call writes it (under a lock), applies it, and spreads it with :mod:`continuum.web.fleet`,
+so every other worker of the host applies it before its next request, and every router
+sharing Redis records it in its own file (:meth:`DrainControl.follow`) before the reply.
+Each worker also looks at the file every :data:`POLL_SECONDS`. Without a runtime directory
+(one process) the set is the worker's own. The set survives a config reload (by backend
+name) but not a restart of the router. Nothing here runs on the request path.
 """
 
 from __future__ import annotations
@@ -103,6 +105,21 @@ class DrainControl:
                     backend.in_flight)
         return backend
 
+    def follow(self, name: str, draining: bool) -> None:
+        """Apply a drain or undrain made elsewhere (:mod:`continuum.web.fleet`): by another
+        worker of this host, whose file this worker re-reads, or by another router, which
+        this router records in its own file when it routes to a backend of that name."""
+        backend = self.service.pool.get(name)
+        if backend is not None and backend.config.enabled and not backend.config.internal \
+                and (name in self.drained()) != draining:
+            if self.path is None:
+                (self._local.add if draining else self._local.discard)(name)
+            else:
+                self._write(name, draining)
+            log.warning("backend %s %s by another router's admin API", name,
+                        "drained" if draining else "undrained")
+        self.apply()
+
     def _write(self, name: str, draining: bool) -> None:
         assert self.path is not None
         with open(self.path.with_suffix(".lock"), "a") as lock:
@@ -166,8 +183,13 @@ class _DrainResource(AdminResource):
 
     def on_post(self, req: falcon.Request, resp: falcon.Response, name: str) -> None:
         backend = self.control.set(name, self.draining)
-        self._send(resp, {"success": True, "backend": name, "draining": backend.draining,
-                          "state": backend.state, "in_flight": backend.in_flight})
+        doc: dict[str, Any] = {"success": True, "backend": name,
+                               "draining": backend.draining, "state": backend.state,
+                               "in_flight": backend.in_flight}
+        # every worker of the host (before its next request) and every router sharing
+        # Redis: once this answers, none sends a new request to a drained backend
+        self._spread(doc, "drain", {"backend": name, "draining": self.draining})
+        self._send(resp, doc)
 
 
 def add_routes(app: falcon.App[Any, Any], service: RouterService) -> DrainControl:

@@ -1,8 +1,9 @@
 """Fleet-wide admin actions: every worker of the host, and every router sharing Redis.
 
 An admin action (``/admin/response-cache/invalidate``, ``/admin/kv-index/clear``,
-``/admin/gemini-context-cache/clear``, ``/admin/config/reload``) reaches one gunicorn
-worker. That worker applies it, then spreads it:
+``/admin/gemini-context-cache/clear``, ``/admin/config/reload``,
+``/admin/backends/{name}/drain`` and ``/undrain``) reaches one gunicorn worker. That
+worker applies it, then spreads it:
 
 * **to the workers of its host**: it writes the action to
   ``$CONTINUUM_RUNTIME_DIR/fleet/<generation>.json`` and bumps the generation in the host
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from continuum.config import RouterConfig
     from continuum.hostshm import HostSegment
     from continuum.service import RouterService
+    from continuum.web.drain import DrainControl
     from continuum.web.reload import ConfigReloader
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,7 @@ KEEP_FILES = 64  # spool files kept for workers that fall behind
 COUNTED = ("cleared_entries", "cleared_semantic_index_entries")
 _SEEN_IDS = 512
 
-ACTIONS = ("response_cache_clear", "kv_index_clear", "gemini_context_clear", "reload")
+ACTIONS = ("response_cache_clear", "kv_index_clear", "gemini_context_clear", "reload", "drain")
 
 
 class FleetBus:
@@ -98,6 +100,8 @@ class FleetBus:
             # Beside the cache's keys, not under its prefix: a clear must not remove them.
             self.channel = cache.redis.key_prefix.rstrip(":") + ".fleet"
         self.applied_remote = 0
+        #: The worker's drained set (:mod:`continuum.web.drain`), set by ``create_app``.
+        self.drain: DrainControl | None = None
 
     # --- falcon middleware: catch up before every request -------------------------------
 
@@ -124,6 +128,10 @@ class FleetBus:
             if self.reloader is None:
                 return {}
             return self.reloader.reload().as_dict()
+        if action == "drain":
+            if self.drain is not None:
+                self.drain.follow(str(payload.get("backend")), payload.get("draining") is True)
+            return {}
         raise ValueError(f"unknown fleet action {action!r}")
 
     def _apply_once(self, action_id: str, action: str,

@@ -6,6 +6,8 @@ real HTTP servers on 127.0.0.1; the official openai SDK is the client.
 
 from __future__ import annotations
 
+import http.client
+import json
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -14,11 +16,13 @@ from typing import Any
 
 import openai
 import pytest
+import redis
 import requests
 import yaml
 
 from continuum.devtools.fleet import metric_sum
 from continuum.devtools.procs import wait_until
+from continuum.devtools.redis_server import unique_prefix
 from continuum.devtools.servers import FakeUpstream, RouterProcess
 
 pytestmark = pytest.mark.e2e
@@ -244,3 +248,94 @@ def test_drain_stops_new_requests_in_every_worker_and_lets_in_flight_ones_finish
         assert off.json()["error"]["code"] == "backend_not_routable"
     finally:
         router.stop()
+
+
+class _WorkerConn:
+    """One kept-alive connection, hence one gunicorn worker."""
+
+    def __init__(self, router: RouterProcess) -> None:
+        self.http = http.client.HTTPConnection("127.0.0.1", router.port, timeout=10)
+        self.http.request("GET", "/admin/backends")
+        self.pid = json.loads(self.http.getresponse().read())["worker_pid"]
+
+    def backend(self) -> str:
+        self.http.request("POST", "/v1/chat/completions",
+                          body=json.dumps({"model": "m", "messages": MESSAGES}),
+                          headers={"Content-Type": "application/json"})
+        resp = self.http.getresponse()
+        resp.read()
+        assert resp.status == 200
+        return resp.getheader("X-Continuum-Backend") or ""
+
+
+def _a_conn_per_worker(router: RouterProcess, workers: int) -> list[_WorkerConn]:
+    found: dict[int, _WorkerConn] = {}
+    for _ in range(200):
+        conn = _WorkerConn(router)
+        if conn.pid in found:
+            conn.http.close()
+        else:
+            found[conn.pid] = conn
+        if len(found) == workers:
+            return list(found.values())
+        time.sleep(0.05)
+    raise AssertionError(f"reached only workers {sorted(found)}")
+
+
+def test_once_a_drain_answers_no_worker_sends_the_backend_a_new_request(
+        tmp_path: Path, ups: Callable[[str], FakeUpstream]) -> None:
+    """The drain reaches every worker of the host before the reply (the fleet bus), not
+    within the drain file's poll: requests sent right after it, through either worker,
+    all go to the other backend; the undrain is as immediate."""
+    a, b = ups("a"), ups("b")
+    router = RouterProcess(_config({"name": "a", "url": a.url, "models": ["m"]},
+                                   {"name": "b", "url": b.url, "models": ["m"]}),
+                           tmp_path, workers=2)
+    conns: list[_WorkerConn] = []
+    try:
+        conns = _a_conn_per_worker(router, 2)
+        assert {c.backend() for c in conns for _ in range(2)} == {"a", "b"}
+        resp = requests.post(f"{router.url}/admin/backends/a/drain", timeout=5)
+        assert resp.status_code == 200
+        assert resp.json()["fleet"]["workers_applied"] == 2, resp.json()
+        assert [c.backend() for c in conns for _ in range(4)] == ["b"] * 8
+        resp = requests.post(f"{router.url}/admin/backends/a/undrain", timeout=5)
+        assert resp.status_code == 200 and resp.json()["draining"] is False
+        assert "a" in {c.backend() for c in conns for _ in range(2)}
+    finally:
+        for conn in conns:
+            conn.http.close()
+        router.stop()
+
+
+def test_a_drain_reaches_the_other_routers_sharing_redis(
+        tmp_path: Path, ups: Callable[[str], FakeUpstream], redis_server: Any) -> None:
+    """Routers joined by fleet.use_redis drain together: the other router routes nothing
+    new to the backend once the first one answers, and undrains with it."""
+    a, b = ups("a"), ups("b")
+    config = {**_config({"name": "a", "url": a.url, "models": ["m"]},
+                        {"name": "b", "url": b.url, "models": ["m"]}),
+              "fleet": {"use_redis": True},
+              "response_cache": {"enabled": False, "redis": {
+                  "url": redis_server.url, "key_prefix": unique_prefix("drain")}}}
+    first, second = RouterProcess(config, tmp_path), RouterProcess(config, tmp_path)
+    try:
+        members = config["response_cache"]["redis"]["key_prefix"].rstrip(":") + ".fleet:members"
+        client = redis.Redis.from_url(redis_server.url)
+        wait_until(lambda: client.zcard(members) == 2, "2 fleet members", 15)
+        client.close()
+        resp = requests.post(f"{first.url}/admin/backends/a/drain", timeout=5)
+        assert resp.status_code == 200 and resp.json()["fleet"]["routers_applied"] == 2
+        view = requests.get(second.url + "/admin/backends", timeout=5).json()
+        assert {row["name"]: row["draining"] for row in view["backends"]} == \
+            {"a": True, "b": False}
+        conn = _WorkerConn(second)
+        assert [conn.backend() for _ in range(4)] == ["b"] * 4
+        conn.http.close()
+        assert requests.post(f"{first.url}/admin/backends/a/undrain",
+                             timeout=5).status_code == 200
+        view = requests.get(second.url + "/admin/backends", timeout=5).json()
+        assert not any(row["draining"] for row in view["backends"])
+    finally:
+        first.stop()
+        second.stop()
