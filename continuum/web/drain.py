@@ -95,10 +95,7 @@ class DrainControl:
             raise BackendNotRoutableError(
                 f"backend '{name}' takes no client requests ({why}); there is nothing "
                 "to drain")
-        if self.path is None:
-            (self._local.add if draining else self._local.discard)(name)
-        else:
-            self._write(name, draining)
+        self._record(name, draining)
         self.apply()
         log.warning("backend %s %s by the admin API (%d request(s) in flight in this "
                     "worker)", name, "drained" if draining else "undrained",
@@ -112,13 +109,18 @@ class DrainControl:
         backend = self.service.pool.get(name)
         if backend is not None and backend.config.enabled and not backend.config.internal \
                 and (name in self.drained()) != draining:
-            if self.path is None:
-                (self._local.add if draining else self._local.discard)(name)
-            else:
-                self._write(name, draining)
+            self._record(name, draining)
             log.warning("backend %s %s by another router's admin API", name,
                         "drained" if draining else "undrained")
         self.apply()
+
+    def _record(self, name: str, draining: bool) -> None:
+        """Add ``name`` to the drained set, or take it out: the file's, or this worker's
+        own without a runtime directory."""
+        if self.path is None:
+            (self._local.add if draining else self._local.discard)(name)
+        else:
+            self._write(name, draining)
 
     def _write(self, name: str, draining: bool) -> None:
         assert self.path is not None

@@ -116,7 +116,7 @@ def serialize_http_error(
     if code == "404" and not exc.description:  # no route: say which, and what is served
         message = f"no such endpoint: {req.method} {req.path}" + _route_hint(req.path)
     elif code == "405":
-        allowed = dict(exc.headers or {}).get("Allow") or resp.get_header("Allow") or ""
+        allowed = dict(exc.headers or {}).get("Allow", "")  # HTTPMethodNotAllowed sets it
         message = f"{req.method} is not allowed on {req.path}" + (
             f" (allowed: {allowed})" if allowed else "")
     resp.content_type = JSON
