@@ -812,7 +812,7 @@ def scaling_goal(args: argparse.Namespace, children: list[Child]) -> dict[str, A
     Python ones leave the second worker no core on a 2-CPU machine. None without them."""
     from tools.bench import scaling
 
-    if not (shutil.which("wrk") and (shutil.which("nginx") or Path("/usr/sbin/nginx").exists())):
+    if not (shutil.which("wrk") and scaling.nginx_binary()):
         print("  (wrk or nginx missing: no 2-worker run with C load; apt-get install wrk "
               "nginx-light)", file=sys.stderr)
         return None

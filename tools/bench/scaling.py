@@ -106,10 +106,15 @@ def _body_of(answer: bytes) -> str:
     return answer.split(b"\r\n\r\n", 1)[1].decode()
 
 
+def nginx_binary() -> str | None:
+    """Debian's nginx: on the ``PATH``, or in /usr/sbin, which a user's ``PATH`` may lack."""
+    return shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists()
+                                     else None)
+
+
 def start_nginx(tmp: Path) -> tuple[Child, int]:
     """nginx, one process, on a free port, answering as ``tools.bench.upstream`` does."""
-    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists()
-                                      else None)
+    nginx = nginx_binary()
     if nginx is None:
         raise ob.BenchError("nginx is not installed (apt-get install nginx-light)")
     answers = Answers(ob.MODEL, 8, 0.0)
