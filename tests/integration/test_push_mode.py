@@ -25,6 +25,7 @@ from continuum.kv.bus_consumer import BusSourceConsumer, BusUnavailable, add_bus
 from continuum.kv.bus_process import read_bus_file
 from continuum.kv.consumer import KvEventConsumerManager
 from stores.kv_memory import InMemoryKvIndex
+from tests.integration.kv_helpers import SettledMatch
 from tests.integration.push_helpers import (
     BusProcess,
     Engine,
@@ -272,12 +273,6 @@ def test_no_session_retries_at_the_plain_interval(tmp_path: Path) -> None:
         manager.stop(timeout=10)
 
 
-def _holds_exactly(index: InMemoryKvIndex, prefixes: dict[str, int]) -> bool:
-    held = {h: holding.token_count for h in prefixes for holding in index.query_backends(h)
-            if holding.backend == "vllm-1"}
-    return held == prefixes and len(index) == len(prefixes)
-
-
 def test_listener_killed_under_traffic_converges_without_failed_requests(
         tmp_path: Path, router_factory: Factory,
         listener_snapshot: Callable[[str, str], dict[str, int]]) -> None:
@@ -330,8 +325,9 @@ def test_listener_killed_under_traffic_converges_without_failed_requests(
         client.start()
         wait_until(lambda: len(listener_snapshot(first.url, "vllm-1")) >= 3,
                    "prefixes on the first listener", 30)
-        wait_until(lambda: _holds_exactly(index, listener_snapshot(first.url, "vllm-1")),
-                   "the index to hold the first listener's state", 30)
+        first_state = SettledMatch(index, lambda: listener_snapshot(first.url, "vllm-1"),
+                                   settle=1)  # under traffic the state never stops changing
+        wait_until(first_state, first_state.describe, 30)
         resume_id = consumer.last_event_id
         first.proc.stop(signal.SIGKILL)
         mark = sent[0]
@@ -341,19 +337,12 @@ def test_listener_killed_under_traffic_converges_without_failed_requests(
         wait_until(lambda: sent[0] >= mark + 30, "requests after the restart", 30)
         stop.set()
         client.join(30)
-        after: dict[str, int] = {}
-        seen: list[dict[str, int]] = []
-
-        def converged() -> bool:
-            # the replayed chains are attributed one /detokenize at a time: wait until the
-            # listener's state has stopped changing (three equal snapshots), then compare
-            after.clear()
-            after.update(listener_snapshot(second.url, "vllm-1"))
-            seen.append(dict(after))
-            return seen[-3:] == [after] * 3 and _holds_exactly(index, after)
-
-        wait_until(converged, "the index to hold exactly the second listener's settled "
-                   "state", 60, interval=0.3)
+        # the replayed chains are attributed one /detokenize at a time: wait until the
+        # listener's state has stopped changing, then compare
+        second_url = second.url
+        settled = SettledMatch(index, lambda: listener_snapshot(second_url, "vllm-1"))
+        wait_until(settled, settled.describe, 60, interval=0.3)
+        after = settled.state
         assert after, "the second listener rebuilt nothing"
         assert resume_id is not None and consumer.last_event_id is not None
         assert consumer.last_event_id.split("-")[0] == second.health()["epoch"] != \

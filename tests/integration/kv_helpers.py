@@ -1,0 +1,59 @@
+"""Comparing a router's KV index with what a KV listener says a backend holds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from stores.kv_memory import InMemoryKvIndex
+
+Snapshot = Callable[[], dict[str, int]]
+
+
+def index_view(index: InMemoryKvIndex, prefixes: dict[str, int],
+               backend: str = "vllm-1") -> dict[str, int]:
+    """What ``index`` holds of ``prefixes`` on ``backend``: prefix → token_count."""
+    return {prefix_hash: holding.token_count for prefix_hash in prefixes
+            for holding in index.query_backends(prefix_hash) if holding.backend == backend}
+
+
+def holds_exactly(index: InMemoryKvIndex, prefixes: dict[str, int],
+                  backend: str = "vllm-1") -> bool:
+    """``index`` holds ``prefixes`` on ``backend``, with their token counts, and nothing else."""
+    return index_view(index, prefixes, backend) == prefixes and len(index) == len(prefixes)
+
+
+class SettledMatch:
+    """A ``wait_until`` condition: the listener's state has stopped changing (``settle``
+    equal snapshots in a row) and the index holds exactly that state.
+
+    A single snapshot taken once can be stale: a listener attributes replayed chains one
+    ``/detokenize`` at a time and late events of earlier chats still arrive, so the index
+    would then rightly hold more than it. :meth:`describe` says how they differ (for the
+    timeout message); :attr:`state` is the last snapshot read.
+    """
+
+    def __init__(self, index: InMemoryKvIndex, snapshot: Snapshot, *, settle: int = 3,
+                 backend: str = "vllm-1") -> None:
+        self.index = index
+        self.snapshot = snapshot
+        self.settle = settle
+        self.backend = backend
+        self.state: dict[str, int] = {}
+        self._seen: list[dict[str, int]] = []
+
+    def __call__(self) -> bool:
+        self.state = self.snapshot()
+        self._seen = [*self._seen[-(self.settle - 1):], self.state] if self.settle > 1 \
+            else [self.state]
+        settled = len(self._seen) == self.settle and all(s == self.state for s in self._seen)
+        return settled and holds_exactly(self.index, self.state, self.backend)
+
+    def describe(self) -> str:
+        held = index_view(self.index, self.state, self.backend)
+        missing = sorted(set(self.state) - set(held))
+        wrong = sorted(h for h in held if held[h] != self.state[h])
+        settled = len(self._seen) == self.settle and all(s == self.state for s in self._seen)
+        return (f"the index to hold exactly the listener's settled state (listener: "
+                f"{len(self.state)} prefixes, {'settled' if settled else 'still changing'}; "
+                f"index: {len(self.index)} prefixes, missing {len(missing)} {missing[:3]}, "
+                f"wrong token counts {wrong[:3]})")
