@@ -74,6 +74,14 @@ def _serialize(req: falcon.Request, resp: falcon.Response, ex: falcon.HTTPError)
                                       "error").document())
 
 
+def _prompt_tokens(cached: int, cached_system: str | None, system: int, rest: int) -> int:
+    """``promptTokenCount``: the whole prompt, cached part included, counted once. With a
+    ``cachedContent`` the cache stands in for the system instruction (``cached`` tokens);
+    without one the request's own system instruction is the prompt's start, whether or not
+    implicit caching served it (``cached`` is then part of ``system``)."""
+    return (cached if cached_system is not None else system) + rest
+
+
 def _texts(content: Any, where: str) -> list[str]:
     """The text of a ``Content``'s parts (function calls and results as JSON).
 
@@ -282,8 +290,8 @@ class FakeGemini:
         system_tokens = self._tokens([system_text])
         if cached_system is None:
             cached_tokens = self.caches.implicit(model, system_text, system_tokens)
-        prompt_tokens = cached_tokens + self._tokens(texts) + (
-            system_tokens if cached_system is None else 0)
+        prompt_tokens = _prompt_tokens(cached_tokens, cached_system, system_tokens,
+                                       self._tokens(texts))
         config = body.get("generationConfig") or {}
         seed = hashlib.sha256(((cached_system or system_text) + "\x00" +
                                "\x00".join(texts)).encode()).digest()
@@ -365,8 +373,8 @@ class FakeGemini:
         system_tokens = self._tokens([system_text])
         if cached_system is None:
             cached_tokens = self.caches.implicit(model, system_text, system_tokens)
-        prompt = cached_tokens + self._tokens(texts) + (
-            system_tokens if cached_system is None else 0)
+        prompt = _prompt_tokens(cached_tokens, cached_system, system_tokens,
+                                self._tokens(texts))
         seed = hashlib.sha256(((cached_system or system_text) + "\x00" +
                                "\x00".join(texts)).encode()).digest()
         limit = body.get("max_completion_tokens") or body.get("max_tokens") or 8192

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import requests
 from google import genai
 from google.genai import errors, types
 
@@ -104,6 +105,10 @@ def test_implicit_caching_reports_cached_tokens(client: genai.Client) -> None:
     assert not first.usage_metadata.cached_content_token_count
     cached = second.usage_metadata.cached_content_token_count
     assert cached is not None and cached > 2048
+    # promptTokenCount is the whole prompt, the implicitly cached part counted once
+    assert second.usage_metadata.prompt_token_count == first.usage_metadata.prompt_token_count
+    assert first.usage_metadata.prompt_token_count is not None
+    assert cached < first.usage_metadata.prompt_token_count
 
 
 def test_wrong_key_is_refused(fake: FakeGeminiProcess) -> None:
@@ -112,3 +117,21 @@ def test_wrong_key_is_refused(fake: FakeGeminiProcess) -> None:
             pytest.raises(errors.ClientError) as refused:
         bad.models.generate_content(model=MODEL, contents="Hi")
     assert refused.value.code == 400 and "API key not valid" in str(refused.value.message)
+
+
+def test_implicit_caching_on_the_openai_endpoint_counts_the_prompt_once(
+        fake: FakeGeminiProcess) -> None:
+    fake.reset()
+    usages = []
+    for question in ("One?", "Two?"):
+        resp = requests.post(fake.url + "/v1beta/openai/chat/completions", timeout=10,
+                             headers={"Authorization": f"Bearer {KEY}"}, json={
+                                 "model": MODEL, "messages": [
+                                     {"role": "system", "content": SYSTEM},
+                                     {"role": "user", "content": question}]})
+        assert resp.status_code == 200, resp.text
+        usages.append(resp.json()["usage"])
+    first, second = usages
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert 2048 < second["prompt_tokens_details"]["cached_tokens"] < second["prompt_tokens"]
+    assert second["prompt_tokens"] == first["prompt_tokens"]
