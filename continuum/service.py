@@ -271,6 +271,10 @@ class RouterService:
                                 else "off"),
                  "scorers=" + (",".join(type(s).__name__ for s in self.pipeline.scorers)
                                or "none")]
+        if self.gemini is not None:  # only with type: gemini backends
+            tiers.append("gemini_context_cache=" + (
+                "off" if self.gemini_context is None
+                else "shared" if c.response_cache.backend != "memory" else "per-worker"))
         return (f"backends: {backends}; strategy: {c.selection_strategy}; "
                 f"tiers: {' '.join(tiers)}")
 

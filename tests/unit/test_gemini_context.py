@@ -133,6 +133,12 @@ def test_disabled_builds_nothing(tmp_path: Path) -> None:
     none = RouterService(parse_config({"backends": [plain], "gemini_context_cache": {
         "enabled": True}}), registry=PluginRegistry(), metrics=RouterMetrics(CollectorRegistry()))
     assert none.gemini is None and none.gemini_context is None
+    # the startup line names the manager's state only where there are gemini backends
+    assert "gemini_context_cache=off" in off.summary()
+    assert "gemini_context_cache" not in none.summary()
+    on = RouterService(parse_config({"backends": [gemini], "gemini_context_cache": {
+        "enabled": True}}), registry=PluginRegistry(), metrics=RouterMetrics(CollectorRegistry()))
+    assert "gemini_context_cache=per-worker" in on.summary()
 
 
 @pytest.mark.parametrize(("text", "epoch"), [
