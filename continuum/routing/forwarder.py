@@ -219,16 +219,29 @@ class Forwarder:
             return found
         serving = self.pool.serving(ctx.model, ctx.protocol)
         if not serving:
-            raise ModelNotFoundError(
-                f"The model '{ctx.model}' does not exist or is not served by this router",
-                param="model",
-            )
+            raise ModelNotFoundError(self._not_served(ctx.model, ctx.protocol), param="model")
         if self.await_probes is not None and not all(b.probed for b in serving):
             self.await_probes(serving)
             found = self.pool.candidates(ctx.model, ctx.protocol)
             if found:
                 return found
         raise NoHealthyBackendError(f"no healthy backend for model '{ctx.model}'")
+
+    def _not_served(self, model: str, protocol: str) -> str:
+        """The 404 message for ``model`` on an endpoint of ``protocol``: where the router
+        serves it instead, when it does (a client that sends an OpenAI-served model to the
+        Anthropic Messages API, or the other way round)."""
+        message = f"The model '{model}' does not exist or is not served by this router"
+        other = "anthropic" if protocol == "openai" else "openai"
+        if not self.pool.serving(model, other):
+            return message
+        if other == "openai":
+            return (f"The model '{model}' is served by this router's OpenAI endpoints "
+                    "(/v1/chat/completions, ...), not by /anthropic/v1/messages, which "
+                    "reaches type: anthropic backends only")
+        return (f"The model '{model}' is served by this router's Anthropic Messages API "
+                "(/anthropic/v1/messages), not by its OpenAI endpoints: point the Anthropic "
+                "SDK's base_url at http://<router>/anthropic")
 
     def may_retry(self, candidates: Sequence[Backend]) -> bool:
         """Whether a connect failure may be retried on another of ``candidates``: nothing

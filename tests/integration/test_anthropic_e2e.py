@@ -347,11 +347,16 @@ def test_protocols_never_mix(
     with pytest.raises(anthropic.NotFoundError) as not_anthropic:
         claude.messages.create(model="m", max_tokens=32, messages=USER)
     assert not_anthropic.value.body["type"] == "error"  # type: ignore[index]
+    # ... and says where the router serves it instead
+    assert "served by this router's OpenAI endpoints" in \
+        not_anthropic.value.body["error"]["message"]  # type: ignore[index]
     assert oai.stats()["requests"] == 0
 
     with pytest.raises(openai.NotFoundError) as not_openai:
         gpt.chat.completions.create(model=AUTO, messages=[{"role": "user", "content": "hi"}])
     assert not_openai.value.body["code"] == "model_not_found"  # type: ignore[index]
+    assert "base_url at http://<router>/anthropic" in \
+        not_openai.value.body["message"]  # type: ignore[index]
     assert anthropic_up.received() == []
 
     assert [m.id for m in gpt.models.list()] == ["m"]
