@@ -117,7 +117,8 @@ class BackendsResource(AdminResource):
 
 
 class PrefixRoutingStatsResource(AdminResource):
-    """``GET /admin/prefix-routing/stats``: the seed's response shape."""
+    """``GET /admin/prefix-routing/stats``: prefix routing's settings, its routing
+    decisions, the load per backend and the unique prefixes seen (this worker)."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         self._send(resp, asdict(self.service.prefix_routing_view()))
@@ -143,7 +144,8 @@ class ExplainResource(AdminResource):
 
 
 class ConfigReloadResource(AdminResource):
-    """``POST /admin/config/reload``: re-read the config file in every worker."""
+    """``POST /admin/config/reload``: re-read the config file in every worker and router;
+    a file with errors is refused and the running config kept."""
 
     def __init__(self, service: RouterService, reloader: ConfigReloader | None) -> None:
         super().__init__(service)
@@ -164,14 +166,16 @@ class ConfigReloadResource(AdminResource):
 
 
 class ResponseCacheStatsResource(AdminResource):
-    """``GET /admin/response-cache/stats``: the seed's response shape."""
+    """``GET /admin/response-cache/stats``: entries, hits, misses and evictions of the
+    response cache (and the semantic cache), with its settings."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         self._send(resp, self.service.response_cache_stats())
 
 
 class ResponseCacheInvalidateResource(AdminResource):
-    """``POST /admin/response-cache/invalidate`` with ``{"clear_all": true}``."""
+    """``POST /admin/response-cache/invalidate``: empty the response cache and the semantic
+    index on every worker and router; the body is ``{"clear_all": true}``."""
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         raw = read_body(req, 65536, self.service.config.server.client_body_timeout_seconds)
@@ -198,7 +202,8 @@ class ResponseCacheInvalidateResource(AdminResource):
 
 
 class KvIndexStatsResource(AdminResource):
-    """``GET /admin/kv-index/stats``: the seed's response shape."""
+    """``GET /admin/kv-index/stats``: the KV cache index's settings and counters, its
+    event sources and the scorer's decisions."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         self._send(resp, asdict(self.service.kv_index_view()))
@@ -212,7 +217,8 @@ class KvIndexBackendsResource(AdminResource):
 
 
 class KvIndexClearResource(AdminResource):
-    """``POST /admin/kv-index/clear``: drop every entry; events rebuild the index."""
+    """``POST /admin/kv-index/clear``: drop every entry on every worker and router; the
+    engines' events rebuild the index."""
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         try:
@@ -229,14 +235,16 @@ class KvIndexClearResource(AdminResource):
 
 
 class GeminiContextStatsResource(AdminResource):
-    """``GET /admin/gemini-context-cache/stats``: the seed's response shape (per worker)."""
+    """``GET /admin/gemini-context-cache/stats``: the Gemini context cache's entries,
+    refusals, creations in flight and counters per backend (this worker)."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         self._send(resp, self.service.gemini_context_stats())
 
 
 class GeminiContextClearResource(AdminResource):
-    """``POST /admin/gemini-context-cache/clear``: empty the map, DELETE its resources."""
+    """``POST /admin/gemini-context-cache/clear``: empty the map on every worker and router
+    and DELETE its cachedContents resources."""
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         cleared = self.service.clear_gemini_context()
@@ -271,22 +279,63 @@ class _GeminiContextDisabled(_TierDisabled):
     code = "gemini_context_cache_disabled"
 
 
+class AdminIndexResource(AdminResource):
+    """``GET /admin``: every admin endpoint, its methods and what it does."""
+
+    def __init__(self, service: RouterService) -> None:
+        super().__init__(service)
+        self.routes: list[tuple[str, AdminResource]] = []
+
+    def mount(self, app: falcon.App[Any, Any], path: str, resource: AdminResource) -> None:
+        """``app.add_route(path, resource)``, listed here."""
+        app.add_route(path, resource)
+        self.routes.append((path, resource))
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self._send(resp, {"endpoints": [_describe(path, resource)
+                                        for path, resource in self.routes]})
+
+
+def _describe(path: str, resource: AdminResource) -> dict[str, Any]:
+    """An index row: the path, its methods (from the responders) and the resource's
+    ``description``, else its docstring's first paragraph without the leading
+    ``METHOD /path``."""
+    methods = [m for m in ("GET", "POST", "PUT", "PATCH", "DELETE")
+               if callable(getattr(resource, "on_" + m.lower(), None))]
+    line = getattr(resource, "description", None) or \
+        (type(resource).__doc__ or "").strip().split("\n\n")[0]
+    summary = " ".join(line.split())
+    if summary.startswith("``") and "``:" in summary:
+        summary = summary.split("``:", 1)[1].strip()
+    return {"path": path, "methods": methods, "description": summary.replace("``", "")}
+
+
 def add_routes(
     app: falcon.App[Any, Any], service: RouterService, reloader: ConfigReloader | None = None,
-) -> None:
-    """Mount every admin resource on ``app`` (which must also carry :class:`AdminGate`)."""
-    app.add_route("/admin/strategies", StrategiesResource(service))
-    app.add_route("/admin/backends", BackendsResource(service))
-    app.add_route("/admin/prefix-routing/stats", PrefixRoutingStatsResource(service))
-    app.add_route("/admin/routing/explain", ExplainResource(service))
-    app.add_route("/admin/config/reload", ConfigReloadResource(service, reloader))
-    app.add_route("/admin/response-cache/stats", ResponseCacheStatsResource(service))
-    app.add_route("/admin/response-cache/invalidate", ResponseCacheInvalidateResource(service))
-    app.add_route("/admin/kv-index/stats", KvIndexStatsResource(service))
-    app.add_route("/admin/kv-index/backends", KvIndexBackendsResource(service))
-    app.add_route("/admin/kv-index/clear", KvIndexClearResource(service))
-    app.add_route("/admin/gemini-context-cache/stats", GeminiContextStatsResource(service))
-    app.add_route("/admin/gemini-context-cache/clear", GeminiContextClearResource(service))
+) -> AdminIndexResource:
+    """Mount every admin resource on ``app`` (which must also carry :class:`AdminGate`), and
+    ``GET /admin``, which lists them; other modules mount theirs through the index
+    returned (:meth:`AdminIndexResource.mount`)."""
+    index = AdminIndexResource(service)
+    app.add_route("/admin", index)
+    for path, resource in (
+            ("/admin/strategies", StrategiesResource(service)),
+            ("/admin/backends", BackendsResource(service)),
+            ("/admin/prefix-routing/stats", PrefixRoutingStatsResource(service)),
+            ("/admin/routing/explain", ExplainResource(service)),
+            ("/admin/config/reload", ConfigReloadResource(service, reloader)),
+            ("/admin/response-cache/stats", ResponseCacheStatsResource(service)),
+            ("/admin/response-cache/invalidate", ResponseCacheInvalidateResource(service)),
+            ("/admin/kv-index/stats", KvIndexStatsResource(service)),
+            ("/admin/kv-index/backends", KvIndexBackendsResource(service)),
+            ("/admin/kv-index/clear", KvIndexClearResource(service)),
+            ("/admin/gemini-context-cache/stats", GeminiContextStatsResource(service)),
+            ("/admin/gemini-context-cache/clear", GeminiContextClearResource(service))):
+        index.mount(app, path, resource)
+    return index
 
 
-__all__ = ["AdminDisabledError", "AdminGate", "AdminResource", "RequestError", "add_routes"]
+__all__ = [
+    "AdminDisabledError", "AdminGate", "AdminIndexResource", "AdminResource", "RequestError",
+    "add_routes",
+]

@@ -230,8 +230,8 @@ def create_app(
     )
     app.add_route("/health", HealthResource(service))
     app.add_route("/metrics", MetricsResource(metrics))
-    admin.add_routes(app, service, reloader)
-    app.drain = drain.add_routes(app, service)
+    index = admin.add_routes(app, service, reloader)
+    app.drain = drain.add_routes(app, service, index)
     fleet = fleet_of(service)
     if fleet is not None:  # drains made elsewhere reach this worker's set through the bus
         fleet.drain = app.drain

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from continuum.errors import ContinuumError
-from continuum.web.admin import AdminResource
+from continuum.web.admin import AdminIndexResource, AdminResource
 from continuum.web.reload import RUNTIME_DIR_ENV
 
 if TYPE_CHECKING:
@@ -182,6 +182,10 @@ class _DrainResource(AdminResource):
         super().__init__(service)
         self.control = control
         self.draining = draining
+        #: for ``GET /admin``
+        self.description = (
+            "stop sending new requests to the backend on every worker and router; requests "
+            "in flight finish" if draining else "send requests to a drained backend again")
 
     def on_post(self, req: falcon.Request, resp: falcon.Response, name: str) -> None:
         backend = self.control.set(name, self.draining)
@@ -194,9 +198,11 @@ class _DrainResource(AdminResource):
         self._send(resp, doc)
 
 
-def add_routes(app: falcon.App[Any, Any], service: RouterService) -> DrainControl:
-    """Mount drain and undrain on ``app`` (behind :class:`~continuum.web.admin.AdminGate`)."""
+def add_routes(app: falcon.App[Any, Any], service: RouterService,
+               index: AdminIndexResource) -> DrainControl:
+    """Mount drain and undrain on ``app`` (behind :class:`~continuum.web.admin.AdminGate`),
+    listed by ``index`` (``GET /admin``)."""
     control = DrainControl(service)
-    app.add_route("/admin/backends/{name}/drain", _DrainResource(service, control, True))
-    app.add_route("/admin/backends/{name}/undrain", _DrainResource(service, control, False))
+    index.mount(app, "/admin/backends/{name}/drain", _DrainResource(service, control, True))
+    index.mount(app, "/admin/backends/{name}/undrain", _DrainResource(service, control, False))
     return control

@@ -128,6 +128,8 @@ def _route_hint(path: str) -> str:
     if "/v1/v1/" in path:
         return ("; the SDK's base_url ends in /v1 and the client adds /v1 again: drop it "
                 "from the base_url")
+    if path.startswith("/admin/"):
+        return "; GET /admin lists the admin endpoints"
     return _ROUTE_HINTS.get(path.rstrip("/"), "")
 
 

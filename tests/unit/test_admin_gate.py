@@ -24,6 +24,7 @@ ADMIN_ROUTES = [
     ("GET", "/admin/kv-index/backends"), ("POST", "/admin/kv-index/clear"),
     ("GET", "/admin/gemini-context-cache/stats"), ("POST", "/admin/gemini-context-cache/clear"),
     ("POST", "/admin/backends/a/drain"), ("POST", "/admin/backends/a/undrain"),
+    ("GET", "/admin"),
 ]
 
 
@@ -110,3 +111,31 @@ def test_token_from_env_and_rotation_on_reload(monkeypatch: pytest.MonkeyPatch) 
     assert client.simulate_get("/admin/strategies", headers=good).status_code == 401
     assert client.simulate_get("/admin/strategies",
                                headers={"Authorization": "Bearer rotated"}).status_code == 200
+
+
+def test_get_admin_lists_every_admin_endpoint_with_its_methods() -> None:
+    client = _client({"token": "tk"})
+    assert client.simulate_get("/admin").status_code == 401
+    resp = client.simulate_get("/admin", headers={"Authorization": "Bearer tk"})
+    assert resp.status_code == 200
+    rows = resp.json["endpoints"]
+    listed = {(method, row["path"].replace("{name}", "a"))
+              for row in rows for method in row["methods"]}
+    assert listed == set(ADMIN_ROUTES) - {("GET", "/admin")}
+    for row in rows:  # a sentence of its own, not the docstring's METHOD /path
+        assert row["description"] and not row["description"].startswith("``"), row
+        assert row["description"] != row["path"]
+    drain = next(r for r in rows if r["path"] == "/admin/backends/{name}/drain")
+    assert "in flight finish" in drain["description"]
+    # every listed route answers with the token (no 404/405): none is listed by mistake
+    for method, path in listed:
+        answer = client.simulate_request(method, path, json={"clear_all": True},
+                                         headers={"Authorization": "Bearer tk"})
+        assert answer.status_code not in (404, 405), (method, path, answer.text)
+
+
+def test_an_unknown_admin_path_points_at_the_index() -> None:
+    resp = _client({"token": "tk"}).simulate_get("/admin/config")
+    assert resp.status_code == 404
+    assert resp.json["error"]["message"] == (
+        "no such endpoint: GET /admin/config; GET /admin lists the admin endpoints")
