@@ -127,15 +127,20 @@ def test_a_follower_probes_what_the_holder_does_not_report(upstreams, tmp_path) 
         assert holder.shared.hold()
         holder.probe_all()
         follower.follow()
-        gevent.sleep(0.3)  # the follower's own probes run in greenlets
-        assert (_probes(a), _probes(b), _probes(c)) == (1, 1, 2)
+        # the follower's own probes run in greenlets: let them (gevent.sleep) until done
+        wait_until(lambda: (_probes(a), _probes(b), _probes(c)) == (1, 1, 2),
+                   lambda: f"the follower's probes: {(_probes(a), _probes(b), _probes(c))}",
+                   10, sleep=gevent.sleep)
         assert all(be.state == "healthy" for be in follower.pool)
         follower.follow()  # within the interval: no second probe of its own
         gevent.sleep(0.1)
         assert _probes(c) == 2
         time.sleep(2.2)  # the holder's results grow stale (2 intervals + a timeout)
         follower.follow()
-        gevent.sleep(0.3)
+        wait_until(lambda: (_probes(a), _probes(b), _probes(c)) == (2, 1, 4),
+                   lambda: f"probes of stale results: {(_probes(a), _probes(b), _probes(c))}",
+                   10, sleep=gevent.sleep)
+        gevent.sleep(0.1)  # and no more than those
         assert (_probes(a), _probes(b), _probes(c)) == (2, 1, 4)
     finally:
         holder.stop()
@@ -169,7 +174,8 @@ def test_an_unreadable_file_makes_followers_probe_themselves(upstreams, tmp_path
     try:
         assert follower.shared.entries() == ("", {})
         follower.follow()
-        gevent.sleep(0.3)
+        wait_until(lambda: _probes(up) >= 1, "the follower's own probe", 10, sleep=gevent.sleep)
+        gevent.sleep(0.1)
         assert _probes(up) == 1
     finally:
         follower.stop()
