@@ -157,7 +157,8 @@ class BackendConfig:
             issues.error(join(path, "learn_slots"),
                          f"needs an engine's Prometheus /metrics (vLLM, SGLang); a type: "
                          f"{self.type} backend has none")
-        if self.api_key_env is not None and self.api_key_env not in os.environ:
+        # a disabled backend sends nothing: its key is checked once it is enabled
+        if self.api_key_env is not None and self.api_key_env not in os.environ and self.enabled:
             issues.warn(
                 join(path, "api_key_env"),
                 "environment variable is not set; requests go upstream without a key",

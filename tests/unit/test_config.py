@@ -119,6 +119,11 @@ def test_warnings_name_their_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert result.config is not None
     paths = sorted(w.path for w in result.warnings)
     assert paths == ["admin", "backends[0].api_key_env", "backends[0].url"]
+    # a disabled backend's unset key is not worth a warning until it is enabled
+    off = check_config({"backends": [BACKEND, {**BACKEND, "name": "later", "enabled": False,
+                                               "api_key_env": "NOPE_KEY"}]})
+    assert off.config is not None
+    assert [w.path for w in off.warnings if "api_key_env" in w.path] == []
 
 
 def test_secrets_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
