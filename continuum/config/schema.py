@@ -871,7 +871,8 @@ class RouterConfig:
                 )
             seen.setdefault(backend.name, i)
         if not self.backends:
-            issues.warn("backends", "no backends configured; every request will get 503")
+            issues.warn("backends", "no backends configured; every request is refused (404: "
+                        "no backend serves its model)")
         if self.health_check is not None and not self.health_check.enabled:
             for i, backend in enumerate(self.backends):
                 if backend is not None and backend.learn_slots:

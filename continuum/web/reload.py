@@ -5,7 +5,8 @@ Each gunicorn worker has its own state, so each reloads itself. ``POST
 file in ``$CONTINUUM_RUNTIME_DIR`` (set by ``continuum.gunicorn_conf``); every worker's
 watcher notices the new generation, or a changed file, within
 ``server.watch_interval_seconds`` and reloads too. A config with errors is refused and the
-running one stays.
+running one stays; so is one without backends while the router runs some (an emptied or
+half-written file).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from continuum.config import check_config_file
-from continuum.errors import ConfigError
+from continuum.errors import ConfigError, ConfigIssue
 
 if TYPE_CHECKING:
     from continuum.service import ReloadReport, RouterService
@@ -100,6 +101,15 @@ class ConfigReloader:
         result = check_config_file(self.path, self.service.registry)
         if result.config is None:
             raise ConfigError(result.errors, str(self.path))
+        running = [b.name for b in self.service.config.backends]
+        if running and not result.config.backends:
+            # an emptied or half-written file would otherwise take every backend (and the
+            # admin token with it) away from a serving router
+            raise ConfigError([ConfigIssue(
+                "backends", f"the file has no backends, and the router runs {len(running)} "
+                f"({', '.join(running)}); a reload never removes every backend (an empty or "
+                "half-written file?): the running config stays; restart the router to run "
+                "without backends")], str(self.path))
         for warning in result.warnings:
             log.warning("config: %s", warning.render(result.source))
         report = self.service.reload(result.config)

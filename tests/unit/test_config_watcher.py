@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from continuum.config import load_config
+from continuum.errors import ConfigError
 from continuum.metrics import RouterMetrics
 from continuum.registry import PluginRegistry
 from continuum.service import RouterService
@@ -91,5 +92,49 @@ def test_reloads_in_one_worker_run_one_at_a_time_and_a_change_during_one_is_seen
         monkeypatch.setattr(service, "reload", apply)
         report = reloader.check()
         assert report is not None and [b.name for b in service.pool] == ["a", "b", "c"]
+    finally:
+        service.stop()
+
+
+@pytest.mark.parametrize("content", ["", "# truncated\n", "server:\n  workers: 2\n"])
+def test_a_file_without_backends_never_empties_a_running_router(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str) -> None:
+    """An emptied or half-written file (``> router.yaml``, an editor mid-save) read by the
+    admin endpoint or the watcher is refused: the router keeps its backends."""
+    monkeypatch.delenv("CONTINUUM_RUNTIME_DIR", raising=False)
+    path = tmp_path / "router.yaml"
+    _write(path, "a", "b")
+    registry = PluginRegistry()
+    service = RouterService(load_config(path, registry), registry=registry,
+                            metrics=RouterMetrics())
+    reloader = ConfigReloader(service, path)
+    try:
+        path.write_text(content)
+        with pytest.raises(ConfigError) as refused:
+            reloader.reload()
+        (issue,) = refused.value.issues
+        assert issue.path == "backends"
+        assert "runs 2 (a, b)" in issue.message and "running config stays" in issue.message
+        assert reloader.check() is None  # the watcher logs it and keeps the config too
+        assert [b.name for b in service.pool] == ["a", "b"]
+        _write(path, "b")  # dropping some backends is a reload like any other
+        report = reloader.check()
+        assert report is not None and [b.name for b in service.pool] == ["b"]
+    finally:
+        service.stop()
+
+
+def test_a_router_started_without_backends_may_reload_to_none(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CONTINUUM_RUNTIME_DIR", raising=False)
+    path = tmp_path / "router.yaml"
+    path.write_text("health_check: {enabled: false}\n")
+    registry = PluginRegistry()
+    service = RouterService(load_config(path, registry), registry=registry,
+                            metrics=RouterMetrics())
+    try:
+        path.write_text("health_check: {enabled: false}\nserver: {workers: 2}\n")
+        assert ConfigReloader(service, path, ((0, 0), None)).reload() is not None
+        assert list(service.pool) == []
     finally:
         service.stop()
