@@ -68,7 +68,7 @@ class BackendView:
     healthy: bool
     in_flight: int
     #: ``unprobed`` (added or changed by a reload, no probe result yet), ``healthy``,
-    #: ``unhealthy``.
+    #: ``unhealthy``, or ``disabled`` (``enabled: false``).
     state: str
     #: Taken out of rotation by ``POST /admin/backends/{name}/drain``.
     draining: bool
@@ -92,9 +92,10 @@ def backend_view(backend: Backend) -> BackendView:
         type=backend.config.type,
         enabled=backend.config.enabled,
         internal=backend.config.internal,
-        healthy=backend.healthy,
+        healthy=backend.healthy and backend.config.enabled,
         in_flight=backend.in_flight,
-        state=backend.state,
+        # a disabled backend is never probed nor sent anything: its "healthy" is no news
+        state=backend.state if backend.config.enabled else "disabled",
         draining=backend.draining,
         latency_ewma_ms=None if ewma is None else round(ewma * 1000, 3),
         success_rate=round(backend.success_rate, 4),

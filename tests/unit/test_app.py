@@ -123,3 +123,13 @@ def test_unexpected_errors_are_logged_and_shaped(client: falcon.testing.TestClie
         "model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
     assert anthropic_resp.status_code == 500
     assert anthropic_resp.json["type"] == "error"
+
+
+def test_a_disabled_backend_shows_as_disabled_not_healthy() -> None:
+    config = {**CFG, "backends": [*CFG["backends"], {  # type: ignore[list-item]
+        "name": "later", "url": "http://127.0.0.1:9", "models": ["m"], "enabled": False}]}
+    app = falcon.testing.TestClient(create_app(parse_config(config), registry=PluginRegistry()))
+    rows = {row["name"]: row for row in app.simulate_get(
+        "/admin/backends", headers={"Authorization": "Bearer s3cret"}).json["backends"]}
+    assert (rows["later"]["state"], rows["later"]["healthy"]) == ("disabled", False)
+    assert (rows["a"]["state"], rows["a"]["healthy"]) == ("healthy", True)
