@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -101,27 +102,58 @@ class AdminResource:
         resp.data = json.dumps({**doc, "worker_pid": os.getpid()}, indent=2).encode()
 
 
-class StrategiesResource(AdminResource):
+class AdminView(AdminResource):
+    """A ``GET`` view of one worker's state (:meth:`doc`). ``?workers=all`` answers with
+    every worker's view instead: ``{"workers": [...], "fleet": {...}}``, this worker's
+    first, then those of the host's other workers and of the routers sharing Redis, each
+    with its ``worker_pid``, gathered through the fleet bus (:mod:`continuum.web.fleet`)."""
+
+    #: The path it is mounted at (set by :meth:`AdminIndexResource.mount`), which names the
+    #: view to the other workers.
+    path = ""
+
+    def doc(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        scope = req.get_param("workers")
+        if scope is None:
+            self._send(resp, self.doc())
+            return
+        if scope != "all":
+            raise RequestError(f"workers must be 'all' (every worker's view), got '{scope}'",
+                               param="workers", code="invalid_value")
+        own = {**self.doc(), "worker_pid": os.getpid()}
+        fleet = fleet_of(self.service)
+        if fleet is None:  # one worker, or workers that share nothing: this one is all
+            self._send(resp, {"workers": [own]})
+            return
+        section = fleet.spread("snapshot", {"view": self.path})
+        others = section.pop("elsewhere", {}).get("snapshots", [])
+        self._send(resp, {"workers": [own, *others], "fleet": section})
+
+
+class StrategiesResource(AdminView):
     """``GET /admin/strategies``: available and loaded plugins with their distributions."""
 
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self._send(resp, asdict(self.service.strategies_view()))
+    def doc(self) -> dict[str, Any]:
+        return asdict(self.service.strategies_view())
 
 
-class BackendsResource(AdminResource):
+class BackendsResource(AdminView):
     """``GET /admin/backends``: health, in-flight, latency and success rate per backend."""
 
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self._send(resp, {"backends": [asdict(b) for b in self.service.backend_views()],
-                          "health_checks": self.service.health.view()})
+    def doc(self) -> dict[str, Any]:
+        return {"backends": [asdict(b) for b in self.service.backend_views()],
+                "health_checks": self.service.health.view()}
 
 
-class PrefixRoutingStatsResource(AdminResource):
+class PrefixRoutingStatsResource(AdminView):
     """``GET /admin/prefix-routing/stats``: prefix routing's settings, its routing
     decisions, the load per backend and the unique prefixes seen (this worker)."""
 
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self._send(resp, asdict(self.service.prefix_routing_view()))
+    def doc(self) -> dict[str, Any]:
+        return asdict(self.service.prefix_routing_view())
 
 
 class ExplainResource(AdminResource):
@@ -165,12 +197,12 @@ class ConfigReloadResource(AdminResource):
         self._send(resp, doc)
 
 
-class ResponseCacheStatsResource(AdminResource):
+class ResponseCacheStatsResource(AdminView):
     """``GET /admin/response-cache/stats``: entries, hits, misses and evictions of the
     response cache (and the semantic cache), with its settings."""
 
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self._send(resp, self.service.response_cache_stats())
+    def doc(self) -> dict[str, Any]:
+        return self.service.response_cache_stats()
 
 
 class ResponseCacheInvalidateResource(AdminResource):
@@ -201,19 +233,19 @@ class ResponseCacheInvalidateResource(AdminResource):
         self._send(resp, doc)
 
 
-class KvIndexStatsResource(AdminResource):
+class KvIndexStatsResource(AdminView):
     """``GET /admin/kv-index/stats``: the KV cache index's settings and counters, its
     event sources and the scorer's decisions."""
 
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self._send(resp, asdict(self.service.kv_index_view()))
+    def doc(self) -> dict[str, Any]:
+        return asdict(self.service.kv_index_view())
 
 
-class KvIndexBackendsResource(AdminResource):
+class KvIndexBackendsResource(AdminView):
     """``GET /admin/kv-index/backends``: per-backend event statistics."""
 
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self._send(resp, asdict(self.service.kv_sources_view()))
+    def doc(self) -> dict[str, Any]:
+        return asdict(self.service.kv_sources_view())
 
 
 class KvIndexClearResource(AdminResource):
@@ -234,12 +266,12 @@ class KvIndexClearResource(AdminResource):
         self._send(resp, doc)
 
 
-class GeminiContextStatsResource(AdminResource):
+class GeminiContextStatsResource(AdminView):
     """``GET /admin/gemini-context-cache/stats``: the Gemini context cache's entries,
     refusals, creations in flight and counters per backend (this worker)."""
 
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self._send(resp, self.service.gemini_context_stats())
+    def doc(self) -> dict[str, Any]:
+        return self.service.gemini_context_stats()
 
 
 class GeminiContextClearResource(AdminResource):
@@ -290,6 +322,14 @@ class AdminIndexResource(AdminResource):
         """``app.add_route(path, resource)``, listed here."""
         app.add_route(path, resource)
         self.routes.append((path, resource))
+        if isinstance(resource, AdminView):
+            resource.path = path
+
+    def views(self) -> dict[str, Callable[[], dict[str, Any]]]:
+        """Every mounted :class:`AdminView`'s :meth:`~AdminView.doc`, by path (what a
+        ``snapshot`` fleet action may ask a worker for)."""
+        return {path: resource.doc for path, resource in self.routes
+                if isinstance(resource, AdminView)}
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         self._send(resp, {"endpoints": [_describe(path, resource)
@@ -307,7 +347,11 @@ def _describe(path: str, resource: AdminResource) -> dict[str, Any]:
     summary = " ".join(line.split())
     if summary.startswith("``") and "``:" in summary:
         summary = summary.split("``:", 1)[1].strip()
-    return {"path": path, "methods": methods, "description": summary.replace("``", "")}
+    row: dict[str, Any] = {"path": path, "methods": methods,
+                           "description": summary.replace("``", "")}
+    if isinstance(resource, AdminView):
+        row["query"] = {"workers": "all: every worker's and router's view in one answer"}
+    return row
 
 
 def add_routes(

@@ -235,6 +235,7 @@ def create_app(
     fleet = fleet_of(service)
     if fleet is not None:  # drains made elsewhere reach this worker's set through the bus
         fleet.drain = app.drain
+        fleet.views = index.views()  # and ?workers=all asks every worker for its view
     tracing.install(app, service, tracer_provider)
     app.service = service
     return app

@@ -26,6 +26,10 @@ The sender waits up to ``fleet.ack_timeout_seconds`` for every live worker of th
 every member router to report the action applied, and its reply says how many did:
 ``{"fleet": {"workers": 4, "workers_applied": 4, "routers": 2, "routers_applied": 2}}``.
 
+``GET /admin/...?workers=all`` is a read-only action, ``snapshot``: every worker that
+applies it leaves its answer to that admin view beside its counts, and the sender lists
+them all.
+
 Applying an action elsewhere is the same call as here (``clear_response_cache`` and so on):
 a shared store (Redis) is cleared once per worker, which costs a few empty ``SCAN``\\ s and
 keeps the code one path. Every action carries an id; a worker applies each id once.
@@ -41,6 +45,7 @@ import socket
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,7 +71,8 @@ KEEP_FILES = 64  # spool files kept for workers that fall behind
 COUNTED = ("cleared_entries", "cleared_semantic_index_entries")
 _SEEN_IDS = 512
 
-ACTIONS = ("response_cache_clear", "kv_index_clear", "gemini_context_clear", "reload", "drain")
+ACTIONS = ("response_cache_clear", "kv_index_clear", "gemini_context_clear", "reload", "drain",
+           "snapshot")
 
 
 class FleetBus:
@@ -102,6 +108,9 @@ class FleetBus:
         self.applied_remote = 0
         #: The worker's drained set (:mod:`continuum.web.drain`), set by ``create_app``.
         self.drain: DrainControl | None = None
+        #: The admin views a ``snapshot`` may ask for, by path (``GET /admin/...``): each
+        #: returns this worker's answer. Set by ``create_app``.
+        self.views: dict[str, Callable[[], dict[str, Any]]] = {}
 
     # --- falcon middleware: catch up before every request -------------------------------
 
@@ -132,12 +141,15 @@ class FleetBus:
             if self.drain is not None:
                 self.drain.follow(str(payload.get("backend")), payload.get("draining") is True)
             return {}
+        if action == "snapshot":  # an admin view's answer in this worker, for the sender
+            view = self.views.get(str(payload.get("view")))
+            return {} if view is None else {"snapshot": {**view(), "worker_pid": os.getpid()}}
         raise ValueError(f"unknown fleet action {action!r}")
 
     def _apply_once(self, action_id: str, action: str,
                     payload: dict[str, Any]) -> dict[str, Any] | None:
-        """Apply an action once; its counts (:data:`COUNTED`), None when it was applied
-        before or failed."""
+        """Apply an action once; what the sender gathers from it (its :data:`COUNTED`
+        counts, or a ``snapshot``), None when it was applied before or failed."""
         if action_id in self._applied:
             return None
         self._remember(action_id)
@@ -147,7 +159,11 @@ class FleetBus:
         except Exception:  # one failed action must not stop the next
             log.exception("fleet action %s (%s) failed in this worker", action, action_id)
             return None
-        return {key: result[key] for key in COUNTED if isinstance(result.get(key), int)}
+        kept: dict[str, Any] = {key: result[key] for key in COUNTED
+                                if isinstance(result.get(key), int)}
+        if isinstance(result.get("snapshot"), dict):
+            kept["snapshot"] = result["snapshot"]
+        return kept
 
     def _remember(self, action_id: str) -> None:
         self._applied[action_id] = None
@@ -182,7 +198,7 @@ class FleetBus:
             return current
 
     @staticmethod
-    def _report(spool: Path, generation: int, counts: dict[str, int]) -> None:
+    def _report(spool: Path, generation: int, counts: dict[str, Any]) -> None:
         """Leave this worker's counts of host action ``generation`` for its sender (written
         before the worker records the generation applied, which the sender waits for)."""
         path = spool / f"{generation}.{os.getpid()}.counts"
@@ -199,7 +215,8 @@ class FleetBus:
         """Spread ``action``, already applied in this worker, to the host's other workers
         and the other routers; wait for them; the ``fleet`` section of the reply, with
         ``elsewhere``: the :data:`COUNTED` counts of the workers that applied it besides
-        this one, summed (the caller adds them to its own and drops the key)."""
+        this one, summed, and their ``snapshots`` (the caller adds them to its own and drops
+        the key)."""
         if action not in ACTIONS:
             raise ValueError(f"unknown fleet action {action!r}")
         payload = payload or {}
@@ -275,11 +292,12 @@ class FleetBus:
         return f"{self.channel}:counts:{action_id}"
 
     def _counts_elsewhere(self, action_id: str, generation: int, workers: list[Any],
-                          acked: set[str]) -> dict[str, int]:
+                          acked: set[str]) -> dict[str, Any]:
         """What the host's other workers and the other routers' workers that applied the
         action counted (each worker's own store: memory stores hold separate entries, a
-        shared one is emptied by the first and counts 0 for the rest)."""
-        totals: dict[str, int] = {}
+        shared one is emptied by the first and counts 0 for the rest), and the snapshots
+        they took (``snapshots``, host workers first)."""
+        totals: dict[str, Any] = {}
 
         def add(counts: Any) -> None:
             if isinstance(counts, dict):
@@ -287,6 +305,8 @@ class FleetBus:
                     value = counts.get(key)
                     if isinstance(value, int):
                         totals[key] = totals.get(key, 0) + value
+                if isinstance(counts.get("snapshot"), dict):
+                    totals.setdefault("snapshots", []).append(counts["snapshot"])
 
         me = os.getpid()
         if self.spool is not None and generation:

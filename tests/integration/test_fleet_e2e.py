@@ -176,6 +176,57 @@ def test_clear_all_counts_what_every_router_cleared(upstreams, router_factory,
             conn.close()
 
 
+def test_workers_all_lists_every_workers_view(upstreams, router_factory) -> None:
+    """``?workers=all``: one answer with every worker's view, gathered through the bus."""
+    up = upstreams("a")
+    router = router_factory(_config(up), workers=2)
+    conns = _one_per_worker(router.url, 2)
+    try:
+        for n in range(3):  # three entries in the second worker's store, one in the first's
+            assert conns[1].post("/v1/chat/completions", _question(n))[0] == 200
+        assert conns[0].post("/v1/chat/completions", _question(9))[0] == 200
+        doc = conns[0].get("/admin/response-cache/stats?workers=all")
+        assert doc["fleet"]["workers"] == 2 and doc["fleet"]["complete"] is True, doc
+        rows = [(w["worker_pid"], w["entries"], w["requests"]["miss"]) for w in doc["workers"]]
+        assert rows == [(conns[0].pid, 1, 1), (conns[1].pid, 3, 3)]  # the answering one first
+        backends = conns[1].get("/admin/backends?workers=all")["workers"]
+        assert [w["worker_pid"] for w in backends] == [conns[1].pid, conns[0].pid]
+        assert all(w["backends"][0]["name"] == "a" for w in backends)
+        conns[0].http.request("GET", "/admin/backends?workers=some")
+        refused = conns[0].http.getresponse()
+        error = json.loads(refused.read())["error"]
+        assert refused.status == 400 and (error["param"], error["code"]) == (
+            "workers", "invalid_value")
+        # a plain GET is still the answering worker's own view
+        assert conns[1].get("/admin/response-cache/stats")["entries"] == 3
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_workers_all_reaches_the_routers_sharing_redis(upstreams, router_factory,
+                                                      redis_server) -> None:
+    up = upstreams("a")
+    redis_cfg = {"url": redis_server.url, "key_prefix": unique_prefix("fv")}
+    config = {**_config(up, redis=redis_cfg), "fleet": {"use_redis": True}}
+    first, second = router_factory(config), router_factory(config)
+    conns = [Conn(first.url), Conn(second.url)]
+    try:
+        for n, conn in ((0, conns[0]), (1, conns[1]), (2, conns[1])):
+            assert conn.post("/v1/chat/completions", _question(n))[0] == 200
+        client = redis.Redis.from_url(redis_server.url)
+        members = redis_cfg["key_prefix"].rstrip(":") + ".fleet:members"
+        wait_until(lambda: client.zcard(members) == 2, "2 fleet members", 15)
+        client.close()
+        doc = conns[1].get("/admin/response-cache/stats?workers=all")
+        assert doc["fleet"]["routers_applied"] == 2, doc
+        assert [(w["worker_pid"], w["entries"]) for w in doc["workers"]] == [
+            (conns[1].pid, 2), (conns[0].pid, 1)]
+    finally:
+        for conn in conns:
+            conn.close()
+
+
 def test_reload_and_kv_clear_reach_every_worker(upstreams, router_factory) -> None:
     up = upstreams("a")
     cfg = {**_config(up), "kv_cache_index": {"enabled": True}}

@@ -125,6 +125,8 @@ def test_get_admin_lists_every_admin_endpoint_with_its_methods() -> None:
     for row in rows:  # a sentence of its own, not the docstring's METHOD /path
         assert row["description"] and not row["description"].startswith("``"), row
         assert row["description"] != row["path"]
+    views = {row["path"] for row in rows if "workers" in row.get("query", {})}
+    assert views == {path for method, path in ADMIN_ROUTES if method == "GET"} - {"/admin"}
     drain = next(r for r in rows if r["path"] == "/admin/backends/{name}/drain")
     assert "in flight finish" in drain["description"]
     # every listed route answers with the token (no 404/405): none is listed by mistake

@@ -133,3 +133,17 @@ def test_a_disabled_backend_shows_as_disabled_not_healthy() -> None:
         "/admin/backends", headers={"Authorization": "Bearer s3cret"}).json["backends"]}
     assert (rows["later"]["state"], rows["later"]["healthy"]) == ("disabled", False)
     assert (rows["a"]["state"], rows["a"]["healthy"]) == ("healthy", True)
+
+
+def test_workers_all_without_a_fleet_lists_this_worker_alone(
+        client: falcon.testing.TestClient) -> None:
+    auth = {"Authorization": "Bearer s3cret"}
+    doc = client.simulate_get("/admin/backends", params={"workers": "all"}, headers=auth).json
+    (only,) = doc["workers"]
+    assert only["worker_pid"] == doc["worker_pid"] and only["backends"][0]["name"] == "a"
+    assert "fleet" not in doc
+    bad = client.simulate_get("/admin/kv-index/stats", params={"workers": "2"}, headers=auth)
+    assert bad.status_code == 400 and _error(bad)["param"] == "workers"
+    # views only: an action's path takes no workers parameter
+    assert client.simulate_post("/admin/kv-index/clear", params={"workers": "all"},
+                                headers=auth).status_code == 409
