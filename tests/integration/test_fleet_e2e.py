@@ -149,22 +149,30 @@ def test_clear_all_misses_on_every_worker_of_two_routers(upstreams, router_facto
             conn.close()
 
 
-def test_clear_all_counts_what_every_router_cleared(upstreams, router_factory,
-                                                   redis_server) -> None:
-    """Two routers with memory stores, joined by fleet.use_redis: the reply's count is
-    both routers' entries."""
+def _two_routers_with_1_and_2_entries(upstreams: Any, router_factory: Any,
+                                      redis_server: Any) -> list[Conn]:
+    """Two one-worker routers with memory stores, joined by fleet.use_redis, holding one
+    and two response-cache entries; a connection to each, once both are fleet members."""
     up = upstreams("a")
     redis_cfg = {"url": redis_server.url, "key_prefix": unique_prefix("fc")}
     config = {**_config(up, redis=redis_cfg), "fleet": {"use_redis": True}}
     first, second = router_factory(config), router_factory(config)
     conns = [Conn(first.url), Conn(second.url)]
+    for n, conn in ((0, conns[0]), (1, conns[1]), (2, conns[1])):
+        assert conn.post("/v1/chat/completions", _question(n))[0] == 200
+    client = redis.Redis.from_url(redis_server.url)
+    members = redis_cfg["key_prefix"].rstrip(":") + ".fleet:members"
+    wait_until(lambda: client.zcard(members) == 2, "2 fleet members", 15)
+    client.close()
+    return conns
+
+
+def test_clear_all_counts_what_every_router_cleared(upstreams, router_factory,
+                                                   redis_server) -> None:
+    """Two routers with memory stores, joined by fleet.use_redis: the reply's count is
+    both routers' entries."""
+    conns = _two_routers_with_1_and_2_entries(upstreams, router_factory, redis_server)
     try:
-        for n, conn in ((0, conns[0]), (1, conns[1]), (2, conns[1])):
-            assert conn.post("/v1/chat/completions", _question(n))[0] == 200
-        client = redis.Redis.from_url(redis_server.url)
-        members = redis_cfg["key_prefix"].rstrip(":") + ".fleet:members"
-        wait_until(lambda: client.zcard(members) == 2, "2 fleet members", 15)
-        client.close()
         status, _, raw = conns[0].post("/admin/response-cache/invalidate",
                                        b'{"clear_all": true}')
         doc = json.loads(raw)
@@ -206,18 +214,8 @@ def test_workers_all_lists_every_workers_view(upstreams, router_factory) -> None
 
 def test_workers_all_reaches_the_routers_sharing_redis(upstreams, router_factory,
                                                       redis_server) -> None:
-    up = upstreams("a")
-    redis_cfg = {"url": redis_server.url, "key_prefix": unique_prefix("fv")}
-    config = {**_config(up, redis=redis_cfg), "fleet": {"use_redis": True}}
-    first, second = router_factory(config), router_factory(config)
-    conns = [Conn(first.url), Conn(second.url)]
+    conns = _two_routers_with_1_and_2_entries(upstreams, router_factory, redis_server)
     try:
-        for n, conn in ((0, conns[0]), (1, conns[1]), (2, conns[1])):
-            assert conn.post("/v1/chat/completions", _question(n))[0] == 200
-        client = redis.Redis.from_url(redis_server.url)
-        members = redis_cfg["key_prefix"].rstrip(":") + ".fleet:members"
-        wait_until(lambda: client.zcard(members) == 2, "2 fleet members", 15)
-        client.close()
         doc = conns[1].get("/admin/response-cache/stats?workers=all")
         assert doc["fleet"]["routers_applied"] == 2, doc
         assert [(w["worker_pid"], w["entries"]) for w in doc["workers"]] == [
