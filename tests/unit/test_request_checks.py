@@ -18,6 +18,7 @@ from continuum.request import (
     EMBEDDINGS,
     INT64_MAX,
     NUMBER_FIELDS,
+    _brackets_exceed,
     load_json,
     nesting_exceeds,
     new_request_id,
@@ -70,6 +71,13 @@ def test_the_depth_limit_is_exact_for_valid_json(value: Any, ascii_only: bool,
             assert load_json(raw, max_depth=limit) == value and not too_deep
         except RequestError as exc:
             assert too_deep and exc.code == "json_too_deep"
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=st.binary(max_size=64) | st.text(alphabet="[{]}a", max_size=64).map(str.encode),
+       limit=st.integers(0, 20))
+def test_the_bracket_prefilter_counts_exactly(raw: bytes, limit: int) -> None:
+    assert _brackets_exceed(raw, limit) == (raw.count(b"[") + raw.count(b"{") > limit)
 
 
 def test_depth_helper() -> None:

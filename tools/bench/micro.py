@@ -11,7 +11,8 @@ Groups and the seed's goals (figures from a native implementation):
   owner is full, and a whole ``PrefixAwareHash.select``. Prefix keys and ring positions
   are remembered once computed (a prompt repeats: that is what prefix routing is for);
   the ``_new`` figures are a prompt or key met for the first time.
-* ``tier2``: cache key of a 2 KiB request (goal < 5 µs), in-memory store hit and miss
+* ``tier2``: cache key of a 2 KiB request (goal < 5 µs), parsing it and a 128 KiB one,
+  in-memory store hit and miss
   (goal < 1 µs), envelope decode, and the Redis GET/SET round trip on loopback (a
   ``redis-server`` is started on a free port when one is installed).
 * ``tier4``: ``InMemoryKvIndex.query_backends`` with 100,000 prefixes (goal < 100 µs),
@@ -176,6 +177,12 @@ def tier2(number: int, repeat: int) -> dict[str, float]:
             lambda: parse_request(raw, CHAT), number, repeat),
         f"cache_key_{len(raw) // 1024}KiB": measure(lambda: cache_key(ctx), number, repeat),
     }
+    # a RAG-sized request: the body's byte scans dominate, not the fields
+    big = json.dumps(_chat("You are a careful analyst. " * 60,
+                           "Context: " + "the quarterly report says revenue grew. " * 3200
+                           + "Question: did revenue grow?")).encode()
+    results[f"parse_request_{len(big) // 1024}KiB"] = measure(
+        lambda: parse_request(big, CHAT), max(number // 50, 200), repeat)
     store = InMemoryCacheStore(capacity=10_000)
     entry = encode_entry("body", "application/json", b"x" * 2048)
     for i in range(5000):
