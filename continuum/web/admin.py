@@ -115,6 +115,10 @@ class AdminView(AdminResource):
     def doc(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def snapshot(self) -> dict[str, Any]:
+        """:meth:`doc` with this worker's ``worker_pid``: one entry of ``?workers=all``."""
+        return {**self.doc(), "worker_pid": os.getpid()}
+
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         scope = req.get_param("workers")
         if scope is None:
@@ -123,7 +127,7 @@ class AdminView(AdminResource):
         if scope != "all":
             raise RequestError(f"workers must be 'all' (every worker's view), got '{scope}'",
                                param="workers", code="invalid_value")
-        own = {**self.doc(), "worker_pid": os.getpid()}
+        own = self.snapshot()
         fleet = fleet_of(self.service)
         if fleet is None:  # one worker, or workers that share nothing: this one is all
             self._send(resp, {"workers": [own]})
@@ -326,9 +330,9 @@ class AdminIndexResource(AdminResource):
             resource.path = path
 
     def views(self) -> dict[str, Callable[[], dict[str, Any]]]:
-        """Every mounted :class:`AdminView`'s :meth:`~AdminView.doc`, by path (what a
+        """Every mounted :class:`AdminView`'s :meth:`~AdminView.snapshot`, by path (what a
         ``snapshot`` fleet action may ask a worker for)."""
-        return {path: resource.doc for path, resource in self.routes
+        return {path: resource.snapshot for path, resource in self.routes
                 if isinstance(resource, AdminView)}
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:

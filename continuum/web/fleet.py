@@ -109,7 +109,7 @@ class FleetBus:
         #: The worker's drained set (:mod:`continuum.web.drain`), set by ``create_app``.
         self.drain: DrainControl | None = None
         #: The admin views a ``snapshot`` may ask for, by path (``GET /admin/...``): each
-        #: returns this worker's answer. Set by ``create_app``.
+        #: returns this worker's answer with its ``worker_pid``. Set by ``create_app``.
         self.views: dict[str, Callable[[], dict[str, Any]]] = {}
 
     # --- falcon middleware: catch up before every request -------------------------------
@@ -143,7 +143,7 @@ class FleetBus:
             return {}
         if action == "snapshot":  # an admin view's answer in this worker, for the sender
             view = self.views.get(str(payload.get("view")))
-            return {} if view is None else {"snapshot": {**view(), "worker_pid": os.getpid()}}
+            return {} if view is None else {"snapshot": view()}
         raise ValueError(f"unknown fleet action {action!r}")
 
     def _apply_once(self, action_id: str, action: str,
