@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 from stores.kv_memory import InMemoryKvIndex
@@ -39,21 +40,22 @@ class SettledMatch:
         self.settle = settle
         self.backend = backend
         self.state: dict[str, int] = {}
-        self._seen: list[dict[str, int]] = []
+        self._seen: deque[dict[str, int]] = deque(maxlen=settle)
+
+    def _settled(self) -> bool:
+        return len(self._seen) == self.settle and all(s == self.state for s in self._seen)
 
     def __call__(self) -> bool:
         self.state = self.snapshot()
-        self._seen = [*self._seen[-(self.settle - 1):], self.state] if self.settle > 1 \
-            else [self.state]
-        settled = len(self._seen) == self.settle and all(s == self.state for s in self._seen)
-        return settled and holds_exactly(self.index, self.state, self.backend)
+        self._seen.append(self.state)
+        return self._settled() and holds_exactly(self.index, self.state, self.backend)
 
     def describe(self) -> str:
         held = index_view(self.index, self.state, self.backend)
         missing = sorted(set(self.state) - set(held))
         wrong = sorted(h for h in held if held[h] != self.state[h])
-        settled = len(self._seen) == self.settle and all(s == self.state for s in self._seen)
         return (f"the index to hold exactly the listener's settled state (listener: "
-                f"{len(self.state)} prefixes, {'settled' if settled else 'still changing'}; "
+                f"{len(self.state)} prefixes, "
+                f"{'settled' if self._settled() else 'still changing'}; "
                 f"index: {len(self.index)} prefixes, missing {len(missing)} {missing[:3]}, "
                 f"wrong token counts {wrong[:3]})")
