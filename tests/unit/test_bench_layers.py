@@ -106,3 +106,54 @@ def test_the_report_puts_the_goals_against_the_bare_falcon_layer(
     assert "router CPU <= 0.15 ms at c=32: 30 us left; the router's own work takes 150 us" \
         in out
     assert "added p50 <= 0.3 ms at c=1: 70 us left; the router's own work adds 140 us" in out
+
+
+def test_exec_runs_another_server_as_its_child_and_passes_the_stop_on(tmp_path: Path) -> None:
+    """The Rust routers run under ``layer_apps --exec``: the serving process is the child
+    of the one started (the phases read the child's CPU), and a stop reaches it."""
+    port = free_port()
+    wrapper = Child([sys.executable, "-m", "tools.bench.layer_apps", "--exec", sys.executable,
+                     "-m", "tools.bench.upstream", "--port", str(port), "--model", "m"],
+                    tmp_path / "exec.log", name="exec", cwd=ROOT)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 20, children=[wrapper])
+        served = layers.children_of(wrapper.pid)
+        assert len(served) == 1
+        with open(f"/proc/{served[0]}/cmdline", "rb") as f:
+            assert b"tools.bench.upstream" in f.read()
+    finally:
+        wrapper.stop()
+    assert wrapper.popen.returncode == 0
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_a_rival_is_found_in_the_bin_directory_given_and_started_on_loopback(
+        tmp_path: Path) -> None:
+    assert layers.rival_executable("sglang-router-cache", str(tmp_path)) is None
+    exe = tmp_path / "sglang-router"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    assert layers.rival_executable("sglang-router-cache", str(tmp_path)) == str(exe)
+    argv = layers.rival_argv("sglang-router-cache", str(exe), 9001, 9002, 9003)
+    assert argv == [str(exe), "launch", "--host", "127.0.0.1", "--port", "9001",
+                    "--worker-urls", "http://127.0.0.1:9002", "--policy", "cache_aware",
+                    "--prometheus-host", "127.0.0.1", "--prometheus-port", "9003"]
+    vllm = layers.rival_argv("vllm-router-rr", "/x/vllm-router", 1, 2, 3)
+    assert vllm[:1] == ["/x/vllm-router"] and vllm[vllm.index("--policy") + 1] == "round_robin"
+
+
+def test_the_report_divides_the_routers_rows_by_the_rust_routers(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    results = [
+        layers.LayerResult("router-pah", 0.400, 0.600, 0.500, 2000.0, 30.0, 90.0),
+        layers.LayerResult("sglang-router-cache", 0.200, 0.300, 0.250, 6000.0, 25.0, None),
+        layers.LayerResult("vllm-router-rr", 0.100, 0.200, 0.200, 11000.0, 20.0, 70.0),
+    ]
+    layers.report(results, {"cpus": 2, "python": "3.11", "repeat": 1, "chunks": 200})
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines()
+               if line.startswith("router-pah / sglang-router-cache"))
+    assert row.split()[3:] == ["2.00x", "2.00x", "2.00x", "1.20x", "-"]
+    # router-rr was not measured: no pair with vllm-router-rr
+    assert "router-rr / vllm-router-rr" not in out

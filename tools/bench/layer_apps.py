@@ -7,6 +7,9 @@ upstream's body and ``X-Continuum-Backend``) on one more layer of the router's s
   connection. Nothing a Python proxy on gevent can skip: the floor. It forks once and
   serves in the child, so that, as with gunicorn, the serving process is the child of the
   one started (the benchmark reads the child's CPU).
+* ``python -m tools.bench.layer_apps --exec CMD [ARG ...]``: runs another proxy (a Rust
+  router ``tools.bench.layers`` compares against) as its child the same way, passing a
+  stop on to it.
 * ``tools.bench.layer_apps:wsgi``: a bare WSGI function, for gunicorn's worker or the
   router's.
 * ``tools.bench.layer_apps:falcon_app``: a Falcon app with one resource, for the router's
@@ -161,14 +164,20 @@ def _serve_floor(port: int, upstream_port: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--upstream-port", type=int, required=True)
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--upstream-port", type=int)
+    parser.add_argument("--exec", dest="command", nargs=argparse.REMAINDER,
+                        help="serve by running this command in the child instead")
     args = parser.parse_args(argv)
+    if not args.command and (args.port is None or args.upstream_port is None):
+        parser.error("--port and --upstream-port are required without --exec")
     child = os.fork()
     if not child:
         die_with_parent = die_with_parent_hook()
         if die_with_parent is not None:
             die_with_parent()
+        if args.command:
+            os.execvp(args.command[0], args.command)
         _serve_floor(args.port, args.upstream_port)
         return
 

@@ -21,6 +21,23 @@ piece of the router's stack than the one before (:mod:`tools.bench.layer_apps`):
 ``router-pah``     the router with PrefixAwareHash and ``prefix_routing`` on
 =================  ==========================================================================
 
+Issue 18 sets its goals against the Rust routers. When their executables are installed
+(``pip install vllm-router sglang-router``, in a venv of their own: they are not
+dependencies; ``--rivals-bin DIR`` names its ``bin``, or they are looked up on ``PATH``),
+the same phases run against them too, each with its defaults but for the policy:
+
+=======================  ====================================================================
+``vllm-router-rr``       ``vllm-router --policy round_robin``
+``sglang-router-rr``     ``sglang-router launch --policy round_robin``
+``sglang-router-cache``  ``sglang-router launch --policy cache_aware``: its prefix-aware
+                         router (an approximate radix tree per worker), the counterpart of
+                         ``router-pah``
+=======================  ====================================================================
+
+and the report puts the router's rows against theirs (the issue's title: within 2-3x of
+them per request, at parity per streamed chunk). A rival that is not installed is left
+out with a note; naming it in ``--only`` makes its absence an error.
+
 For each it prints router CPU per request (utime+stime of the serving process from
 ``/proc``) non-streaming at concurrency 32 and 1, and the p50 latency added to the upstream
 direct at concurrency 1, with the same load generator as ``tools.bench.overhead``. The
@@ -37,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -65,6 +83,36 @@ from tools.bench.overhead import (
 
 LAYERS = ("floor", "gunicorn-wsgi", "worker-wsgi", "worker-falcon", "router-rr", "router-pah")
 
+#: Rust routers measured beside the router: layer -> (executable, arguments before the
+#: common ``--host --port --worker-urls``, the policy arguments).
+RIVALS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "vllm-router-rr": ("vllm-router", (), ("--policy", "round_robin")),
+    "sglang-router-rr": ("sglang-router", ("launch",), ("--policy", "round_robin")),
+    "sglang-router-cache": ("sglang-router", ("launch",), ("--policy", "cache_aware")),
+}
+#: Which rival row each of the router's rows is read against in the report.
+PAIRS = (("router-rr", "vllm-router-rr"), ("router-rr", "sglang-router-rr"),
+         ("router-pah", "sglang-router-cache"))
+
+
+def rival_executable(layer: str, bin_dir: str | None) -> str | None:
+    """The path of ``layer``'s executable, in ``bin_dir`` or on ``PATH``; None when absent."""
+    name = RIVALS[layer][0]
+    if bin_dir is not None:
+        path = Path(bin_dir) / name
+        return str(path) if os.access(path, os.X_OK) else None
+    return shutil.which(name)
+
+
+def rival_argv(layer: str, executable: str, port: int, upstream_port: int,
+               metrics_port: int) -> list[str]:
+    """The command line of rival ``layer``: on 127.0.0.1, one worker (the upstream), its
+    Prometheus exporter on a free port of 127.0.0.1."""
+    _, before, policy = RIVALS[layer]
+    return [executable, *before, "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", f"http://127.0.0.1:{upstream_port}", *policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+
 
 @dataclass
 class LayerResult:
@@ -77,13 +125,23 @@ class LayerResult:
     chunk_c1_us: float | None
 
 
-def start_layer(layer: str, tmp: Path, upstream_port: int, src: str) -> tuple[Child, int]:
+def start_layer(layer: str, tmp: Path, upstream_port: int, src: str,
+                rivals_bin: str | None = None) -> tuple[Child, int]:
     """The server of ``layer`` (not the router's) and its port, once it answers
     ``/health``."""
     port = free_port()
     env = pythonpath_env(os.pathsep.join((src, str(ROOT))))
     env["LAYER_UPSTREAM_PORT"] = str(upstream_port)
-    if layer == "floor":
+    if layer in RIVALS:
+        executable = rival_executable(layer, rivals_bin)
+        if executable is None:
+            raise BenchError(f"{layer}: {RIVALS[layer][0]} is not installed "
+                             "(pip install vllm-router sglang-router; --rivals-bin DIR)")
+        # Run as the child of a Python parent, as gunicorn's worker and the floor are: the
+        # phases read the serving child's CPU (all its threads).
+        argv = [PYTHON, "-m", "tools.bench.layer_apps", "--exec",
+                *rival_argv(layer, executable, port, upstream_port, free_port())]
+    elif layer == "floor":
         argv = [PYTHON, "-m", "tools.bench.layer_apps", "--port", str(port),
                 "--upstream-port", str(upstream_port)]
     else:
@@ -109,7 +167,7 @@ def measure(layer: str, args: argparse.Namespace, tmp: Path, children: list[Chil
         extra = PREFIX_ROUTING if layer == "router-pah" else None
         server, port = start_router(sub, up_port, 1, args.router_src, extra)
     else:
-        server, port = start_layer(layer, sub, up_port, args.router_src)
+        server, port = start_layer(layer, sub, up_port, args.router_src, args.rivals_bin)
     children.append(server)
     try:
         runs: dict[tuple[str, bool, int], list[Phase]] = {}
@@ -124,7 +182,8 @@ def measure(layer: str, args: argparse.Namespace, tmp: Path, children: list[Chil
                     # Streams take a while (1 ms between records): few warm-up ones.
                     warmup = 2 * conc if stream else args.warmup
                     phase = run_phase(mode, p, stream, conc, count, warmup,
-                                      args.max_seconds * (3 if stream else 1), rt, upstream)
+                                      args.max_seconds * (3 if stream else 1), rt, upstream,
+                                      marked=layer not in RIVALS)
                     runs.setdefault((mode, stream, conc), []).append(phase)
         best = {key: best_of(repeats) for key, repeats in runs.items()}
     finally:
@@ -155,14 +214,15 @@ def report(results: list[LayerResult], info: dict[str, Any]) -> None:
           f"{info['python']}, best of {info['repeat']} run(s) per phase)\n")
     print("                   non-streaming                             "
           f"{info['chunks']}-record streams")
-    print("layer           cpu ms/rq c=32  cpu ms/rq c=1  added p50 c=1 ms  req/s c=32"
+    print("layer                cpu ms/rq c=32  cpu ms/rq c=1  added p50 c=1 ms  req/s c=32"
           "  cpu us/record c=32  c=1")
-    print("-" * 104)
+    print("-" * 109)
     for r in results:
-        print(f"{r.layer:<15} {figure(r.cpu_c32_ms):>14} {figure(r.cpu_c1_ms):>14} "
+        print(f"{r.layer:<20} {figure(r.cpu_c32_ms):>14} {figure(r.cpu_c1_ms):>14} "
               f"{figure(r.added_p50_c1_ms):>17} {r.rps_c32 or 0:>11.0f} "
               f"{figure(r.chunk_c32_us, 1):>19} {figure(r.chunk_c1_us, 1):>4}")
     by = {r.layer: r for r in results}
+    rival_ratios(by)
     base, full = by.get("worker-falcon"), by.get("router-pah")
     if base is None or base.cpu_c32_ms is None:
         return
@@ -186,11 +246,42 @@ def report(results: list[LayerResult], info: dict[str, Any]) -> None:
             print()
 
 
+#: (column, LayerResult field) of the ratios against the Rust routers.
+_RATIO_COLUMNS = (("cpu c=32", "cpu_c32_ms"), ("cpu c=1", "cpu_c1_ms"),
+                  ("added p50 c=1", "added_p50_c1_ms"), ("cpu/record c=32", "chunk_c32_us"),
+                  ("cpu/record c=1", "chunk_c1_us"))
+
+
+def _ratio(ours: float | None, theirs: float | None) -> str:
+    if ours is None or theirs is None or theirs <= 0:
+        return "-"
+    return f"{ours / theirs:.2f}x"
+
+
+def rival_ratios(by: dict[str, LayerResult]) -> None:
+    """The router's rows divided by the Rust routers' (issue 18's title: within 2-3x per
+    request, parity per streamed record), for every pair measured in this run."""
+    pairs = [(ours, theirs) for ours, theirs in PAIRS if ours in by and theirs in by]
+    if not pairs:
+        return
+    print("\n# the router against the Rust routers, same machine and run (ours / theirs; "
+          "issue 18: <= 2-3x per request, ~1x per record)")
+    print(f"{'pair':<38}" + "".join(f"{name:>16}" for name, _ in _RATIO_COLUMNS))
+    for ours, theirs in pairs:
+        print(f"{ours + ' / ' + theirs:<38}" + "".join(
+            f"{_ratio(getattr(by[ours], field), getattr(by[theirs], field)):>16}"
+            for _, field in _RATIO_COLUMNS))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m tools.bench.layers",
         description="Router CPU per request and added latency, layer by layer of the stack.")
-    parser.add_argument("--only", nargs="+", choices=LAYERS, help="layers to run (default: all)")
+    parser.add_argument("--only", nargs="+", choices=LAYERS + tuple(RIVALS),
+                        help="layers to run (default: all, the Rust routers when installed)")
+    parser.add_argument("--rivals-bin", metavar="DIR",
+                        help="the bin directory holding vllm-router and sglang-router "
+                        "(default: look them up on PATH)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs per phase, the best kept (default 1)")
     parser.add_argument("--requests-c1", type=int, default=3000)
@@ -213,7 +304,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    chosen = [layer for layer in LAYERS if not args.only or layer in args.only]
+    chosen = [layer for layer in LAYERS + tuple(RIVALS) if not args.only or layer in args.only]
+    if not args.only:
+        missing = [layer for layer in RIVALS if rival_executable(layer, args.rivals_bin) is None]
+        for layer in missing:
+            print(f"  skipped: {layer} ({RIVALS[layer][0]} not found"
+                  f"{' in ' + args.rivals_bin if args.rivals_bin else ' on PATH'})",
+                  file=sys.stderr, flush=True)
+        chosen = [layer for layer in chosen if layer not in missing]
     children: list[Child] = []
     with tempfile.TemporaryDirectory(prefix="continuum-layers-") as tmp:
         try:

@@ -428,11 +428,14 @@ class Load:
 
 
 def run_phase(mode: str, port: int, stream: bool, concurrency: int, count: int, warmup: int,
-              max_seconds: float, router: Child | None, upstream: Child) -> Phase:
+              max_seconds: float, router: Child | None, upstream: Child, *,
+              marked: bool = True) -> Phase:
+    """One measured phase; ``marked``: the router's answers carry ``X-Continuum-Backend``
+    (checked on each; False for another proxy measured the same way)."""
     conns = [Conn(port, timeout=30) for _ in range(concurrency)]
     try:
         payload = build_request(port, stream)
-        is_router = mode == "router"
+        is_router = mode == "router" and marked
         Load(conns, payload, stream, is_router).run(max(warmup, 5 * concurrency), max_seconds)
         workers = children_of(router.pid) if router is not None else []
         if router is not None and not workers:
