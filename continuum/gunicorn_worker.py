@@ -412,8 +412,13 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
     def run(self) -> None:
         """gunicorn's serving loop; with several workers sharing a host segment and
         ``server.balance_connections`` on, each listener's server balances its accepts
-        against the other workers' (:mod:`continuum.wire.accept_balance`)."""
+        against the other workers' (:mod:`continuum.wire.accept_balance`). The access lines
+        of the router's requests are written from the hub once their answer is
+        (:class:`~continuum.web.observe.Observer`)."""
         gate = self.accept_gate = self._make_accept_gate()
+        router = self.router()
+        if router is not None:  # access lines are written once the answer is
+            router.observer.log_after_sending(get_hub().loop.run_callback)
         if gate is not None:
             from continuum.wire.accept_balance import BalancedStreamServer
 

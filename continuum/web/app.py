@@ -181,6 +181,8 @@ class RouterApp(falcon.App):  # type: ignore[type-arg]
     service: RouterService
     #: The drained set of backends (``/admin/backends/{name}/drain``).
     drain: drain.DrainControl
+    #: Records every client request in the metrics and the access log.
+    observer: Observer
 
 
 def create_app(
@@ -202,7 +204,8 @@ def create_app(
     app = RouterApp(media_type=JSON, middleware=[admin.AdminGate(service)])
     app.req_options.strip_url_path_trailing_slash = True
     app.add_middleware(RequestIdHeader())
-    app.add_middleware(Observer(metrics, config.server.access_log))
+    app.observer = Observer(metrics, config.server.access_log)
+    app.add_middleware(app.observer)
     if service.host is not None:  # several workers of one host: act as one (scale-out)
         service.fleet = FleetBus(service, reloader, service.host, config)  # type: ignore[attr-defined]
         app.add_middleware(service.fleet)  # type: ignore[attr-defined]

@@ -17,6 +17,7 @@ tenant name into log storage.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import json
@@ -25,7 +26,7 @@ import operator
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import falcon
@@ -34,6 +35,7 @@ from continuum.metrics import RequestRecord, RouterMetrics
 from continuum.web.http import request_id_of
 
 access_log = logging.getLogger("continuum.access")
+log = logging.getLogger(__name__)
 
 #: The root logger's line format in the worker (``logging.basicConfig`` in
 #: :func:`continuum.web.app.get_app`); text access lines go out through it.
@@ -190,11 +192,18 @@ class AccessWriter:
 
     def write(self, message: str) -> None:
         """Log ``message`` at INFO on ``continuum.access``."""
+        self.write_lines((message,))
+
+    def write_lines(self, messages: Sequence[str]) -> None:
+        """Log each of ``messages`` at INFO on ``continuum.access``, in order; straight to
+        the stream, in one write, when logging is set up as the class describes."""
         target = self.handler()
         if target is None:
-            access_log.info(message)
+            for message in messages:
+                access_log.info(message)
             return
         handler, text = target
+        terminator = handler.terminator  # type: ignore[attr-defined]
         if text:
             now = time.time()
             second = int(now)
@@ -204,29 +213,52 @@ class AccessWriter:
                 self._second = second
                 self._pid = os.getpid()  # a fork runs on: renewed at least once a second
             msecs = int((now - second) * 1000)
-            line = f"{self._stamp},{msecs:03d} {self._pid} INFO continuum.access: {message}"
+            head = f"{self._stamp},{msecs:03d} {self._pid} INFO continuum.access: "
+            out = "".join([f"{head}{message}{terminator}" for message in messages])
         else:
-            line = message
+            out = "".join([f"{message}{terminator}" for message in messages])
         stream: Any = getattr(handler, "stream", None)
         handler.acquire()
         try:
-            stream.write(line + handler.terminator)  # type: ignore[attr-defined]
+            stream.write(out)
             stream.flush()
         except Exception:
             handler.release()
-            access_log.info(message)  # logging reports the broken stream its own way
+            for message in messages:
+                access_log.info(message)  # logging reports the broken stream its own way
             return
         handler.release()
 
 
 class Observer:
     """Falcon middleware: one :class:`RequestRecord` per client API request, recorded in
-    the metrics and the access log when the answer is finished."""
+    the metrics and the access log when the answer is finished.
+
+    Under the router's gevent worker (:meth:`log_after_sending`), a finished request's
+    access line is formatted and written from the hub, right after the worker has written
+    the answer and its greenlet waits for the next request: the client does not wait for
+    it, and the lines of the requests that ended in one turn of the loop go out in one
+    write. The metrics are recorded at once, before the answer is sent, so that a scrape
+    that follows an answer (on any worker) counts it. Elsewhere (tests, another WSGI
+    server) the line is written at once too."""
 
     def __init__(self, metrics: RouterMetrics, fmt: str = TEXT) -> None:
         self.metrics = metrics
         self.fmt = fmt
         self.writer = AccessWriter()
+        self._run_callback: Any = None  # the hub loop's run_callback, once deferring
+        self._pending: list[RequestRecord] = []
+
+    def log_after_sending(self, run_callback: Any) -> None:
+        """Write access lines from a callback of the loop ``run_callback`` belongs to (the
+        gevent hub's ``loop.run_callback``), after the answer is written."""
+        self._run_callback = run_callback
+        atexit.register(self.flush)  # a worker that exits before the hub's next turn
+
+    def flush(self) -> None:
+        """Write the access lines still waiting for the hub's callback."""
+        if self._pending:
+            self._log_pending()
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         if not req.path.startswith(_OPERATOR_PREFIXES):
@@ -269,7 +301,24 @@ class Observer:
             self.finish(record)
 
     def finish(self, record: RequestRecord) -> None:
-        """Record ``record`` once: metrics, then the access-log line."""
+        """Record ``record`` once: metrics, then the access-log line (written from the
+        hub's next callbacks when deferring, see the class)."""
         self.metrics.observe_request(record)
-        if self.fmt != OFF and access_log.isEnabledFor(logging.INFO):
+        if self.fmt == OFF or not access_log.isEnabledFor(logging.INFO):
+            return
+        run_callback = self._run_callback
+        if run_callback is None:
             self.writer.write(format_access(record, self.fmt))
+            return
+        pending = self._pending
+        pending.append(record)
+        if len(pending) == 1:
+            run_callback(self._log_pending)
+
+    def _log_pending(self) -> None:
+        """The hub's callback: the access lines of every request finished since the last."""
+        pending, self._pending = self._pending, []
+        try:
+            self.writer.write_lines([format_access(record, self.fmt) for record in pending])
+        except Exception:  # the hub must not see it
+            log.exception("could not write %d access-log line(s)", len(pending))

@@ -173,3 +173,79 @@ def test_a_continuum_logger_between_it_and_the_root_keeps_the_direct_path(
     finally:
         parent.handlers[:], parent.propagate = saved[0], saved[1]
         parent.setLevel(saved[2])
+
+
+class _CountingStream(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        return super().write(text)
+
+
+def test_several_lines_go_out_in_one_write_each_as_logging_would(
+        root_stream: io.StringIO) -> None:
+    _worker_logging()
+    configure_access_log("text")
+    out = _CountingStream()
+    logging.root.handlers[0].setStream(out)  # type: ignore[attr-defined]
+    AccessWriter().write_lines(["request_id=a status=200", 'request_id=b model="x y"'])
+    assert out.writes == 1
+    assert out.getvalue() == (_as_logging_would("request_id=a status=200")
+                              + _as_logging_would('request_id=b model="x y"'))
+
+
+def _record(request_id: str) -> observe.RequestRecord:
+    record = observe.RequestRecord("chat")
+    record.request_id, record.status = request_id, 200
+    return record
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def observe_request(self, record: observe.RequestRecord) -> None:
+        self.seen.append(record.request_id)
+
+
+def test_under_the_worker_the_metrics_are_at_once_and_the_lines_from_the_hub(
+        root_stream: io.StringIO) -> None:
+    """The router's gevent worker hands the observer its hub's run_callback: a finished
+    request is counted at once (a scrape after the answer sees it), its access line is
+    written by one callback for all requests finished before the hub ran it."""
+    _worker_logging()
+    configure_access_log("text")
+    out = _CountingStream()
+    logging.root.handlers[0].setStream(out)  # type: ignore[attr-defined]
+    metrics = _Metrics()
+    observer = observe.Observer(metrics, "text")  # type: ignore[arg-type]
+    callbacks: list[object] = []
+    observer.log_after_sending(callbacks.append)
+    try:
+        observer.finish(_record("r1"))
+        observer.finish(_record("r2"))
+        assert metrics.seen == ["r1", "r2"]
+        assert out.getvalue() == "" and len(callbacks) == 1  # one callback for both
+        callbacks.pop()()  # the hub's turn
+        assert out.writes == 1
+        assert [line.split("request_id=")[1].split()[0]
+                for line in out.getvalue().splitlines()] == ["r1", "r2"]
+        observer.finish(_record("r3"))  # the next turn schedules a new callback
+        assert len(callbacks) == 1
+        observer.flush()  # at exit, without the hub
+        assert out.getvalue().count("request_id=") == 3
+        callbacks.pop()()  # the hub's callback after the flush writes nothing twice
+        assert out.getvalue().count("request_id=") == 3
+    finally:
+        observe.atexit.unregister(observer.flush)
+
+
+def test_without_the_worker_the_line_is_written_at_once(root_stream: io.StringIO) -> None:
+    _worker_logging()
+    configure_access_log("text")
+    metrics = _Metrics()
+    observe.Observer(metrics, "text").finish(_record("r1"))  # type: ignore[arg-type]
+    assert metrics.seen == ["r1"] and "request_id=r1 " in root_stream.getvalue()
