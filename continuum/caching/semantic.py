@@ -83,11 +83,40 @@ SHAPE_FIELDS = frozenset({"messages", "stream", "stream_options"})
 
 
 class EmbeddingError(Exception):
-    """The embedding call failed; ``kind`` is the metric label."""
+    """The embedding call failed; ``kind`` is the metric label, ``detail`` what the log says
+    of it (never the text embedded, nor a message the backend wrote: it could quote it)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, detail: str = "") -> None:
         super().__init__(kind)
         self.kind = kind
+        self.detail = detail or kind
+
+
+#: The least time between two warnings about failing embeddings: a misnamed model or a
+#: down embedder fails every eligible request, and each is a plain miss.
+EMBEDDING_WARNING_SECONDS = 60.0
+
+
+def _status_detail(status: int, model: str, data: bytes) -> str:
+    """What the log says of an embedding answer with ``status``: the status, the OpenAI
+    error's ``type``/``code`` when the body has them, and what to check."""
+    detail = f"HTTP {status}"
+    try:
+        doc = json.loads(data)
+        error = doc.get("error") if doc.get("object") != "error" else doc  # OpenAI's, vLLM's
+    except (ValueError, AttributeError):
+        error = None
+    if isinstance(error, dict):
+        named = [f"{key} {error[key]}" for key in ("type", "code")
+                 if isinstance(error.get(key), (str, int)) and len(str(error[key])) <= 64]
+        if named:
+            detail += f" ({', '.join(named)})"
+    if status == 404:
+        detail += (f"; does the backend serve the model {model!r} "
+                   "(response_cache.semantic.embedding_model) at /v1/embeddings?")
+    elif status in (401, 403):
+        detail += "; check the backend's api_key_env"
+    return detail
 
 
 class EmbeddingClient:
@@ -128,22 +157,22 @@ class EmbeddingClient:
             with gevent.Timeout(self.timeout):
                 response = self.pool.request("POST", self.path, body, self.headers)
                 data = response.read(_MAX_EMBEDDING_BODY)
-        except gevent.Timeout:
-            raise EmbeddingError("timeout") from None
-        except http_client.ReadTimeout:
-            raise EmbeddingError("timeout") from None
-        except http_client.ConnectError:
-            raise EmbeddingError("connect") from None
-        except (http_client.HTTPClientError, OSError):
-            raise EmbeddingError("protocol") from None
+        except (gevent.Timeout, http_client.ReadTimeout):
+            raise EmbeddingError("timeout", f"no answer within {self.timeout * 1000:.0f} ms "
+                                 "(response_cache.semantic.embedding_timeout_ms)") from None
+        except http_client.ConnectError as exc:
+            raise EmbeddingError("connect", f"cannot connect: {exc}") from None
+        except (http_client.HTTPClientError, OSError) as exc:
+            raise EmbeddingError("protocol", type(exc).__name__) from None
         if response.status != 200:
-            raise EmbeddingError("status")
+            raise EmbeddingError("status", _status_detail(response.status, self.model, data))
+        invalid = "the answer is not an OpenAI embedding list (data[0].embedding)"
         try:
             vector = json.loads(data)["data"][0]["embedding"]
         except (ValueError, KeyError, IndexError, TypeError):
-            raise EmbeddingError("invalid") from None
+            raise EmbeddingError("invalid", invalid) from None
         if not isinstance(vector, list):
-            raise EmbeddingError("invalid")
+            raise EmbeddingError("invalid", invalid)
         return vector
 
     def close(self) -> None:
@@ -257,6 +286,8 @@ class SemanticCache:
         self.skips: dict[str, int] = {}
         self.refusals: dict[str, int] = {}
         self.embedding_errors: dict[str, int] = {}
+        self._warn_after = 0.0  # monotonic time before which failures are not logged again
+        self._unwarned = 0  # failures since the last warning
 
     @property
     def ttl(self) -> float:
@@ -318,16 +349,32 @@ class SemanticCache:
         self._count("hit")
         return probe
 
+    def _warn(self, exc: EmbeddingError) -> None:
+        """Log a failed embedding: the first at once, then at most one warning every
+        :data:`EMBEDDING_WARNING_SECONDS`, counting the failures in between."""
+        self._unwarned += 1
+        now = time.monotonic()
+        if now < self._warn_after:
+            return
+        since = ("" if self._unwarned == 1
+                 else f" ({self._unwarned} failures since the last warning)")
+        log.warning("semantic cache: embedding by backend %s (model %s) failed: %s; the "
+                    "request went on as a plain miss%s", self.backend.name,
+                    self.client.model, exc.detail, since)
+        self._warn_after = now + EMBEDDING_WARNING_SECONDS
+        self._unwarned = 0
+
     def _embed(self, text: str) -> Matrix | None:
         started = time.perf_counter()
         try:
             vector = unit(self.client.embed(text))
             if vector is None:
-                raise EmbeddingError("invalid")
+                raise EmbeddingError("invalid", "the embedding is empty, all zeros or not "
+                                     "finite numbers")
         except EmbeddingError as exc:
             self.embedding_errors[exc.kind] = self.embedding_errors.get(exc.kind, 0) + 1
             self.metrics.child(self.metrics.semantic_embedding_errors, exc.kind).inc()
-            log.debug("embedding failed (%s): a plain miss", exc.kind)
+            self._warn(exc)
             return None
         finally:
             self.metrics.semantic_embedding_latency.observe(time.perf_counter() - started)

@@ -14,7 +14,8 @@ completions as OpenAI's SSE chunks ending in ``data: [DONE]``. Requests steer it
 ``/v1/embeddings`` embeds with the simulator's deterministic embedder
 (:mod:`continuum.sim.embedder`, 64 dimensions) when the model's name starts with
 ``embed``; other models get ``[0.1, 0.2]``; ``/_test/embed_delay?seconds=S`` makes every
-embedding answer S seconds late (a slow embedding backend).
+embedding answer S seconds late (a slow embedding backend), ``/_test/embed_status?code=N``
+makes it answer status N with an OpenAI error body (0: answer again).
 
 ``GET /_test/stats`` reports what it saw: request count, the last request's headers and
 body, streams started, finished and aborted by the client, health probes
@@ -47,7 +48,7 @@ StartResponse = Callable[..., Any]
 
 STATS: dict[str, Any] = {"requests": 0, "streams_started": 0, "streams_finished": 0,
                          "streams_aborted": 0, "last_headers": {}, "last_body": None,
-                         "healthy": True, "embeddings": 0, "embed_delay": 0.0,
+                         "healthy": True, "embeddings": 0, "embed_delay": 0.0, "embed_status": 0,
                          "health_probes": 0}
 NAME = "up"
 
@@ -100,6 +101,10 @@ def _embeddings(start: StartResponse, model: str, body: dict[str, Any]) -> list[
     STATS["embeddings"] += 1
     if STATS["embed_delay"]:
         gevent.sleep(STATS["embed_delay"])
+    if STATS["embed_status"]:
+        return _json(start, STATS["embed_status"], {"error": {
+            "message": f"The model `{model}` does not exist.", "type": "invalid_request_error",
+            "param": "model", "code": "model_not_found"}})
     text = body.get("input")
     vector = embedder.embed(text, 64) if model.startswith("embed") and isinstance(text, str) \
         else [0.1, 0.2]
@@ -121,6 +126,9 @@ def app(environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
         return _json(start, 200, {})
     if path == "/_test/well":
         STATS["healthy"] = True
+        return _json(start, 200, {})
+    if path == "/_test/embed_status":
+        STATS["embed_status"] = int(environ.get("QUERY_STRING", "code=0").split("=")[1])
         return _json(start, 200, {})
     if path == "/_test/embed_delay":
         STATS["embed_delay"] = float(environ.get("QUERY_STRING", "seconds=0").split("=")[1])

@@ -126,12 +126,23 @@ def test_gate_refuses_negations_and_skips_are_counted(upstreams, router_factory)
     assert metric_sum(text, "continuum_semantic_cache_index_entries") == 2
 
 
-@pytest.mark.parametrize("failure", ["down", "slow"])
+#: What the router's one warning says of each failure (two failures: one warning).
+FAILURE_LOGGED = {
+    "down": "failed: cannot connect",
+    "slow": "failed: no answer within 200 ms (response_cache.semantic.embedding_timeout_ms)",
+    "status": "failed: HTTP 404 (type invalid_request_error, code model_not_found); does the "
+              "backend serve the model 'embed-sim' (response_cache.semantic.embedding_model)",
+}
+
+
+@pytest.mark.parametrize("failure", ["down", "slow", "status"])
 def test_embedding_failure_is_a_plain_miss(upstreams, router_factory, failure) -> None:
     up, emb = upstreams("a"), upstreams("e")
     emb_url = f"http://127.0.0.1:{free_port()}" if failure == "down" else emb.url
     if failure == "slow":
         requests.get(emb.url + "/_test/embed_delay?seconds=2", timeout=5)
+    if failure == "status":
+        requests.get(emb.url + "/_test/embed_status?code=404", timeout=5)
     router = router_factory(_config(up, emb_url, embedding_timeout_ms=200))
     errors, caches = 0, []
     with _client(router) as client:
@@ -147,11 +158,19 @@ def test_embedding_failure_is_a_plain_miss(upstreams, router_factory, failure) -
     assert caches == ["MISS", "MISS", "HIT"]
     stats = _stats(router)["semantic"]
     assert stats["requests"]["hit"] == 0
-    kind = "connect" if failure == "down" else "timeout"
+    kind = {"down": "connect", "slow": "timeout", "status": "status"}[failure]
     # The third ask is an exact hit: only two reached the semantic path.
     assert stats["embedding_errors"] == {kind: 2}
     assert metric_sum(router.metrics(), "continuum_semantic_cache_embedding_errors_total",
                       kind=kind) == 2
+    # An operator is told, once a minute at most, what failed and what to check; never
+    # the text that was to be embedded.
+    warnings = [line for line in router.proc.log_text().splitlines()
+                if "semantic cache: embedding by backend emb (model embed-sim)" in line]
+    assert len(warnings) == 1, warnings
+    assert " WARNING " in warnings[0] and FAILURE_LOGGED[failure] in warnings[0]
+    assert "went on as a plain miss" in warnings[0]
+    assert Q not in warnings[0] and PARA not in warnings[0]
 
 
 def test_ttl_and_max_entries_evict(upstreams, router_factory) -> None:
