@@ -369,8 +369,8 @@ class SemanticCache:
         try:
             vector = unit(self.client.embed(text))
             if vector is None:
-                raise EmbeddingError("invalid", "the embedding is empty, all zeros or not "
-                                     "finite numbers")
+                raise EmbeddingError("invalid", "the embedding is not a list of finite "
+                                     "numbers, or is empty or all zeros")
         except EmbeddingError as exc:
             self.embedding_errors[exc.kind] = self.embedding_errors.get(exc.kind, 0) + 1
             self.metrics.child(self.metrics.semantic_embedding_errors, exc.kind).inc()

@@ -219,8 +219,13 @@ def _scores(matrix: Matrix, vector: Matrix) -> Matrix:
 
 
 def unit(values: list[float] | Matrix) -> Matrix | None:
-    """``values`` as a unit ``float32`` vector; None for an empty, zero or non-finite one."""
-    vector = np.asarray(values, dtype=np.float32)
+    """``values`` as a unit ``float32`` vector; None for an empty, zero or non-finite one,
+    or one that is not a list of numbers (what an embedding backend sent)."""
+    try:
+        with np.errstate(over="ignore"):  # beyond float32: inf, refused below
+            vector = np.asarray(values, dtype=np.float32)
+    except (ValueError, TypeError):
+        return None
     if vector.ndim != 1 or vector.size == 0 or not np.all(np.isfinite(vector)):
         return None
     norm = float(np.linalg.norm(vector))

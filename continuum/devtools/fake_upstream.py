@@ -15,7 +15,8 @@ completions as OpenAI's SSE chunks ending in ``data: [DONE]``. Requests steer it
 (:mod:`continuum.sim.embedder`, 64 dimensions) when the model's name starts with
 ``embed``; other models get ``[0.1, 0.2]``; ``/_test/embed_delay?seconds=S`` makes every
 embedding answer S seconds late (a slow embedding backend), ``/_test/embed_status?code=N``
-makes it answer status N with an OpenAI error body (0: answer again).
+makes it answer status N with an OpenAI error body (0: answer again), and
+``/_test/embed_garbage?on=1`` answers 200 with strings for numbers (``on=0``: numbers again).
 
 ``GET /_test/stats`` reports what it saw: request count, the last request's headers and
 body, streams started, finished and aborted by the client, health probes
@@ -48,7 +49,8 @@ StartResponse = Callable[..., Any]
 
 STATS: dict[str, Any] = {"requests": 0, "streams_started": 0, "streams_finished": 0,
                          "streams_aborted": 0, "last_headers": {}, "last_body": None,
-                         "healthy": True, "embeddings": 0, "embed_delay": 0.0, "embed_status": 0,
+                         "healthy": True, "embeddings": 0, "embed_delay": 0.0,
+                         "embed_status": 0, "embed_garbage": False,
                          "health_probes": 0}
 NAME = "up"
 
@@ -105,6 +107,9 @@ def _embeddings(start: StartResponse, model: str, body: dict[str, Any]) -> list[
         return _json(start, STATS["embed_status"], {"error": {
             "message": f"The model `{model}` does not exist.", "type": "invalid_request_error",
             "param": "model", "code": "model_not_found"}})
+    if STATS["embed_garbage"]:
+        return _json(start, 200, {"object": "list", "model": model, "data": [
+            {"object": "embedding", "index": 0, "embedding": ["0.1", "zero"]}]})
     text = body.get("input")
     vector = embedder.embed(text, 64) if model.startswith("embed") and isinstance(text, str) \
         else [0.1, 0.2]
@@ -126,6 +131,9 @@ def app(environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
         return _json(start, 200, {})
     if path == "/_test/well":
         STATS["healthy"] = True
+        return _json(start, 200, {})
+    if path == "/_test/embed_garbage":
+        STATS["embed_garbage"] = environ.get("QUERY_STRING", "on=0") == "on=1"
         return _json(start, 200, {})
     if path == "/_test/embed_status":
         STATS["embed_status"] = int(environ.get("QUERY_STRING", "code=0").split("=")[1])

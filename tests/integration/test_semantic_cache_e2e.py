@@ -132,10 +132,13 @@ FAILURE_LOGGED = {
     "slow": "failed: no answer within 200 ms (response_cache.semantic.embedding_timeout_ms)",
     "status": "failed: HTTP 404 (type invalid_request_error, code model_not_found); does the "
               "backend serve the model 'embed-sim' (response_cache.semantic.embedding_model)",
+    # strings for numbers: before, a 500 (numpy's ValueError out of the lookup)
+    "garbage": "failed: the embedding is not a list of finite numbers, or is empty or all "
+               "zeros",
 }
 
 
-@pytest.mark.parametrize("failure", ["down", "slow", "status"])
+@pytest.mark.parametrize("failure", ["down", "slow", "status", "garbage"])
 def test_embedding_failure_is_a_plain_miss(upstreams, router_factory, failure) -> None:
     up, emb = upstreams("a"), upstreams("e")
     emb_url = f"http://127.0.0.1:{free_port()}" if failure == "down" else emb.url
@@ -143,6 +146,8 @@ def test_embedding_failure_is_a_plain_miss(upstreams, router_factory, failure) -
         requests.get(emb.url + "/_test/embed_delay?seconds=2", timeout=5)
     if failure == "status":
         requests.get(emb.url + "/_test/embed_status?code=404", timeout=5)
+    if failure == "garbage":
+        requests.get(emb.url + "/_test/embed_garbage?on=1", timeout=5)
     router = router_factory(_config(up, emb_url, embedding_timeout_ms=200))
     errors, caches = 0, []
     with _client(router) as client:
@@ -158,7 +163,8 @@ def test_embedding_failure_is_a_plain_miss(upstreams, router_factory, failure) -
     assert caches == ["MISS", "MISS", "HIT"]
     stats = _stats(router)["semantic"]
     assert stats["requests"]["hit"] == 0
-    kind = {"down": "connect", "slow": "timeout", "status": "status"}[failure]
+    kind = {"down": "connect", "slow": "timeout", "status": "status",
+            "garbage": "invalid"}[failure]
     # The third ask is an exact hit: only two reached the semantic path.
     assert stats["embedding_errors"] == {kind: 2}
     assert metric_sum(router.metrics(), "continuum_semantic_cache_embedding_errors_total",

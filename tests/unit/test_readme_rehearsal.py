@@ -1,7 +1,8 @@
 """The README's rehearsal holds together: the simulated engines it starts serve the models
 that ``conf/config.yaml.example`` routes to them (the semantic cache's embedding model
-included), and its curl examples ask for a model that config serves. (A newcomer who followed it got "The model `sim-llama-3-8b` does not exist"
-from the engines, which served ``sim-model``.)"""
+included), and its curl examples ask for a model that config serves. (A newcomer who
+followed it got "The model `sim-llama-3-8b` does not exist" from the engines, which served
+``sim-model``.)"""
 
 from __future__ import annotations
 

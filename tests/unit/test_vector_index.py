@@ -138,7 +138,8 @@ def test_clear_drops_everything_and_says_how_much() -> None:
     assert len(index) == 0 and index.partitions() == 0
 
 
-@pytest.mark.parametrize("values", [[], [0.0, 0.0], [1.0, float("nan")], [[1.0, 2.0]]])
+@pytest.mark.parametrize("values", [[], [0.0, 0.0], [1.0, float("nan")], [[1.0, 2.0]],
+                                    ["a", "b"], [{"x": 1}, 2.0], [None, 1.0], [1e39, 1.0]])
 def test_unit_refuses_vectors_it_cannot_normalise(values: list[float]) -> None:
     assert unit(values) is None
 
