@@ -261,7 +261,8 @@ class RouterService:
         """One line for the startup log: the backends, the strategy, which tiers are on."""
         c = self.config
         backends = ", ".join(
-            f"{b.name}={_public_url(b.url)} ({b.type}; {','.join(b.models) or 'discovered'})"
+            f"{b.name}={_public_url(b.url)} ({b.type}; {','.join(b.models) or 'discovered'}"
+            f"{'' if b.enabled else '; disabled'}{'; internal' if b.internal else ''})"
             for b in c.backends)
         tiers = [f"prefix_routing={'on' if c.prefix_routing.enabled else 'off'}",
                  "response_cache=" + (c.response_cache.backend if c.response_cache.enabled
