@@ -211,6 +211,9 @@ class KvSourceSummary:
     events_dropped: int
     last_event_at: str | None
     reconnect_count: int
+    #: ``this worker``, or, with the KV lease, the worker (or router) that reads the stream
+    #: for this one (``connected`` is this worker's own stream); None while none does.
+    consumed_by: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +276,7 @@ def kv_index_view(
         index=index_counts(index),
         event_sources=[
             KvSourceSummary(s.backend_name, s.connected, s.events_received, s.events_dropped,
-                            s.last_event_at, s.reconnect_count)
+                            s.last_event_at, s.reconnect_count, s.consumed_by)
             for s in sources
         ],
         routing_decisions=scorer.routing_decisions if scorer else KvDecisions(),
@@ -312,6 +315,8 @@ class KvSourceView:
     connection: KvSourceConnection
     events: KvSourceEvents
     last_event_id: str | None
+    #: As in :class:`KvSourceSummary`.
+    consumed_by: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,6 +335,7 @@ def kv_source_view(s: SourceStats) -> KvSourceView:
         events=KvSourceEvents(s.events_received, s.events_dropped, s.malformed,
                               s.index_created, s.index_evicted),
         last_event_id=s.last_event_id,
+        consumed_by=s.consumed_by,
     )
 
 

@@ -53,7 +53,7 @@ import re
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -175,6 +175,9 @@ class SourceStats:
     index_created: int
     index_evicted: int
     last_event_id: str | None
+    #: Who reads the stream: ``this worker``; with ``fleet.kv_event_lease``, the holder of
+    #: its lease (``worker <pid>``, ``router <host> worker <pid>``), None while none does.
+    consumed_by: str | None = "this worker"
 
 
 def iso_utc(ts: float | None) -> str | None:
@@ -533,4 +536,8 @@ class KvEventConsumerManager:
 
     def stats(self) -> list[SourceStats]:
         """Per-source statistics, in config order."""
-        return [consumer.stats() for consumer in self.consumers]
+        lease = self.lease
+        if lease is None:
+            return [consumer.stats() for consumer in self.consumers]
+        return [replace(consumer.stats(), consumed_by=lease.consumed_by(consumer.backend))
+                if consumer.leased else consumer.stats() for consumer in self.consumers]

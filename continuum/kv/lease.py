@@ -77,6 +77,10 @@ class Lease(Protocol):
     def release(self, backend: str) -> None:
         """Give it up."""
 
+    def holder_of(self, backend: str) -> str | None:
+        """Who holds ``backend``'s lease, seen from a worker that does not (``worker
+        <pid>``, or ``router <host> worker <pid>`` on another host); None: nobody."""
+
 
 class FileLease:
     """A host-local lease: ``flock`` on one lock file per backend (held while the fd is)."""
@@ -96,10 +100,28 @@ class FileLease:
         if fd is None:
             return False
         self._fds[backend] = fd
+        with contextlib.suppress(OSError):  # who holds it, for the others' admin views
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
         return True
 
     def renew(self, backend: str) -> bool:
         return backend in self._fds
+
+    def holder_of(self, backend: str) -> str | None:
+        try:
+            pid = int(self._path(backend).read_text() or 0)
+        except (OSError, ValueError):
+            return None
+        if pid <= 0:
+            return None
+        try:
+            os.kill(pid, 0)  # the file outlives a dead holder (its lock does not)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return f"worker {pid}"
 
     def release(self, backend: str) -> None:
         fd = self._fds.pop(backend, None)
@@ -141,6 +163,19 @@ class RedisLease:
             self._release(keys=[self.key(backend)], args=[self.holder])
         except Exception as exc:  # it expires on its own
             log.debug("KV lease %s: release failed: %s", backend, exc)
+
+    def holder_of(self, backend: str) -> str | None:
+        """:meth:`Lease.holder_of` (``self.holder`` is this worker's own lease value)."""
+        try:
+            value = self.client.get(self.key(backend))
+        except Exception:  # Redis away: unknown
+            return None
+        if value is None:
+            return None
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        host, _, pid = text.rpartition(":")
+        mine, _, _ = self.holder.rpartition(":")
+        return f"worker {pid}" if host == mine else f"router {host} worker {pid}"
 
 
 class _Receiving:
@@ -302,6 +337,13 @@ class LeasedConsumers:
                 self.held.discard(backend)
                 self.lease.release(backend)
                 manager.consumers[index] = consumer.fresh()
+
+    def consumed_by(self, backend: str) -> str | None:
+        """Who reads ``backend``'s stream for this host or fleet: ``this worker``, another
+        (:meth:`Lease.holder_of`), or None while nobody holds the lease."""
+        if backend in self.held:
+            return "this worker"
+        return self.lease.holder_of(backend)
 
     def renewed(self) -> LeasedConsumers:
         """The same lease (and relay) for the manager that replaces this one's after a

@@ -133,7 +133,8 @@ def test_admin_documents_keep_their_shape(
                   "chain_key_count": 0, "chain_entry_count": 0,
                   "chain_approximate_entries": 0},
         "event_sources": [{"backend_name": "a", "connected": False, "events_received": 0,
-                           "events_dropped": 0, "last_event_at": None, "reconnect_count": 0}],
+                           "events_dropped": 0, "last_event_at": None, "reconnect_count": 0,
+                           "consumed_by": "this worker"}],
         "routing_decisions": {"kv_aware": 1, "fallback": 1, "total": 2},
         "query_latency_count": 3, "overlap_score_count": 1,
     })
@@ -143,7 +144,7 @@ def test_admin_documents_keep_their_shape(
         "connection": {"connected": False, "reconnect_count": 0, "last_event_at": None},
         "events": {"received": 0, "dropped": 0, "malformed": 0, "index_created": 0,
                    "index_evicted": 0},
-        "last_event_id": None}])
+        "last_event_id": None, "consumed_by": "this worker"}])
     assert list(sources) == ["enabled", "backends", "worker_pid"]
     prefix = _admin(client, "prefix-routing/stats")
     assert list(prefix) == ["enabled", "selection_strategy", "config", "routing_decisions",

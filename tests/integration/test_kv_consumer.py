@@ -407,6 +407,7 @@ def test_events_applied_in_order_with_event_precedence(
         "backend_name": "b1", "state": "streaming", "connected": True, "events_received": 6,
         "events_dropped": 0, "malformed": 0, "last_event_at": "2026-03-13T10:24:17Z",
         "reconnect_count": 0, "index_created": 3, "index_evicted": 3, "last_event_id": "6",
+        "consumed_by": "this worker",
     }
     assert run.metric("continuum_kv_events_received_total", type="cache_created") == 3
     assert run.metric("continuum_kv_events_received_total", type="cache_cleared") == 1

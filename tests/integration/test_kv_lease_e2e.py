@@ -41,6 +41,12 @@ def _holders(conns: list[Conn], backend: str) -> list[Conn]:
     return [c for c in conns if _sources(c)[backend]["connection"]["connected"]]
 
 
+def _consumed_by(conn: Conn, backend: str) -> tuple[Any, Any]:
+    """``consumed_by`` of ``backend`` in the worker's two views (stats and backends)."""
+    summary = {s["backend_name"]: s for s in conn.get("/admin/kv-index/stats")["event_sources"]}
+    return summary[backend]["consumed_by"], _sources(conn)[backend]["consumed_by"]
+
+
 def _entries(conn: Conn) -> int:
     return int(conn.get("/admin/kv-index/stats")["index"]["entry_count"])
 
@@ -63,7 +69,11 @@ def test_memory_index_one_consumer_per_host_relayed_and_taken_over(
                    10)
         holder = _holders(conns, "a")
         assert len(holder) == 1
+        dead = holder[0].pid
         survivor = next(c for c in conns if c is not holder[0])
+        # Both workers' views say who reads the stream (the other's shows it unconnected).
+        assert _consumed_by(holder[0], "a") == ("this worker", "this worker")
+        assert _consumed_by(survivor, "a") == (f"worker {holder[0].pid}",) * 2
         os.kill(holder[0].pid, signal.SIGKILL)  # a gunicorn worker this test started
         holder[0].close()
         conns = [survivor]
@@ -73,6 +83,10 @@ def test_memory_index_one_consumer_per_host_relayed_and_taken_over(
                    lambda: f"one stream per backend again: {streams.connections()}", 10)
         streams.push("a", "cache_created", "33" * 16)
         wait_until(lambda: _entries(survivor) == 3, "the new holder to index the event", 10)
+        # the new holder, not the dead one, whose pid its lock file still names
+        seen = _consumed_by(survivor, "a")[0]
+        assert seen == "this worker" or (seen.startswith("worker ") and
+                                         seen != f"worker {dead}"), seen
     finally:
         for conn in conns:
             conn.close()
@@ -128,7 +142,8 @@ def test_redis_index_one_consumer_per_fleet_and_lease_expiry(
     cfg = _config(ups, streams, backend="redis", redis_key_prefix=prefix)
     cfg["response_cache"] = {"redis": {"url": redis_server.url}}
     routers = [router_factory(cfg, workers=2) for _ in range(2)]
-    conns = [c for r in routers for c in _one_per_worker(r.url, 2)]
+    by_router = [_one_per_worker(r.url, 2) for r in routers]
+    conns = [c for group in by_router for c in group]
     client = redis.Redis.from_url(redis_server.url)
     try:
         wait_until(lambda: streams.connections() == {"a": 1},
@@ -139,6 +154,15 @@ def test_redis_index_one_consumer_per_fleet_and_lease_expiry(
         holder_member = client.get(lease_key).decode()
         holder = [c for c in conns if holder_member.endswith(f":{c.pid}")]
         assert len(holder) == 1 and _holders(conns, "a") == holder
+        beside = next(group for group in by_router if holder[0] in group)
+        for conn in conns:  # who reads the fleet's one stream, as each worker sees it
+            seen = _consumed_by(conn, "a")[0]
+            if conn is holder[0]:
+                assert seen == "this worker"
+            elif conn in beside:
+                assert seen == f"worker {holder[0].pid}"
+            else:
+                assert seen.startswith("router ") and seen.endswith(f" worker {holder[0].pid}")
         writes_before = _writes(client)
         for i in range(10):
             streams.push("a", "cache_created", f"{i:032x}")
