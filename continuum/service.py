@@ -135,6 +135,7 @@ class RouterService:
             await_probes=self.health.await_first_results,
             max_response_bytes=config.server.max_upstream_response_bytes,
             max_stream_seconds=config.server.max_stream_duration_seconds,
+            retry_after_seconds=config.health_check.interval_seconds,
         )
         self.auth = ClientAuth(config.auth)
         kv = config.kv_cache_index
@@ -640,6 +641,7 @@ class RouterService:
         self.forwarder.retry_connect_errors = new.pool.retry_connect_errors
         self.forwarder.max_response_bytes = new.server.max_upstream_response_bytes
         self.forwarder.max_stream_seconds = new.server.max_stream_duration_seconds
+        self.forwarder.retry_after_seconds = new.health_check.interval_seconds
         self._reload_response_cache(new)
         self.auth = ClientAuth(new.auth)
         return report

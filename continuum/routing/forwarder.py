@@ -159,6 +159,7 @@ class Forwarder:
         maxsize: int = 64,
         max_response_bytes: int | None = None,
         max_stream_seconds: float = 0.0,
+        retry_after_seconds: float = 5.0,
     ) -> None:
         self.pool = pool
         self.metrics = metrics
@@ -167,6 +168,9 @@ class Forwarder:
         self.max_response_bytes = max_response_bytes
         #: Longest a stream is relayed, in seconds (0: unlimited).
         self.max_stream_seconds = max_stream_seconds
+        #: What a 503 for want of a healthy backend tells the client to wait (``Retry-After``):
+        #: the health checks' interval, after which a backend may be back.
+        self.retry_after_seconds = retry_after_seconds
         self.on_result = on_result
         self.await_probes = await_probes
         self._pools: dict[str, upstream_http.ConnectionPool] = {}
@@ -225,7 +229,8 @@ class Forwarder:
             found = self.pool.candidates(ctx.model, ctx.protocol)
             if found:
                 return found
-        raise NoHealthyBackendError(f"no healthy backend for model '{ctx.model}'")
+        raise NoHealthyBackendError(f"no healthy backend for model '{ctx.model}'",
+                                    retry_after=self.retry_after_seconds)
 
     def _not_served(self, model: str, protocol: str) -> str:
         """The 404 message for ``model`` on an endpoint of ``protocol``: where the router

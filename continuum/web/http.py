@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import socket
 from typing import Any
 
@@ -91,6 +92,9 @@ def handle_continuum_error(
                                 exc.error_type, exc.code, exc.fields.get("param"))
     if exc.status == 401:
         resp.set_header("WWW-Authenticate", "Bearer")
+    retry_after = exc.fields.get("retry_after")
+    if retry_after is not None:  # whole seconds, at least 1 (RFC 9110 delay-seconds)
+        resp.set_header("Retry-After", str(max(1, math.ceil(retry_after))))
 
 
 def handle_unexpected(

@@ -153,6 +153,8 @@ def test_no_healthy_backend_is_503(upstreams, router_factory) -> None:
         _client(router).chat.completions.create(model="m", messages=MSG)
     assert unavailable.value.status_code == 503
     assert unavailable.value.body["code"] == "no_healthy_backend"
+    # when to try again: after the next health check (0.2 s here, in whole seconds)
+    assert unavailable.value.response.headers["retry-after"] == "1"
 
 
 def test_client_disconnect_closes_upstream_and_releases_in_flight(
