@@ -55,6 +55,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print("warning: " + issue.render(result.source))
     if result.errors:
         print(f"{result.source}: {len(result.errors)} error(s)")
+        if result.incomplete:
+            print("note: some checks that combine several keys (such as a setting that "
+                  "names a backend) run only once these values are fixed: run validate again "
+                  "then")
         return 1
     print(f"{result.source}: ok ({len(result.warnings)} warning(s))")
     return 0

@@ -33,6 +33,7 @@ from continuum.config.schema import (
     RouterConfig,
     SemanticCacheConfig,
     ServerConfig,
+    check_backend_names,
 )
 from continuum.errors import ConfigError, ConfigIssue
 
@@ -78,6 +79,9 @@ class CheckResult:
     errors: list[ConfigIssue]
     warnings: list[ConfigIssue]
     source: str
+    #: Some value was refused, so the checks that combine several keys (a section's own
+    #: cross-field checks) did not all run: fixing ``errors`` may show more.
+    incomplete: bool = False
 
 
 def check_config(
@@ -86,32 +90,37 @@ def check_config(
     """Read a parsed YAML document; collect every error and warning."""
     issues = Issues()
     config = build_section(RouterConfig, data, "", issues)
-    # The plugins are looked up by name once every name is a string (a refused value has
-    # its error already).
-    if config is not None and registry is not None and not section_refused(config):
-        from continuum.errors import PluginError
-
-        try:
-            registry.load("continuum.strategies", config.selection_strategy)
-        except PluginError as exc:
-            issues.error("selection_strategy", exc.message, config.selection_strategy)
-        for i, name in enumerate(config.scorers):
-            try:
-                registry.load("continuum.scorers", name)
-            except PluginError as exc:
-                issues.error(f"scorers[{i}]", exc.message, name)
-        try:
-            registry.load("continuum.cache_stores", config.response_cache.backend)
-        except PluginError as exc:
-            issues.error("response_cache.backend", exc.message, config.response_cache.backend)
-        if config.kv_cache_index.enabled:
-            try:
-                registry.load("continuum.kv_indexes", config.kv_cache_index.backend)
-            except PluginError as exc:
-                issues.error("kv_cache_index.backend", exc.message,
-                             config.kv_cache_index.backend)
+    refused = config is not None and section_refused(config)
+    if refused:  # the root's own checks did not run; these read values that were not refused
+        check_backend_names(config.backends, issues)
+    if config is not None and registry is not None:
+        _check_plugins(config, registry, issues)
     issues.redact(RouterConfig)
-    return CheckResult(None if issues.errors else config, issues.errors, issues.warnings, source)
+    return CheckResult(None if issues.errors else config, issues.errors, issues.warnings, source,
+                       incomplete=refused)
+
+
+def _check_plugins(config: RouterConfig, registry: PluginRegistry, issues: Issues) -> None:
+    """Look each plugin up by name, where the name was read (a refused value has its error
+    already, and is None)."""
+    from continuum.errors import PluginError
+
+    def load(group: str, name: Any, path: str) -> None:
+        if not isinstance(name, str):
+            return
+        try:
+            registry.load(group, name)
+        except PluginError as exc:
+            issues.error(path, exc.message, name)
+
+    load("continuum.strategies", config.selection_strategy, "selection_strategy")
+    for i, name in enumerate(config.scorers or []):
+        load("continuum.scorers", name, f"scorers[{i}]")
+    cache, kv = config.response_cache, config.kv_cache_index
+    if cache is not None:
+        load("continuum.cache_stores", cache.backend, "response_cache.backend")
+    if kv is not None and kv.enabled:
+        load("continuum.kv_indexes", kv.backend, "kv_cache_index.backend")
 
 
 def check_config_file(
@@ -125,7 +134,8 @@ def check_config_file(
         return CheckResult(None, exc.issues, [], str(path))
     result = check_config(doc.data, str(path), registry)
     errors = doc.annotate(result.errors, result.warnings)
-    return CheckResult(None if errors else result.config, errors, result.warnings, str(path))
+    return CheckResult(None if errors else result.config, errors, result.warnings, str(path),
+                       incomplete=result.incomplete)
 
 
 def parse_config(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from continuum.config.addresses import check_host_port, check_url
@@ -811,6 +812,23 @@ class FleetConfig:
     )
 
 
+def check_backend_names(backends: Sequence[BackendConfig | None] | None,
+                        issues: Issues) -> None:
+    """Each backend's name is its own (also run while other values of the file are refused:
+    it reads only the names)."""
+    seen: dict[str, int] = {}
+    for i, backend in enumerate(backends or []):
+        if backend is None or not isinstance(backend.name, str):
+            continue
+        if backend.name in seen:
+            issues.error(
+                f"backends[{i}].name",
+                f"duplicate backend name (also backends[{seen[backend.name]}])",
+                backend.name,
+            )
+        seen.setdefault(backend.name, i)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """The whole router config file."""
@@ -859,17 +877,7 @@ class RouterConfig:
                 or (kv.enabled and kv.backend == "redis"))
 
     def check(self, path: str, issues: Issues) -> None:
-        seen: dict[str, int] = {}
-        for i, backend in enumerate(self.backends):
-            if backend is None:
-                continue
-            if backend.name in seen:
-                issues.error(
-                    f"backends[{i}].name",
-                    f"duplicate backend name (also backends[{seen[backend.name]}])",
-                    backend.name,
-                )
-            seen.setdefault(backend.name, i)
+        check_backend_names(self.backends, issues)
         if not self.backends:
             issues.warn("backends", "no backends configured; every request is refused (404: "
                         "no backend serves its model)")

@@ -181,6 +181,38 @@ def test_cli_validate_example_ok_and_bad_file_fails(tmp_path: Path) -> None:
     assert "backends[0].url" in res.stdout
 
 
+def test_cli_validate_reports_names_and_plugins_alongside_refused_values(
+        tmp_path: Path) -> None:
+    """A duplicate backend name and a misspelt strategy are reported in the same run as a
+    refused value elsewhere (before, they showed only once every value was valid), and the
+    run says that other cross-key checks wait for the fixes."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("server: {workers: lots}\n"
+                   "backends: [{name: a, url: 'http://127.0.0.1:1'},\n"
+                   "           {name: a, url: 'http://127.0.0.1:2', weight: -1}]\n"
+                   "selection_strategy: PrefixAwareHsh\n"
+                   "scorers: [7]\n")
+    res = _cli("config", "validate", str(bad), env={"CONTINUUM_ADMIN_TOKEN": ""})
+    assert res.returncode == 1
+    errors = [line for line in res.stdout.splitlines() if line.startswith("error: ")]
+    assert [line.split(": ")[2] for line in errors] == [
+        "server.workers", "backends[1].weight", "scorers[0]", "backends[1].name",
+        "selection_strategy"], errors
+    assert f"{bad}:4:1: selection_strategy" in errors[4]  # each with its line and column
+    assert "server.workers: expected an integer" in errors[0]
+    assert "backends[1].weight: must be between" in errors[1]
+    assert "scorers[0]: expected a string" in errors[2]
+    assert "backends[1].name: duplicate backend name (also backends[0])" in errors[3]
+    assert "did you mean 'PrefixAwareHash'?" in errors[4]
+    assert res.stdout.splitlines()[-1].startswith("note: some checks that combine several")
+    # a file whose only errors are the cross-key ones gets no note
+    bad.write_text("backends: [{name: a, url: 'http://127.0.0.1:1'},\n"
+                   "           {name: a, url: 'http://127.0.0.1:2'}]\n")
+    res = _cli("config", "validate", str(bad))
+    assert res.returncode == 1 and "duplicate backend name" in res.stdout
+    assert "note:" not in res.stdout
+
+
 def test_cli_defaults_prints_table() -> None:
     res = _cli("config", "defaults")
     assert res.returncode == 0
