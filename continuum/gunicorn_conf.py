@@ -15,7 +15,7 @@ import socket
 import tempfile
 from typing import Any
 
-from continuum.config import CONFIG_ENV, load_config
+from continuum.config import CONFIG_ENV, check_config_file, load_config
 
 # Not imported from continuum.metrics: importing prometheus_client here, before the
 # variable is set, would fix its value class to single-process mode for every worker.
@@ -72,6 +72,7 @@ def on_starting(server: Any) -> None:
     except OSError as exc:
         server.log.warning("host segment not created in $%s: %s", RUNTIME_DIR_ENV, exc)
 
+    _guard_reload(server)
     used = server.worker_class
     if used is PlainGeventWorker:
         server.cfg.set("worker_class", WORKER_CLASS)
@@ -82,6 +83,31 @@ def on_starting(server: Any) -> None:
         server.log.warning("worker class %s.%s has no client_header_timeout_seconds: slow "
                            "clients can hold every connection; use %s or -k gevent",
                            used.__module__, used.__qualname__, WORKER_CLASS)
+
+
+def _guard_reload(server: Any) -> None:
+    """A ``HUP`` (``systemctl reload``, ``gunicornc reload``) is refused while the config
+    file has errors: gunicorn would re-read this module (which raises on them) and start
+    new workers that fail to boot, and a worker that fails to boot makes the master shut
+    the whole router down. The running workers keep serving, and the error says what to
+    fix."""
+    reload = server.handle_hup
+
+    def handle_hup() -> None:
+        path = os.environ.get(CONFIG_ENV)
+        if path:
+            from continuum.registry import NameRegistry
+
+            result = check_config_file(path, NameRegistry())  # imports no plugin
+            if result.config is None:
+                server.log.error(
+                    "HUP refused: %s has errors; the workers keep running with the config "
+                    "they have (fix it, then send HUP again):\n%s", path,
+                    "\n".join(issue.render(result.source) for issue in result.errors))
+                return
+        reload()
+
+    server.handle_hup = handle_hup
 
 
 def when_ready(server: Any) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import falcon
 
 from continuum import request as rq
-from continuum.config import CONFIG_ENV, RouterConfig, check_config_file
+from continuum.config import CONFIG_ENV, RouterConfig
 from continuum.errors import (
     ConfigError,
     ConfigIssue,
@@ -39,7 +39,7 @@ from continuum.web.http import (
     serialize_http_error,
 )
 from continuum.web.observe import LOG_FORMAT, Observer, configure_access_log
-from continuum.web.reload import ConfigReloader, config_state
+from continuum.web.reload import ConfigReloader, boot_config, config_state
 
 log = logging.getLogger(__name__)
 
@@ -265,14 +265,15 @@ def get_app() -> RouterApp:
     if not path:
         raise ConfigError([ConfigIssue("<file>", f"set ${CONFIG_ENV} to the config file")])
     seen = config_state(path)  # before the read: a change while this worker boots is seen
-    result = check_config_file(path, registry)
-    if result.config is None:
-        raise ConfigError(result.errors, path)
+    result, fell_back = boot_config(path, registry)  # the file's, or the last good one
     config = result.config
+    assert config is not None  # boot_config raises otherwise
     logging.basicConfig(
         level=config.server.log_level.upper(),
         format=LOG_FORMAT,
     )
+    if fell_back is not None:
+        log.error("%s", fell_back)
     for warning in result.warnings:
         log.warning("config: %s", warning.render(result.source))
     if not os.environ.get(RUNTIME_DIR_ENV):

@@ -21,12 +21,17 @@ from continuum.config import check_config_file
 from continuum.errors import ConfigError, ConfigIssue
 
 if TYPE_CHECKING:
+    from continuum.config import CheckResult
+    from continuum.registry import PluginRegistry
     from continuum.service import ReloadReport, RouterService
 
 log = logging.getLogger(__name__)
 
 RUNTIME_DIR_ENV = "CONTINUUM_RUNTIME_DIR"
 _GENERATION_FILE = "reload-generation"
+#: A copy of the last config file a worker of this router loaded (at boot or reload), in
+#: ``$CONTINUUM_RUNTIME_DIR``: what a worker boots with while the file has errors.
+LAST_GOOD_FILE = "config.last-good.yaml"
 
 
 def _signature(path: Path) -> tuple[int, int] | None:
@@ -52,6 +57,75 @@ def _read_generation(generation_file: Path | None) -> str | None:
 
 
 Seen = tuple[tuple[int, int] | None, str | None]
+
+
+def last_good_path() -> Path | None:
+    """Where this router keeps its last good config (None outside gunicorn)."""
+    runtime = os.environ.get(RUNTIME_DIR_ENV)
+    return Path(runtime) / LAST_GOOD_FILE if runtime else None
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def read_checked(path: str | os.PathLike[str], registry: PluginRegistry | None
+                 ) -> tuple[CheckResult, bytes | None]:
+    """:func:`~continuum.config.check_config_file`, and the file's bytes when it has no
+    errors and did not change while it was read (for :func:`remember_good`)."""
+    path = Path(path)
+    before = _read_bytes(path)
+    result = check_config_file(path, registry)
+    if result.config is None or before is None or _read_bytes(path) != before:
+        return result, None
+    return result, before
+
+
+def remember_good(raw: bytes | None) -> None:
+    """Keep ``raw``, a config this router loaded, as :func:`last_good_path` (mode 0600: it
+    may hold secrets, as the file does)."""
+    target = last_good_path()
+    if raw is None or target is None:
+        return
+    tmp = target.with_name(f"{target.name}.{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        tmp.replace(target)
+    except OSError as exc:  # the copy is a safety net, not a reason to refuse the config
+        log.warning("could not keep a copy of the config in %s: %s", target, exc)
+
+
+def boot_config(path: str | os.PathLike[str], registry: PluginRegistry | None
+                ) -> tuple[CheckResult, str | None]:
+    """The config a worker starts with: the file's; while the file has errors, the last
+    good copy of this router's (:data:`LAST_GOOD_FILE`), with the error to log (the
+    second item; None when the file was good). Without a good copy the file's errors are
+    raised: a router that never loaded a config does not start.
+
+    Without it a worker that gunicorn starts in place of one that died, or after a ``HUP``,
+    fails to boot while the file has an error that the running workers' watchers refused,
+    and gunicorn's master then shuts the whole router down.
+
+    Raises:
+        ConfigError: the file has errors and there is no good copy.
+    """
+    result, raw = read_checked(path, registry)
+    if result.config is not None:
+        remember_good(raw)
+        return result, None
+    good = last_good_path()
+    fallback = check_config_file(good, registry) if good is not None and good.exists() \
+        else None
+    if fallback is None or fallback.config is None:
+        raise ConfigError(result.errors, str(path))
+    errors = "\n".join(issue.render(result.source) for issue in result.errors)
+    return fallback, (f"config file {path} has errors; this worker starts with the last "
+                      f"config this router loaded ({good}) until the file is fixed:\n{errors}")
 
 
 def config_state(path: str | os.PathLike[str]) -> Seen:
@@ -98,7 +172,7 @@ class ConfigReloader:
 
     def _reload(self, broadcast: bool) -> ReloadReport:
         signature = _signature(self.path)  # before the read: a later change is still one
-        result = check_config_file(self.path, self.service.registry)
+        result, raw = read_checked(self.path, self.service.registry)
         if result.config is None:
             raise ConfigError(result.errors, str(self.path))
         running = [b.name for b in self.service.config.backends]
@@ -113,6 +187,7 @@ class ConfigReloader:
         for warning in result.warnings:
             log.warning("config: %s", warning.render(result.source))
         report = self.service.reload(result.config)
+        remember_good(raw)
         self.reloads += 1
         if broadcast and self.generation_file is not None:
             tmp = self.generation_file.with_suffix(f".{os.getpid()}")

@@ -127,3 +127,23 @@ def test_every_builtin_is_named_as_registered(name: str) -> None:
     cls = PluginRegistry().load(GROUP, name)
     assert issubclass(cls, SelectionStrategy)
     assert cls.name == name
+
+
+def test_the_name_registry_checks_names_without_importing_the_plugin(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the gunicorn master checks a HUP's config with: a plugin's module must not be
+    imported before gevent patches the workers' standard library."""
+    from importlib import metadata
+
+    from continuum.registry import NameRegistry
+
+    def refuse(self: metadata.EntryPoint) -> object:
+        raise AssertionError(f"imported {self.value}")
+
+    monkeypatch.setattr(metadata.EntryPoint, "load", refuse)
+    registry = NameRegistry()
+    assert registry.load(GROUP, "PrefixAwareHash") is object
+    with pytest.raises(PluginError, match="did you mean 'PrefixAwareHash'"):
+        registry.load(GROUP, "PrefixAwareHsh")
+    with pytest.raises(PluginError, match="failed to load: imported strategies"):
+        PluginRegistry().load(GROUP, "RoundRobin")  # the patch holds: the real one imports
