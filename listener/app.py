@@ -182,9 +182,15 @@ def _configure_logging(level: str) -> None:
     root.setLevel(level.upper())
 
 
+def _hup_ignored() -> None:
+    log.warning("continuum-kv-listener: SIGHUP ignored: the listener has no reload (its "
+                "logs go to stderr, nothing to reopen); restart it to apply a new config")
+
+
 def run(config: ListenerConfig, *, processor_factory: ProcessorFactory | None = None,
         stop: Event | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (or ``stop`` is set), then shut down cleanly.
+    """Serve until SIGTERM/SIGINT (or ``stop`` is set), then shut down cleanly; SIGHUP is
+    logged and ignored.
 
     Returns:
         0 after a clean shutdown.
@@ -193,6 +199,9 @@ def run(config: ListenerConfig, *, processor_factory: ProcessorFactory | None = 
     stop = stop or Event()
     listener = Listener(config, processor_factory=processor_factory)
     handlers = [gevent.signal_handler(sig, stop.set) for sig in (signal.SIGTERM, signal.SIGINT)]
+    # HUP's default action ends the process, and systemd counts that as a clean exit that
+    # Restart=on-failure leaves down: a reflexive `kill -HUP` must not stop the streams.
+    handlers.append(gevent.signal_handler(signal.SIGHUP, _hup_ignored))
     try:
         listener.start()
         stop.wait()

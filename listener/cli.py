@@ -8,7 +8,8 @@ Examples::
 
 :func:`main` monkey-patches the process with gevent before anything else is imported; this
 module imports nothing network-related at import time (a test checks it in a subprocess).
-SIGTERM or SIGINT sends ``draining`` to every stream subscriber and exits 0.
+SIGTERM or SIGINT sends ``draining`` to every stream subscriber and exits 0; SIGHUP is logged
+and ignored.
 """
 
 from __future__ import annotations

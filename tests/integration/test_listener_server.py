@@ -494,7 +494,7 @@ def listener_config(port: int, zmq_port: int, sim_port: int,
     return {"listen": f"127.0.0.1:{port}", "log_level": "debug", "sources": [source]}
 
 
-def test_sigterm_sends_draining_and_exits_zero(tmp_path: Path) -> None:
+def test_sighup_is_ignored_and_sigterm_sends_draining_and_exits_zero(tmp_path: Path) -> None:
     listener = ListenerProcess(tmp_path, listener_config(free_port(), free_port(), free_port()))
     reader = Reader(listener.url + "/events/vllm-1")
     try:
@@ -502,6 +502,11 @@ def test_sigterm_sends_draining_and_exits_zero(tmp_path: Path) -> None:
         assert records[0][1] == CACHE_CLEARED and records[0][0] is not None
         wait_until(lambda: listener.health()["sources"]["vllm-1"]["subscribers"] == 1,
                    "the subscription")
+        # A HUP (its default action would end the process) is logged and ignored.
+        listener.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "SIGHUP ignored" in listener.proc.log_text(), "the HUP logged")
+        assert listener.proc.running()
+        assert listener.health()["sources"]["vllm-1"]["subscribers"] == 1
         listener.proc.send_signal(signal.SIGTERM)
         assert [r[1] for r in reader.ended()] == ["draining"]
         listener.proc.wait(30)
