@@ -16,6 +16,7 @@ import tempfile
 from typing import Any
 
 from continuum.config import CONFIG_ENV, check_config_file, load_config
+from continuum.errors import ConfigError
 
 # Not imported from continuum.metrics: importing prometheus_client here, before the
 # variable is set, would fix its value class to single-process mode for every worker.
@@ -103,7 +104,7 @@ def _guard_reload(server: Any) -> None:
                 server.log.error(
                     "HUP refused: %s has errors; the workers keep running with the config "
                     "they have (fix it, then send HUP again):\n%s", path,
-                    "\n".join(issue.render(result.source) for issue in result.errors))
+                    ConfigError(result.errors, result.source).message)
                 return
         reload()
 

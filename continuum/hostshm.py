@@ -102,7 +102,22 @@ def runtime_dir() -> Path | None:
     return Path(value) if value else None
 
 
-def _alive(pid: int) -> bool:
+def write_private(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` at once (a temporary file renamed over it), readable
+    by this user only (mode 0600).
+
+    Raises:
+        OSError: the directory is not writable.
+    """
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    tmp.replace(path)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts as alive)."""
     if pid <= 0:
         return False
     try:
@@ -160,7 +175,7 @@ class HostSegment:
         words = self.words
         for slot in range(MAX_WORKERS):
             pid = words[self._worker(slot, 0)]
-            if pid == self.pid or not _alive(pid):
+            if pid == self.pid or not pid_alive(pid):
                 self._wipe(slot)
                 words[self._worker(slot, 0)] = self.pid
                 # A new worker starts with fresh state: nothing from before is pending.
@@ -185,7 +200,7 @@ class HostSegment:
         words = self.words
         for slot in range(words[_HDR_SLOTS_USED]):
             pid = words[self._worker(slot, 0)]
-            if pid and pid != self.pid and not _alive(pid):
+            if pid and pid != self.pid and not pid_alive(pid):
                 with self.locked():
                     if words[self._worker(slot, 0)] == pid:
                         self._wipe(slot)
@@ -198,7 +213,7 @@ class HostSegment:
         words = self.words
         for slot in range(words[_HDR_SLOTS_USED]):
             pid = words[self._worker(slot, 0)]
-            if pid and _alive(pid):
+            if pid and pid_alive(pid):
                 out.append((slot, pid, words[self._worker(slot, 1)]))
         return out
 

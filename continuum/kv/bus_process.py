@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from continuum.hostshm import write_private
+
 log = logging.getLogger(__name__)
 
 BUS_FILE = "bus-local.json"
@@ -64,12 +66,8 @@ def read_bus_file(runtime_dir: str | None) -> tuple[str, str] | None:
 
 def _write_bus_file(runtime_dir: str, url: str, token: str, tls: tuple[str, int]) -> Path:
     path = bus_file(runtime_dir)
-    tmp = path.with_suffix(f".{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"url": url, "token": token, "pid": os.getpid(),
-                   "tls": f"{tls[0]}:{tls[1]}"}, f)
-    tmp.replace(path)
+    write_private(path, json.dumps({"url": url, "token": token, "pid": os.getpid(),
+                                    "tls": f"{tls[0]}:{tls[1]}"}).encode())
     return path
 
 

@@ -41,7 +41,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from continuum.hostshm import try_lock
+from continuum.hostshm import pid_alive, try_lock
 
 if TYPE_CHECKING:
     from continuum.config import RouterConfig
@@ -113,15 +113,8 @@ class FileLease:
             pid = int(self._path(backend).read_text() or 0)
         except (OSError, ValueError):
             return None
-        if pid <= 0:
-            return None
-        try:
-            os.kill(pid, 0)  # the file outlives a dead holder (its lock does not)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return f"worker {pid}"
+        # the file outlives a dead holder (its lock does not)
+        return f"worker {pid}" if pid_alive(pid) else None
 
     def release(self, backend: str) -> None:
         fd = self._fds.pop(backend, None)

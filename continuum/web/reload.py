@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from continuum.config import check_config_file
 from continuum.errors import ConfigError, ConfigIssue
+from continuum.hostshm import RUNTIME_DIR_ENV as RUNTIME_DIR_ENV  # (drain, tests)
+from continuum.hostshm import runtime_dir, write_private
 
 if TYPE_CHECKING:
     from continuum.config import CheckResult
@@ -27,7 +29,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RUNTIME_DIR_ENV = "CONTINUUM_RUNTIME_DIR"
 _GENERATION_FILE = "reload-generation"
 #: A copy of the last config file a worker of this router loaded (at boot or reload), in
 #: ``$CONTINUUM_RUNTIME_DIR``: what a worker boots with while the file has errors.
@@ -43,8 +44,8 @@ def _signature(path: Path) -> tuple[int, int] | None:
 
 
 def _generation_file() -> Path | None:
-    runtime = os.environ.get(RUNTIME_DIR_ENV)
-    return Path(runtime) / _GENERATION_FILE if runtime else None
+    runtime = runtime_dir()
+    return runtime / _GENERATION_FILE if runtime else None
 
 
 def _read_generation(generation_file: Path | None) -> str | None:
@@ -61,8 +62,8 @@ Seen = tuple[tuple[int, int] | None, str | None]
 
 def last_good_path() -> Path | None:
     """Where this router keeps its last good config (None outside gunicorn)."""
-    runtime = os.environ.get(RUNTIME_DIR_ENV)
-    return Path(runtime) / LAST_GOOD_FILE if runtime else None
+    runtime = runtime_dir()
+    return runtime / LAST_GOOD_FILE if runtime else None
 
 
 def _read_bytes(path: Path) -> bytes | None:
@@ -90,12 +91,8 @@ def remember_good(raw: bytes | None) -> None:
     target = last_good_path()
     if raw is None or target is None:
         return
-    tmp = target.with_name(f"{target.name}.{os.getpid()}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-        tmp.replace(target)
+        write_private(target, raw)
     except OSError as exc:  # the copy is a safety net, not a reason to refuse the config
         log.warning("could not keep a copy of the config in %s: %s", target, exc)
 
@@ -121,11 +118,12 @@ def boot_config(path: str | os.PathLike[str], registry: PluginRegistry | None
     good = last_good_path()
     fallback = check_config_file(good, registry) if good is not None and good.exists() \
         else None
+    error = ConfigError(result.errors, result.source)
     if fallback is None or fallback.config is None:
-        raise ConfigError(result.errors, str(path))
-    errors = "\n".join(issue.render(result.source) for issue in result.errors)
+        raise error
     return fallback, (f"config file {path} has errors; this worker starts with the last "
-                      f"config this router loaded ({good}) until the file is fixed:\n{errors}")
+                      f"config this router loaded ({good}) until the file is fixed:\n"
+                      f"{error.message}")
 
 
 def config_state(path: str | os.PathLike[str]) -> Seen:
