@@ -383,6 +383,9 @@ class DefaultSourceProcessor:
                 if result.decided_at is not None and index >= result.decided_at:
                     assert result.prefix_hash is not None
                     tracker.attribute(key, result.prefix_hash)
+            if result.decided_at:  # the block before the one that decided it leads to it
+                assert result.prefix_hash is not None
+                tracker.lead(path[result.decided_at - 1], result.prefix_hash)
 
     def _chain_keys(self, stores: list[NewBlocks]) -> None:
         """Attribute the chain keys of the batch's new blocks (see :mod:`listener.chain`)."""

@@ -13,9 +13,19 @@ Invariants (``audit()`` recomputes them; the tests check them after every event)
   ``max_tracked_blocks * max_chain_tokens``. Room is made *before* a block is added, by
   pruning individual blocks oldest first (block count: oldest of all blocks; tokens: oldest
   token holder). Pruning never clears the backend.
-* A prefix is held while at least one tracked block is attributed to it, and each attributed
-  block counts in exactly one tier bucket of its prefix: ``gpu`` when the block is on the GPU
-  (medium ``GPU`` or unnamed), else ``offloaded`` (CPU, disk, remote storage…).
+* A prefix is held while at least one tracked block is attributed to it or *leads* to it,
+  and each such block counts in exactly one tier bucket of the prefix: ``gpu`` when the
+  block is on the GPU (medium ``GPU`` or unnamed), else ``offloaded`` (CPU, disk, remote
+  storage…).
+* A block *leads* to a prefix (``Block.leads``, at most :data:`MAX_LEADS` prefixes) when it
+  is the unattributed parent of a block that decided that prefix on this backend: the
+  leading tokens of the prefix's first message, which every later request of the prefix
+  shares. It keeps the prefix held, at its own shorter chain length, while the blocks that
+  decided it come and go. Without it, an engine that evicts its finished requests' blocks
+  before its running requests' blocks are reported (the block where the first message ends
+  differs in every request) reported the prefix evicted for that moment, though every
+  request of it still finds the leading blocks cached there. A router-issued salt
+  attributes a chain from its first block on, so salted chains never needed this.
 
 Tier semantics (the router's ``KvCacheIndex`` transitions): the state of a prefix is
 ``gpu`` if any of its blocks is on the GPU, else ``offloaded`` if any block survives in
@@ -64,13 +74,17 @@ UNDECIDED = 4
 """The chain's text is known not to decide a key yet (a descendant may)."""
 INHERITED_FLAGS = TAINTED | NO_TEXT
 
+#: Most prefixes one block leads to (the first ones found): a block shared by many first
+#: messages (a template's header, a common preamble) leads to none beyond these.
+MAX_LEADS = 4
+
 _GPU, _OFFLOADED = "gpu", "offloaded"
 
 
 class Block:
     """One tracked block (see the module docstring)."""
 
-    __slots__ = ("chain", "end", "flags", "media", "parent", "prefix", "tokens")
+    __slots__ = ("chain", "end", "flags", "leads", "media", "parent", "prefix", "tokens")
 
     def __init__(self, parent: BlockKey | None, tokens: tuple[int, ...] | None, end: int,
                  media: int, prefix: str | None, flags: int) -> None:
@@ -82,6 +96,8 @@ class Block:
         self.flags = flags
         #: chain keys (:mod:`listener.chain`) whose end lies in this block
         self.chain: tuple[str, ...] = ()
+        #: prefixes this unattributed block leads to (see the module docstring)
+        self.leads: tuple[str, ...] = ()
 
     @property
     def tier(self) -> str:
@@ -199,6 +215,21 @@ class BlockTracker:
             return
         self.drop_tokens(key)
         block.prefix = prefix
+        self._count(prefix, block.tier, block.end, 1)
+        for lead in block.leads:  # attributed now: it counts for its own prefix only
+            self._count(lead, block.tier, block.end, -1)
+        block.leads = ()
+
+    def lead(self, key: BlockKey, prefix: str) -> None:
+        """Record that the unattributed block ``key`` leads to ``prefix`` (the parent of the
+        block that decided it): ``prefix`` stays held, at this block's chain length, while
+        the block is. No-op for an untracked or attributed block, a prefix already recorded,
+        or a block that leads to :data:`MAX_LEADS` prefixes already."""
+        block = self.blocks.get(key)
+        if (block is None or block.prefix is not None or prefix in block.leads
+                or len(block.leads) >= MAX_LEADS):
+            return
+        block.leads += (prefix,)
         self._count(prefix, block.tier, block.end, 1)
 
     def add_chain_key(self, key: BlockKey, chain_key: str, prefix: str) -> None:
@@ -323,6 +354,8 @@ class BlockTracker:
         block = self.blocks.pop(key)
         if block.prefix is not None:
             self._count(block.prefix, block.tier, block.end, -1)
+        for lead in block.leads:
+            self._count(lead, block.tier, block.end, -1)
         for chain_key in block.chain:
             self._count_chain(chain_key, block.tier, block.end, -1)
 
@@ -334,6 +367,9 @@ class BlockTracker:
         if block.prefix is not None:
             self._count(block.prefix, old_tier, block.end, -1)
             self._count(block.prefix, block.tier, block.end, 1)
+        for lead in block.leads:
+            self._count(lead, old_tier, block.end, -1)
+            self._count(lead, block.tier, block.end, 1)
         for chain_key in block.chain:
             self._count_chain(chain_key, old_tier, block.end, -1)
             self._count_chain(chain_key, block.tier, block.end, 1)

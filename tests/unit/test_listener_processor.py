@@ -37,7 +37,7 @@ from continuum.sim.latency import LatencyModel
 from continuum.sim.server import create_engine_app
 from listener.config import DetokenizeConfig, LimitsConfig, SourceConfig
 from listener.decode import decode_trtllm_events, decode_zmq_frames, decode_zmq_payload
-from listener.model import CACHE_CLEARED, CACHE_CREATED, PrefixEvent
+from listener.model import CACHE_CLEARED, CACHE_CREATED, CACHE_EVICTED, PrefixEvent
 from listener.processor import DefaultSourceProcessor
 
 MODEL = "sim-model"
@@ -497,3 +497,41 @@ def test_template_learned_from_a_real_engine(
     finally:
         processor.close()
         sim.close()
+
+
+# -- leading blocks keep a prefix held ------------------------------------------------------------
+
+def remove(setup: Setup, keys: Sequence[tuple[int | None, int]]) -> list[PrefixEvent]:
+    start = len(setup.out)
+    setup.processor.handle_batch(KvEventBatch(ts=0.0, events=tuple(
+        BlockRemoved(block_hashes=(key[1],), group_idx=key[0]) for key in keys)))
+    return setup.out[start:]
+
+
+@pytest.mark.parametrize("profile", ["vllm-0.33", "sglang-0.5.22"])
+def test_the_first_messages_leading_blocks_keep_its_prefix_held(profile: str) -> None:
+    """An engine that evicts the blocks of its finished requests still holds the system
+    prompt's leading blocks, which the next request of the prefix finds cached: the prefix
+    stays held at their length until they go too (before, it was reported evicted, and
+    created again once a running request's blocks were reported)."""
+    setup = Setup(profile)
+    key = router_key(BODIES["system"])
+    setup.request(BODIES["system"])
+    tracker = setup.processor.tracker
+    decided = sorted((k for k, block in tracker.blocks.items() if block.prefix == key),
+                     key=lambda k: -tracker.blocks[k].end)
+    leading = [k for k, block in tracker.blocks.items() if key in block.leads]
+    assert len(leading) == 1 and tracker.blocks[leading[0]].prefix is None
+    lead_end = tracker.blocks[leading[0]].end
+    assert 0 < lead_end < min(tracker.blocks[k].end for k in decided)
+
+    # every block that decided the prefix (and their descendants) evicted, tip first
+    events = remove(setup, decided)
+    assert [(e.type, e.prefix_hash, e.token_count) for e in events] == [
+        (CACHE_CREATED, key, lead_end)]
+    assert setup.processor.stats()["attributed_prefixes"] == 1
+
+    # the leading block's own eviction ends the holdings it alone kept
+    events = remove(setup, leading)
+    assert [(e.type, e.prefix_hash) for e in events] == [(CACHE_EVICTED, key)]
+    assert setup.processor.stats()["attributed_prefixes"] == 0

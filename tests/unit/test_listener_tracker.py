@@ -24,7 +24,7 @@ from listener.model import (
     PrefixEvent,
 )
 from listener.processor import DefaultSourceProcessor
-from listener.tracker import BlockTracker
+from listener.tracker import ALL_MEDIA, GPU_BIT, MAX_LEADS, BlockTracker
 
 SECRET = b"tracker-test-secret"
 BACKEND = "gpu-1"
@@ -225,3 +225,47 @@ def test_clears_reset_or_drop_one_medium() -> None:
     assert h.out[-1] == PrefixEvent(CACHE_CLEARED)
     assert (h.tracker.tracked_blocks, h.tracker.retained_tokens) == (0, 0)
     assert h.processor.stats()["attributed_prefixes"] == 0
+
+
+# -- blocks that lead to a prefix ----------------------------------------------------------------
+
+def test_a_leading_block_holds_its_prefixes_at_its_length_across_tiers() -> None:
+    tracker = BlockTracker(LimitsConfig())
+    cpu = tracker.medium_bit("CPU")
+    lead = tracker.add((None, 1), None, None, 8, GPU_BIT, None, 0)
+    tracker.add((None, 2), (None, 1), None, 12, GPU_BIT, P1, 0)
+    tracker.lead((None, 1), P1)
+    tracker.lead((None, 1), P1)  # once only
+    assert tracker.drain() == [PrefixEvent(CACHE_CREATED, P1, 12)]
+
+    tracker.remove((None, 2), ALL_MEDIA)
+    assert tracker.drain() == [PrefixEvent(CACHE_CREATED, P1, 8)]
+    tracker.touch((None, 1), cpu)
+    tracker.remove((None, 1), GPU_BIT)  # only the CPU copy is left
+    assert tracker.drain() == [PrefixEvent(CACHE_OFFLOADED, P1, 8)]
+
+    others = [str(n) * 64 for n in range(3, 3 + MAX_LEADS)]
+    for prefix in others:
+        tracker.lead((None, 1), prefix)
+    assert lead.leads == (P1, *others[:MAX_LEADS - 1])  # the first ones found
+    assert {e.prefix_hash for e in tracker.drain()} == set(others[:MAX_LEADS - 1])
+    assert tracker.held_prefixes == MAX_LEADS
+
+    # a block attributed later counts for its own prefix only
+    tracker.attribute((None, 1), P2)
+    assert lead.leads == ()
+    events = {e.prefix_hash: e.type for e in tracker.drain()}
+    assert events == {P2: CACHE_OFFLOADED, P1: CACHE_EVICTED,
+                      **{p: CACHE_EVICTED for p in others[:MAX_LEADS - 1]}}
+    tracker.remove((None, 1), ALL_MEDIA)
+    assert tracker.drain() == [PrefixEvent(CACHE_EVICTED, P2, 8)]
+    assert tracker.held_prefixes == 0
+
+
+def test_leads_are_for_unattributed_tracked_blocks_only() -> None:
+    tracker = BlockTracker(LimitsConfig())
+    tracker.add((None, 1), None, None, 4, GPU_BIT, P1, 0)
+    tracker.lead((None, 1), P2)  # attributed already
+    tracker.lead((None, 9), P2)  # not tracked
+    assert tracker.blocks[(None, 1)].leads == ()
+    assert [e.prefix_hash for e in tracker.drain()] == [P1]
