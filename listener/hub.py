@@ -152,8 +152,8 @@ def format_record(event: PrefixEvent | str, record_id: str | None = None) -> byt
             payload["token_count"] = event.token_count
         if event.chain:
             chain: dict[str, list[list[str | int]]] = {}
-            for kind, key, tokens in event.chain:
-                chain.setdefault(kind, []).append([key, tokens])
+            for change, key, tokens in event.chain:
+                chain.setdefault(change, []).append([key, tokens])
             payload["chain"] = chain
     head = f"id: {record_id}\n" if record_id is not None else ""
     data = json.dumps(payload, separators=(",", ":"))

@@ -696,6 +696,24 @@ def test_index_names_the_holder_routes_to_it_and_forgets_evictions(
     for name, b in p.kv_backends().items():
         assert b["events"]["malformed"] == 0 and b["events"]["dropped"] == 0, (name, b)
         assert b["connection"]["reconnect_count"] == 0, (name, b)
+    # ... and every event arrived as the event the listener published. A prefix still held
+    # whose chain keys were evicted (e1's, by the fillers) is a cache_created carrying
+    # evicted chain keys; the stream used to name such a record cache_evicted, and the
+    # router dropped the holding until the engine's next store.
+    def evictions() -> dict[str, tuple[float, float]]:
+        """backend → (cache_evicted published, received), read after the router caught up."""
+        p.positions()
+        published = {name: p.listener.metric("events_out_total", backend=name,
+                                              event="cache_evicted") for name in p.names}
+        text = p.session.get(p.router.url + "/metrics", timeout=5).text
+        return {name: (published[name], metric_sum(
+            text, "continuum_kv_events_received_total", backend=name, type="cache_evicted"))
+            for name in p.names}
+
+    # (an engine may still publish what its last requests left, so this polls)
+    wait_until(lambda: all(a == b for a, b in evictions().values()),
+               lambda: f"cache_evicted published, received: {evictions()}", timeout=10)
+    assert evictions()["e1"][0] >= 1
 
 
 def consistent(p: Pipeline, systems: list[str]) -> bool:

@@ -88,6 +88,20 @@ def test_record_format() -> None:
     assert format_record(DRAINING) == b'event: draining\ndata: {"event":"draining"}\n\n'
 
 
+def test_a_record_is_named_by_its_event_not_by_its_chain_changes() -> None:
+    """The router reads a record's type from its ``event:`` line. A prefix still held whose
+    chain lost a key is a ``cache_created`` with an evicted chain key; until this test its
+    ``event:`` line took the last chain change's type, so the router dropped the holding."""
+    key = "ab" * 8
+    event = PrefixEvent(CACHE_CREATED, prefix(1), 48,
+                        ((CACHE_CREATED, "cd" * 8, 48), (CACHE_EVICTED, key, 0)))
+    record = format_record(event, "e1-8")
+    assert record.startswith(b"id: e1-8\nevent: cache_created\n")
+    data = json.loads(record.split(b"data: ", 1)[1])
+    assert data["event"] == CACHE_CREATED
+    assert data["chain"] == {CACHE_CREATED: [["cd" * 8, 48]], CACHE_EVICTED: [[key, 0]]}
+
+
 def test_unknown_backend(hub: EventHub) -> None:
     assert not hub.has_backend("c")
     with pytest.raises(KeyError):
