@@ -104,6 +104,12 @@ class Block:
         """``"gpu"`` when the block is on the GPU, else ``"offloaded"``."""
         return _GPU if self.media & GPU_BIT else _OFFLOADED
 
+    @property
+    def holds(self) -> tuple[str, ...]:
+        """The prefixes this block counts for: its own, or the ones it leads to (an
+        attributed block leads to none)."""
+        return self.leads if self.prefix is None else (self.prefix,)
+
 
 @dataclass
 class _Holding:
@@ -352,10 +358,8 @@ class BlockTracker:
     def _delete(self, key: BlockKey) -> None:
         self.drop_tokens(key)
         block = self.blocks.pop(key)
-        if block.prefix is not None:
-            self._count(block.prefix, block.tier, block.end, -1)
-        for lead in block.leads:
-            self._count(lead, block.tier, block.end, -1)
+        for prefix in block.holds:
+            self._count(prefix, block.tier, block.end, -1)
         for chain_key in block.chain:
             self._count_chain(chain_key, block.tier, block.end, -1)
 
@@ -364,12 +368,9 @@ class BlockTracker:
         block.media = media
         if block.tier == old_tier:
             return
-        if block.prefix is not None:
-            self._count(block.prefix, old_tier, block.end, -1)
-            self._count(block.prefix, block.tier, block.end, 1)
-        for lead in block.leads:
-            self._count(lead, old_tier, block.end, -1)
-            self._count(lead, block.tier, block.end, 1)
+        for prefix in block.holds:
+            self._count(prefix, old_tier, block.end, -1)
+            self._count(prefix, block.tier, block.end, 1)
         for chain_key in block.chain:
             self._count_chain(chain_key, old_tier, block.end, -1)
             self._count_chain(chain_key, block.tier, block.end, 1)
