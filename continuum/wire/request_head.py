@@ -2,9 +2,10 @@
 
 gunicorn's request parser checks every rule of RFC 9110/9112 line by line, through several
 copies of the buffer; on a small proxied request that is about a tenth of the router's CPU.
-:class:`FastRequest` is gunicorn's own ``Request`` whose ``parse`` first tries one strict
-pattern per line over a head that arrived whole, and accepts it only when gunicorn would
-accept it *and* build exactly the same request from it:
+:class:`FastRequest` is gunicorn's own ``Request`` whose ``parse`` first tries two strict
+patterns over a head that arrived whole (one for the request line, one for all the field
+lines at once), and accepts it only when gunicorn would accept it *and* build exactly the
+same request from it:
 
 * a request line ``METHOD /target HTTP/1.0|1.1`` within ``limit_request_line``, with an
   upper-case well-known method and a target of printable ASCII without a fragment;
@@ -18,7 +19,10 @@ Anything else — a head still incomplete, a PROXY protocol preamble, obsolete l
 a bare LF, a limit exceeded, a malformed line — goes to gunicorn's parser untouched (the
 bytes read are handed back first), which accepts or refuses it as it always did (the
 router's worker writes its refusals in JSON: :func:`continuum.gunicorn_worker._write_refusal`).
-The body reader, keep-alive and pipelining are gunicorn's in both cases.
+The body reader, keep-alive and pipelining are gunicorn's in both cases; for a head it took,
+the fast path answers gunicorn's questions about it from what it found while parsing (the
+``Connection`` field, a plain ``Content-Length``) instead of reading the headers again, and
+leaves any other ``Content-Length`` to gunicorn's own checks.
 """
 
 from __future__ import annotations
@@ -26,7 +30,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from gunicorn.http.body import Body, LengthReader
 from gunicorn.http.message import Request
+from gunicorn.http.parser import RequestParser
+
+#: gunicorn's own ``Parser.finish_body``, for every body :func:`finish_body` cannot vouch for.
+_gunicorn_finish_body = RequestParser.finish_body
 
 #: The request line of the fast path; anything else is left to gunicorn.
 _REQUEST_LINE = re.compile(
@@ -43,11 +52,48 @@ _SPECIAL = frozenset(("EXPECT", "TRANSFER-ENCODING"))
 _SINGLETONS = frozenset(("HOST", "CONTENT-TYPE"))
 
 
+def _count(headers: list[tuple[str, str]], name: str) -> int:
+    """How many of ``headers`` are named ``name`` (for a head that repeats a name)."""
+    return [field for field, _ in headers].count(name)
+
+
+def _body_length(headers: list[tuple[str, str]], fields: dict[str, str]) -> int | None:
+    """The length gunicorn's ``set_body_reader`` finds for a head without Transfer-Encoding:
+    0 without Content-Length, its number when it has one plain one; None for anything else
+    (a second one, a sign, blanks inside, other digits), which gunicorn's method judges."""
+    value = fields.get("CONTENT-LENGTH")
+    if value is None:
+        return 0  # gunicorn's Request reads no body then (not until EOF)
+    # ASCII digits only: gunicorn's isnumeric() also admits "²", which its int() refuses; and
+    # few enough to stay clear of int()'s limit on digits
+    if not (len(value) <= 18 and value.isascii() and value.isdigit()):
+        return None
+    if len(fields) < len(headers) and _count(headers, "CONTENT-LENGTH") > 1:
+        return None
+    return int(value)
+
+
 def _targets_anthropic(data: bytes) -> bool:
     """Whether the request line starting ``data`` (however long, or cut short) asks for a
     path under ``/anthropic/``."""
     space = data.find(b" ", 0, 32)  # after the method
     return space > 0 and data.startswith(b"/anthropic/", space + 1)
+
+
+def finish_body(parser: Any, deadline: float | None = None,
+                max_bytes: int | None = None) -> bool:
+    """gunicorn's ``Parser.finish_body`` (drain what the application left unread of the
+    current request's body before reading the next request): True at once when the body
+    is of known length and was read to its end, which is what gunicorn's drain finds there
+    after a read of nothing, its socket timeout set and put back; gunicorn's method for
+    anything else. The router's worker installs it on gunicorn's ``RequestParser``."""
+    body: Any = getattr(parser.mesg, "body", None)
+    if type(body) is Body:
+        reader = body.reader
+        if type(reader) is LengthReader and reader.length == 0 and not body.buf.tell() \
+                and not body.failed:
+            return True
+    return _gunicorn_finish_body(parser, deadline, max_bytes)  # type: ignore[no-any-return]
 
 
 class FastRequest(Request):  # type: ignore[misc]
@@ -56,6 +102,19 @@ class FastRequest(Request):  # type: ignore[misc]
     #: For a head the fast path parsed: what its ``Connection`` field and version say of
     #: closing after this request (``should_close`` is asked three times per request).
     _close: bool | None = None
+
+    #: For a head the fast path parsed: the body length gunicorn's ``set_body_reader`` would
+    #: find, when it is a plain one (None: its method finds it, or refuses the head).
+    _length: int | None = None
+
+    def set_body_reader(self) -> None:
+        """gunicorn's body reader; for a plain length, made without reading the headers
+        again."""
+        length = self._length
+        if length is None:
+            super().set_body_reader()
+        else:
+            self.body = Body(LengthReader(self.unreader, length))
 
     def should_close(self) -> bool:
         """gunicorn's answer: ``must_close``, else what the head says."""
@@ -85,60 +144,56 @@ class FastRequest(Request):  # type: ignore[misc]
         return data[end + 4:]  # type: ignore[no-any-return]
 
     def _parse_strict(self, data: bytes, end: int) -> bool:
-        """Set method, target, version and headers from ``data[:end]`` and return True, or
-        return False (nothing set) when gunicorn's parser must judge the head."""
+        """Set method, target, version, headers, ``_close`` and ``_length`` from
+        ``data[:end]`` and return True, or return False (nothing set) when gunicorn's parser
+        must judge the head."""
         if end + 4 > self.max_buffer_headers:
             return False
-        head = data[:end].decode("latin-1")
-        lines = head.split("\r\n")
-        if data.count(b"\n", 0, end) != len(lines) - 1 or \
-                data.count(b"\r", 0, end) != len(lines) - 1:
-            return False  # a bare CR or LF
-        line = lines[0]
+        head = data[:end + 2].decode("latin-1")  # every line with its CRLF
+        eol = head.find("\r\n")  # the request line's end
         limit = self.limit_request_line
-        if limit > 0 and len(line) > limit:
+        if limit > 0 and eol > limit:
             return False
-        match = _REQUEST_LINE.fullmatch(line)
+        match = _REQUEST_LINE.fullmatch(head, 0, eol)
         if match is None:
             return False
         method, target, minor = match.groups()
         if target.startswith("//"):  # urlsplit would read an authority there
             return False
-        if len(lines) - 1 > self.limit_request_fields:
+        # The field lines with their CRLFs. Once they match _FIELDS, no line of the head has
+        # a bare CR or LF (the request line has neither, by _REQUEST_LINE).
+        start, stop = eol + 2, end + 2
+        if _FIELDS.fullmatch(data, start, stop) is None:
             return False
-        fields = lines[1:]
-        # the field lines with their CRLFs: from the request line's end to the blank line
-        if fields and _FIELDS.fullmatch(data, len(line) + 2, end + 2) is None:
+        lines = head[start:end].split("\r\n") if end > eol else []
+        if len(lines) > self.limit_request_fields:
             return False
+        # gunicorn counts a line with its CRLF; no line of a block within the limit exceeds it
         field_limit = self.limit_request_field_size
-        secure = self.cfg.secure_scheme_headers
+        if stop - start > field_limit and max(map(len, lines)) + 2 > field_limit:
+            return False
         headers = []
-        seen = set()
-        for line in fields:
-            if len(line) + 2 > field_limit:
-                return False
+        for line in lines:
             name, _, value = line.partition(":")
-            name = name.upper()
-            value = value.strip(" \t")
-            if name in _SPECIAL or name in secure:
-                return False
-            if name in _SINGLETONS:
-                if name in seen:
-                    return False
-                seen.add(name)
-            headers.append((name, value))
-        path, _, query = target.partition("?")
+            headers.append((name.upper(), value.strip(" \t")))
+        fields = dict(reversed(headers))  # each name once, with its first value
+        names = fields.keys()
+        if not names.isdisjoint(_SPECIAL) or not names.isdisjoint(self.cfg.secure_scheme_headers):
+            return False
+        if len(fields) < len(headers) and any(_count(headers, name) > 1 for name in _SINGLETONS):
+            return False  # gunicorn refuses a second one
         close = minor == "0"  # no Connection field: HTTP/1.0 closes, 1.1 keeps alive
-        for name, value in headers:
-            if name == "CONNECTION":  # the first one decides, as gunicorn reads it
-                token = value.lower().strip(" \t")
-                if token == "close":
-                    close = True
-                elif token == "keep-alive":
-                    close = False
-                break
+        connection = fields.get("CONNECTION")  # the first one decides, as gunicorn reads it
+        if connection is not None:
+            token = connection.lower()  # stripped already
+            if token == "close":
+                close = True
+            elif token == "keep-alive":
+                close = False
         self._close = close
+        self._length = _body_length(headers, fields)
         self.method, self.uri, self.version = method, target, (1, int(minor))
+        path, _, query = target.partition("?")
         self.path, self.query, self.fragment = path, query, ""
         self.headers = headers
         return True
