@@ -54,6 +54,7 @@ from gunicorn.workers import ggevent
 from gunicorn.workers.ggevent import GeventWorker as _GunicornGeventWorker
 
 from continuum.config import ServerConfig
+from continuum.wire import request_head, wsgi_fast
 from continuum.wire.request_head import FastRequest
 from continuum.wire.waits import arm, timer_for, wait_watcher
 
@@ -386,8 +387,12 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         gunicorn's to parse, as before). gunicorn's parser makes its requests from the
         ``mesg_class`` of its class; there is no per-worker hook for it.
 
-        Four more changes to gunicorn's module state, in this worker process only (the
-        master and other worker classes keep gunicorn as it is): ``util.write_error`` is
+        Six more changes to gunicorn's module state, in this worker process only (the
+        master and other worker classes keep gunicorn as it is): the parser's
+        ``finish_body`` is :func:`continuum.wire.request_head.finish_body` (no drain of a
+        body read to its end); ``wsgi.create`` is
+        :func:`continuum.wire.wsgi_fast.create` (the same environ and response with less
+        work per request); ``util.write_error`` is
         :func:`_write_refusal` (the requests gunicorn refuses itself are answered in JSON,
         not HTML); ``util.http_date`` is
         :class:`_HttpDate` (the same text, made once a second instead of per response);
@@ -398,6 +403,8 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         it (no script name). The worker's config reads each setting once
         (:class:`_SettledConfig`)."""
         RequestParser.mesg_class = FastRequest
+        RequestParser.finish_body = request_head.finish_body
+        gunicorn_wsgi.create = wsgi_fast.create
         gunicorn_wsgi.WSGIErrorsWrapper = _ErrorsWrapper
         gunicorn_util.write_error = _write_refusal
         _ignore_redis_asyncio_ssl_warning()  # before gunicorn's worker patches ssl

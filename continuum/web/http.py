@@ -26,6 +26,7 @@ from continuum.errors import (
     RequestTimeoutError,
 )
 from continuum.routing import anthropic
+from continuum.wire.wsgi_fast import read_held
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,10 @@ def read_body(
         raise PayloadTooLargeError(
             f"request body of {length} bytes exceeds the limit of {limit} bytes"
         )
+    if length is not None:  # all of it came with the head: nothing to wait for
+        held = read_held(req.env.get("wsgi.input"), length)
+        if held is not None:
+            return held
     chunked = length is None and "chunked" in (req.get_header("Transfer-Encoding") or "").lower()
     # the WSGI server's own input ends where the chunks end
     stream = req.stream if chunked else req.bounded_stream
