@@ -259,6 +259,8 @@ def _multiprocess_value_class(pid: list[int]) -> type:
                 if owner[0] != pid[0]:
                     forked()
                 for value, amount in zip(values, amounts):  # noqa: B905 (see above)
+                    if not amount:  # adds nothing (a request's uncached or uncreated tokens)
+                        continue
                     total = value._value = value._value + amount
                     value._timestamp = 0.0
                     pos = value._pos

@@ -191,6 +191,11 @@ def load_json(raw: bytes, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> Any:
 _TOO_DEEP = object()
 
 
+#: Bodies up to this size have their brackets counted: two passes over a few hundred bytes
+#: cost less than the loop of finds (0.65 against 1.7 µs at 200 bytes; even at 1 KiB).
+_COUNTED = 512
+
+
 def _brackets_exceed(raw: bytes, limit: int) -> bool:
     """Whether ``raw`` holds more than ``limit`` ``[`` and ``{`` bytes together (then, and
     only then, can its nesting be deeper than ``limit``).
@@ -199,6 +204,8 @@ def _brackets_exceed(raw: bytes, limit: int) -> bool:
     bracket; ``bytes.count`` of one byte reads the body a byte at a time: two counts took
     73 µs on a 128 KiB prompt, as long as decoding it, where the finds take 3 µs.
     """
+    if len(raw) <= _COUNTED:  # a small body: two counts cost less than a loop of finds
+        return raw.count(b"[") + raw.count(b"{") > limit
     seen = 0
     find = raw.find
     for bracket in (b"[", b"{"):
