@@ -13,7 +13,7 @@ from gunicorn.http import wsgi as gunicorn_wsgi
 from gunicorn.http.message import Request
 from gunicorn.http.unreader import IterUnreader
 
-from continuum.wire import wsgi_fast
+from continuum.wire import request_head, wsgi_fast
 from continuum.wire.request_head import FastRequest
 
 CLIENT = ("127.0.0.1", 40000)
@@ -218,14 +218,15 @@ def test_random_answers_are_written_as_gunicorn_writes_them() -> None:
         _same_answer(rng.choice(heads), rng.choice(statuses), headers, chunks)
 
 
-def test_the_worker_installs_the_fast_create_in_its_own_process_only() -> None:
-    import inspect
+def test_importing_the_worker_leaves_gunicorn_as_it_is() -> None:
+    """Only a worker process swaps gunicorn's pieces (init_process; what it serves through
+    them: tests/integration/test_worker_wsgi.py)."""
+    from gunicorn.http.parser import RequestParser
 
-    from continuum import gunicorn_worker
+    from continuum import gunicorn_worker  # noqa: F401 (imported for its side effects, if any)
 
-    source = inspect.getsource(gunicorn_worker.GeventWorker.init_process)
-    assert "gunicorn_wsgi.create = wsgi_fast.create" in source
-    assert gunicorn_wsgi.create is wsgi_fast._gunicorn_create  # this (test) process: untouched
+    assert gunicorn_wsgi.create is wsgi_fast._gunicorn_create
+    assert RequestParser.finish_body is not request_head.finish_body
 
 
 def _body_stream(parts: list[bytes]) -> Any:
