@@ -80,6 +80,19 @@ def _targets_anthropic(data: bytes) -> bool:
     return space > 0 and data.startswith(b"/anthropic/", space + 1)
 
 
+def length_left(body: Any) -> int | None:
+    """How many bytes of a request body of known length (gunicorn's ``Body`` over a
+    ``LengthReader``) the application has not read yet, when none of what it read is held
+    back in the body's own buffer; None for any other body."""
+    if type(body) is not Body:
+        return None
+    reader = body.reader
+    if type(reader) is not LengthReader or body.buf.tell():
+        return None
+    left: int = reader.length
+    return left
+
+
 def finish_body(parser: Any, deadline: float | None = None,
                 max_bytes: int | None = None) -> bool:
     """gunicorn's ``Parser.finish_body`` (drain what the application left unread of the
@@ -88,11 +101,8 @@ def finish_body(parser: Any, deadline: float | None = None,
     after a read of nothing, its socket timeout set and put back; gunicorn's method for
     anything else. The router's worker installs it on gunicorn's ``RequestParser``."""
     body: Any = getattr(parser.mesg, "body", None)
-    if type(body) is Body:
-        reader = body.reader
-        if type(reader) is LengthReader and reader.length == 0 and not body.buf.tell() \
-                and not body.failed:
-            return True
+    if length_left(body) == 0 and not body.failed:
+        return True
     return _gunicorn_finish_body(parser, deadline, max_bytes)  # type: ignore[no-any-return]
 
 

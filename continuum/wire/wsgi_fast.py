@@ -37,10 +37,8 @@ from typing import Any
 from gunicorn import SERVER_SOFTWARE
 from gunicorn import util as gunicorn_util
 from gunicorn.http import wsgi as gunicorn_wsgi
-from gunicorn.http.body import Body, LengthReader
-from gunicorn.http.message import TOKEN_RE
 
-from continuum.wire.request_head import FastRequest
+from continuum.wire.request_head import FastRequest, length_left
 
 #: gunicorn's own ``create``, for everything outside the fast path.
 _gunicorn_create = gunicorn_wsgi.create
@@ -91,21 +89,9 @@ def create(req: Any, sock: Any, client: Any, server: Any, cfg: Any,
     """``gunicorn.http.wsgi.create``: the (response, environ) pair of a request."""
     if response_class is not None or response_args:
         return _gunicorn_create(req, sock, client, server, cfg, response_class, response_args)  # type: ignore[no-any-return]
-    if (type(req) is not FastRequest or req._close is None or req.proxy_protocol_info
-            or type(server) is not tuple or type(client) is not tuple
-            or os.environ.get("SCRIPT_NAME")):
+    environ = _fields_environ(req, client, server, cfg)
+    if environ is None:
         return _gunicorn_create(req, sock, client, server, cfg, FastResponse)  # type: ignore[no-any-return]
-    environ = _template(cfg.workers > 1).copy()
-    keys = _ENVIRON_KEYS
-    for name, value in req.headers:
-        key = keys.get(name)
-        if key is None:
-            key = "HTTP_" + name.replace("-", "_")
-            if len(keys) < _NAMES_KEPT:
-                keys[name] = key
-        if key in environ:  # a repeated field: gunicorn joins them
-            return _gunicorn_create(req, sock, client, server, cfg, FastResponse)  # type: ignore[no-any-return]
-        environ[key] = value
     path = req.path
     resp = FastResponse(req, sock, cfg)
     environ.update({
@@ -127,6 +113,27 @@ def create(req: Any, sock: Any, client: Any, server: Any, cfg: Any,
     return resp, environ
 
 
+def _fields_environ(req: Any, client: Any, server: Any, cfg: Any) -> dict[str, Any] | None:
+    """The worker's template with the request's fields, for a request of the fast path
+    (see the module doc); None when gunicorn's ``create`` must build the environ."""
+    if (type(req) is not FastRequest or req._close is None or req.proxy_protocol_info
+            or type(server) is not tuple or type(client) is not tuple
+            or os.environ.get("SCRIPT_NAME")):
+        return None
+    environ = _template(cfg.workers > 1).copy()
+    keys = _ENVIRON_KEYS
+    for name, value in req.headers:
+        key = keys.get(name)
+        if key is None:
+            key = "HTTP_" + name.replace("-", "_")
+            if len(keys) < _NAMES_KEPT:
+                keys[name] = key
+        if key in environ:  # a repeated field: gunicorn joins them
+            return None
+        environ[key] = value
+    return environ
+
+
 class FastResponse(gunicorn_wsgi.Response):  # type: ignore[misc]
     """gunicorn's ``Response`` with short ways for the common headers, head and body."""
 
@@ -139,9 +146,9 @@ class FastResponse(gunicorn_wsgi.Response):  # type: ignore[misc]
         for name, value in headers:
             lower = names.get(name) if type(name) is str else None
             if lower is None or type(value) is not str or _PLAIN_VALUE(value) is None:
-                super().process_headers(((name, value),))
+                super().process_headers(((name, value),))  # raises unless name is a token
                 if lower is None and type(name) is str and len(names) < _NAMES_KEPT \
-                        and TOKEN_RE.fullmatch(name) and not gunicorn_util.is_hoppish(name):
+                        and not gunicorn_util.is_hoppish(name):
                     names[name] = name.lower()
                 continue
             if lower == "content-length":
@@ -188,10 +195,9 @@ def read_held(stream: Any, length: int) -> bytes | None:
     gunicorn already holds all of it and none has been read, read as ``stream.read`` would
     read it (the same bytes, the reader left at the body's end); None otherwise, when
     reading could wait for the client."""
-    reader: Any = getattr(stream, "reader", None)
-    if type(stream) is not Body or type(reader) is not LengthReader \
-            or reader.length != length or stream.buf.tell():
+    if length_left(stream) != length:
         return None
+    reader = stream.reader
     if reader.unreader.buf.seek(0, os.SEEK_END) < length:
         return None
     data: bytes = reader.read(length)
