@@ -15,8 +15,16 @@ with a JSON error body and is closed. The body's own deadline is the application
 ``continuum.gunicorn_conf`` selects this worker (``worker_class``), and puts it back when
 ``-k gevent`` on the command line asked for gunicorn's plain one.
 
-Request heads are read by :class:`~continuum.wire.request_head.FastRequest` (a strict fast
-path in front of gunicorn's parser, which judges everything outside it).
+A plain connection (TCP without TLS, PROXY protocol or cleartext HTTP/2, with keep-alive
+on) is served by the worker's own keep-alive loop (:meth:`GeventWorker._serve_plain`) for
+as long as its requests' heads are on the strict fast path of
+:mod:`continuum.wire.request_head` with a plain ``Content-Length`` or none: the same
+keep-alive wait, header deadline, environ, response, hooks, drain of an unread body and
+error answers as gunicorn's loop, without gunicorn's parser, message and body objects
+(:mod:`continuum.wire.plain`). The first request outside that path, and every later one on
+the connection, goes to gunicorn's loop from its first byte, where request heads are read
+by :class:`~continuum.wire.request_head.FastRequest` (the same fast path in front of
+gunicorn's parser, which judges everything outside it).
 
 With several workers, each one's server is a
 :class:`~continuum.wire.accept_balance.BalancedStreamServer`: a worker holding more client
@@ -33,13 +41,16 @@ is never delayed past the moment the worker would otherwise sit idle.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
+import socket
 import sys
 import time
 import warnings
 from collections.abc import Callable
+from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +66,8 @@ from gunicorn.workers.ggevent import GeventWorker as _GunicornGeventWorker
 
 from continuum.config import ServerConfig
 from continuum.wire import request_head, wsgi_fast
-from continuum.wire.request_head import FastRequest
+from continuum.wire.plain import RECV_SIZE, HeldInput, PlainRequest, Replayed
+from continuum.wire.request_head import FastRequest, HeadRules, head_rules, parse_head
 from continuum.wire.waits import arm, timer_for, wait_watcher
 
 if TYPE_CHECKING:  # imported where a gate is made: in a worker of several, not the master
@@ -265,6 +277,11 @@ class _CoalescingSocket:
         if sent < len(data):
             sock.sendall(memoryview(data)[sent:])
 
+    def send_whole(self, data: bytes) -> None:
+        """Send a whole answer (its head and all its body) at once: nothing to hold back."""
+        self._first = False
+        self.sendall(data)
+
     def _flush_from_hub(self) -> None:
         """Send what is held back without blocking (the hub must not wait): what the
         socket does not take now stays held for the next write or :meth:`flush`."""
@@ -370,6 +387,15 @@ class _ErrorsWrapper(gunicorn_wsgi.WSGIErrorsWrapper):  # type: ignore[misc]
                 self.streams.append(handler.stream)
 
 
+def serves_plain(cfg: Any) -> bool:
+    """Whether the worker's own loop may serve connections under ``cfg``: kept alive,
+    plain TCP without TLS, PROXY protocol or cleartext HTTP/2 (gunicorn's loop handles
+    those from a connection's first byte)."""
+    return bool(cfg.keepalive) and not cfg.is_ssl \
+        and getattr(cfg, "proxy_protocol", "off") in ("off", False, None) \
+        and getattr(cfg, "http2_cleartext", "off") in ("off", False, None)
+
+
 class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
     """gunicorn's gevent worker, with ``server.client_header_timeout_seconds``."""
 
@@ -379,6 +405,9 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         self._deadlines: dict[Any, _HeaderDeadline] = {}
         self._router: Any = None  # the RouterApp served, once known (None: not yet looked)
         self.accept_gate: AcceptGate | None = None  # with several workers: see run()
+        #: gunicorn's head limits when the worker serves plain connections itself
+        #: (:meth:`_serve_plain`); None when the config leaves every connection to gunicorn.
+        self.plain_rules: HeadRules | None = None
 
     def init_process(self) -> None:
         """In the worker process: HTTP/1 request heads are read by
@@ -413,7 +442,9 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         os.environ.setdefault("SCRIPT_NAME", "")
         cfg: Any = getattr(self, "cfg")  # noqa: B009 (gunicorn's base class is untyped)
         if not isinstance(cfg, _SettledConfig):
-            self.cfg = _SettledConfig(cfg)
+            self.cfg = cfg = _SettledConfig(cfg)
+        if serves_plain(cfg):
+            self.plain_rules = head_rules(cfg)
         super().init_process()
 
     def run(self) -> None:
@@ -446,7 +477,9 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
 
     def handle(self, listener: Any, client: Any, addr: Any) -> None:
         """Serve one connection (in its own greenlet), remembering it for
-        :meth:`timeout_ctx` and counting it for the accept gate."""
+        :meth:`timeout_ctx` and counting it for the accept gate: a plain one with the
+        worker's own loop (:meth:`_serve_plain`) while its requests allow, the rest with
+        gunicorn's."""
         me = gevent.getcurrent()
         conn = self._connections[me] = _Connection(client, addr)
         self._deadlines[me] = _HeaderDeadline(self, conn)
@@ -454,12 +487,155 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         if gate is not None:
             gate.opened()
         try:
+            rules = self.plain_rules
+            if rules is not None and type(client) is GeventSocket and type(addr) is tuple \
+                    and not os.environ.get("SCRIPT_NAME"):
+                held = self._serve_plain(rules, listener, client, addr, conn)
+                if held is None:
+                    return
+                conn.buffered = True
+                client = Replayed(client, held)
             super().handle(listener, client, addr)
         finally:
             del self._connections[me]
             del self._deadlines[me]
             if gate is not None:
                 gate.closed()
+
+    def _serve_plain(self, rules: HeadRules, listener: Any, sock: Any, addr: tuple[Any, ...],
+                     conn: _Connection) -> bytes | None:
+        """Serve the connection's requests while each head is one
+        :func:`~continuum.wire.request_head.parse_head` takes with a plain body length
+        (see :mod:`continuum.wire.plain`), as gunicorn's loop would serve them: the same
+        keep-alive wait, header deadline, environ, response, hooks, drain of an unread body
+        and error answers. Returns the bytes read of the first request it leaves to
+        gunicorn (from that request's first byte; the socket stays open), or None when the
+        connection is over (the socket closed)."""
+        req: PlainRequest | None = None
+        handed: bytes | None = None
+        try:
+            sock.setblocking(1)  # as gunicorn's gevent worker does
+            server = listener.getsockname()
+            cfg = self.cfg
+            buf = b""  # bytes read of requests not yet served
+            body: HeldInput | None = None  # the previous request's, if it left some unread
+            while True:
+                req = None
+                if not buf and conn.requests:
+                    _wait_readable(conn, cfg.keepalive)  # StopIteration: none came
+                seconds = self.header_timeout()
+                timer = conn.header_timer = timer_for(conn.header_timer, seconds)
+                arm(timer)  # the header deadline, the unread body's drain included
+                try:
+                    if body is not None and not body.drain():
+                        return None  # the client closed within the body
+                    while (end := buf.find(b"\r\n\r\n")) < 0:
+                        # too long, or a line ending gunicorn may read differently
+                        if len(buf) > rules.max_head or buf.count(b"\n") != buf.count(b"\r\n"):
+                            handed = buf
+                            return handed
+                        data = sock.recv(RECV_SIZE)
+                        if not data:
+                            return None  # the client closed (within a head: as gunicorn)
+                        buf += data
+                except gevent.Timeout as exc:
+                    if exc is not timer:
+                        raise
+                    self.log.info("client %s: no complete request header within %g s; 408",
+                                  addr, seconds)
+                    _answer_timeout(sock, f"request header not received within {seconds:g} s")
+                    return None
+                finally:
+                    timer.timer.stop()
+                head = parse_head(buf, end, rules)
+                length = None if head is None else head[7]
+                if head is None or length is None:
+                    handed = buf  # gunicorn judges it
+                    return handed
+                method, uri, minor, path, query, headers, close, _ = head
+                start = end + 4
+                stop = start + length
+                if len(buf) >= stop:
+                    body = HeldInput(buf[start:stop], 0, sock)
+                    buf = buf[stop:]
+                else:  # the rest of the body is still on the socket
+                    body = HeldInput(buf[start:], stop - len(buf), sock)
+                    buf = b""
+                conn.requests += 1
+                req = PlainRequest(cfg, addr, conn.requests, method, uri, minor, path, query,
+                                   headers, close, body)
+                if not self._serve_one(req, sock, addr, server) or body.ended_early:
+                    return None
+                if not body._left:
+                    body = None
+        except StopIteration as exc:
+            self.log.debug("Closing connection. %s", exc)
+        except OSError as exc:
+            if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+                self.log.debug("Ignoring %s", errno.errorcode[exc.errno])
+            else:
+                self.log.exception("Socket error processing request.")
+        except BaseException as exc:  # gunicorn's loop answers these too
+            self.handle_error(req, sock, addr, exc)
+        finally:
+            if handed is None:
+                gunicorn_util.close(sock)
+        return None
+
+    def _serve_one(self, req: PlainRequest, sock: Any, addr: tuple[Any, ...],
+                   server: tuple[Any, ...]) -> bool:
+        """One request of :meth:`_serve_plain`, as gunicorn's ``handle_request`` serves it;
+        whether the connection stays open. An error before the answer began is raised
+        (the caller answers it and closes)."""
+        cfg, log = self.cfg, self.log
+        started = datetime.now() if getattr(log, "access_log_enabled", True) else None
+        out = _CoalescingSocket(sock)
+        environ: dict[str, Any] = {}
+        resp = None
+        try:
+            cfg.pre_request(self, req)
+            resp, environ = wsgi_fast.create_plain(req, out, addr, server, cfg)
+            self.nr += 1
+            if self.nr >= self.max_requests and self.alive:  # type: ignore[has-type]
+                log.info("Autorestarting worker after current request.")
+                self.alive = False
+            if not self.alive:
+                resp.force_close()
+            respiter = self.wsgi(environ, resp.start_response)
+            if self.is_already_handled(respiter):
+                return True
+            try:
+                if isinstance(respiter, environ["wsgi.file_wrapper"]):
+                    resp.write_file(respiter)
+                else:
+                    for item in respiter:
+                        resp.write(item)
+                resp.close()
+            finally:
+                if started is not None:
+                    log.access(resp, req, environ, datetime.now() - started)
+                close = getattr(respiter, "close", None)
+                if close is not None:
+                    close()
+            return not resp.should_close()
+        except OSError:
+            raise
+        except (gevent.GreenletExit, SystemExit):
+            return False  # the worker is stopping this greenlet
+        except Exception:
+            if resp is None or not resp.headers_sent:
+                raise
+            log.exception("Error handling request")  # too late for an error answer
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+            return False
+        finally:
+            try:
+                cfg.post_request(self, req, environ, resp)
+            except Exception:
+                log.exception("Exception in post_request hook")
+            out.flush()
 
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> Any:
         """Serve one request; then note whether the next one has already begun arriving."""
@@ -474,7 +650,8 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
                 buf = getattr(getattr(req, "unreader", None), "buf", None)
                 # The unread bytes: seek to the end reports their count without copying
                 # them (the unreader seeks there itself before every read).
-                conn.buffered = buf is None or buf.seek(0, os.SEEK_END) > 0
+                conn.buffered = buf is None or buf.seek(0, os.SEEK_END) > 0 \
+                    or bool(getattr(sock, "held", None))  # a Replayed socket's bytes
 
     def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
         """gunicorn's answer to an error (its log lines and access record included),

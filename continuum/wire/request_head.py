@@ -28,7 +28,7 @@ leaves any other ``Content-Length`` to gunicorn's own checks.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 from gunicorn.http.body import Body, LengthReader
 from gunicorn.http.message import Request
@@ -157,53 +157,105 @@ class FastRequest(Request):  # type: ignore[misc]
         """Set method, target, version, headers, ``_close`` and ``_length`` from
         ``data[:end]`` and return True, or return False (nothing set) when gunicorn's parser
         must judge the head."""
-        if end + 4 > self.max_buffer_headers:
+        head = parse_head(data, end, HeadRules(
+            self.max_buffer_headers, self.limit_request_line, self.limit_request_fields,
+            self.limit_request_field_size, self.cfg.secure_scheme_headers))
+        if head is None:
             return False
-        head = data[:end + 2].decode("latin-1")  # every line with its CRLF
-        eol = head.find("\r\n")  # the request line's end
-        limit = self.limit_request_line
-        if limit > 0 and eol > limit:
-            return False
-        match = _REQUEST_LINE.fullmatch(head, 0, eol)
-        if match is None:
-            return False
-        method, target, minor = match.groups()
-        if target.startswith("//"):  # urlsplit would read an authority there
-            return False
-        # The field lines with their CRLFs. Once they match _FIELDS, no line of the head has
-        # a bare CR or LF (the request line has neither, by _REQUEST_LINE).
-        start, stop = eol + 2, end + 2
-        if _FIELDS.fullmatch(data, start, stop) is None:
-            return False
-        lines = head[start:end].split("\r\n") if end > eol else []
-        if len(lines) > self.limit_request_fields:
-            return False
-        # gunicorn counts a line with its CRLF; no line of a block within the limit exceeds it
-        field_limit = self.limit_request_field_size
-        if stop - start > field_limit and max(map(len, lines)) + 2 > field_limit:
-            return False
-        headers = []
-        for line in lines:
-            name, _, value = line.partition(":")
-            headers.append((name.upper(), value.strip(" \t")))
-        fields = dict(reversed(headers))  # each name once, with its first value
-        names = fields.keys()
-        if not names.isdisjoint(_SPECIAL) or not names.isdisjoint(self.cfg.secure_scheme_headers):
-            return False
-        if len(fields) < len(headers) and any(_count(headers, name) > 1 for name in _SINGLETONS):
-            return False  # gunicorn refuses a second one
-        close = minor == "0"  # no Connection field: HTTP/1.0 closes, 1.1 keeps alive
-        connection = fields.get("CONNECTION")  # the first one decides, as gunicorn reads it
-        if connection is not None:
-            token = connection.lower()  # stripped already
-            if token == "close":
-                close = True
-            elif token == "keep-alive":
-                close = False
+        method, target, minor, path, query, headers, close, length = head
         self._close = close
-        self._length = _body_length(headers, fields)
-        self.method, self.uri, self.version = method, target, (1, int(minor))
-        path, _, query = target.partition("?")
+        self._length = length
+        self.method, self.uri, self.version = method, target, (1, minor)
         self.path, self.query, self.fragment = path, query, ""
         self.headers = headers
         return True
+
+
+class HeadRules(NamedTuple):
+    """gunicorn's limits on a request head, as its ``Request`` sets them from the config
+    (:func:`head_rules`), and the names of its ``secure_scheme_headers``."""
+
+    max_head: int  #: ``max_buffer_headers``: the whole head with its blank line
+    line_limit: int  #: ``limit_request_line`` (0: none)
+    max_fields: int  #: ``limit_request_fields``
+    field_limit: int  #: ``limit_request_field_size``, a line with its CRLF
+    secure_headers: Any  #: ``secure_scheme_headers`` (upper-case names)
+
+
+#: A head :func:`parse_head` took: method, target, minor version (0 or 1), path, query,
+#: the ``(NAME, value)`` fields, whether it asks to close after the answer, and its body
+#: length (None: a ``Content-Length`` gunicorn must judge).
+Head = tuple[str, str, int, str, str, list[tuple[str, str]], bool, "int | None"]
+
+
+def head_rules(cfg: Any) -> HeadRules:
+    """The :class:`HeadRules` gunicorn's ``Request`` derives from ``cfg`` (its own
+    ``__init__`` computes them, on a request that reads nothing)."""
+
+    class _Limits(Request):  # type: ignore[misc]
+        def parse(self, unreader: Any) -> bytes:
+            return b""
+
+        def set_body_reader(self) -> None:
+            return None
+
+    class _Nothing:
+        def unread(self, data: bytes) -> None:
+            return None
+
+    probe = _Limits(cfg, _Nothing(), ("", 0))
+    return HeadRules(probe.max_buffer_headers, probe.limit_request_line,
+                     probe.limit_request_fields, probe.limit_request_field_size,
+                     cfg.secure_scheme_headers)
+
+
+def parse_head(data: bytes, end: int, rules: HeadRules) -> Head | None:
+    """The request head ``data[:end]`` (``end``: where its blank line starts) when it is on
+    the fast path (see the module doc) and gunicorn would read it the same way; None when
+    gunicorn's parser must judge it."""
+    if end + 4 > rules.max_head:
+        return None
+    head = data[:end + 2].decode("latin-1")  # every line with its CRLF
+    eol = head.find("\r\n")  # the request line's end
+    limit = rules.line_limit
+    if limit > 0 and eol > limit:
+        return None
+    match = _REQUEST_LINE.fullmatch(head, 0, eol)
+    if match is None:
+        return None
+    method, target, minor = match.groups()
+    if target.startswith("//"):  # urlsplit would read an authority there
+        return None
+    # The field lines with their CRLFs. Once they match _FIELDS, no line of the head has
+    # a bare CR or LF (the request line has neither, by _REQUEST_LINE).
+    start, stop = eol + 2, end + 2
+    if _FIELDS.fullmatch(data, start, stop) is None:
+        return None
+    lines = head[start:end].split("\r\n") if end > eol else []
+    if len(lines) > rules.max_fields:
+        return None
+    # gunicorn counts a line with its CRLF; no line of a block within the limit exceeds it
+    field_limit = rules.field_limit
+    if stop - start > field_limit and max(map(len, lines)) + 2 > field_limit:
+        return None
+    headers = []
+    for line in lines:
+        name, _, value = line.partition(":")
+        headers.append((name.upper(), value.strip(" \t")))
+    fields = dict(reversed(headers))  # each name once, with its first value
+    names = fields.keys()
+    if not names.isdisjoint(_SPECIAL) or not names.isdisjoint(rules.secure_headers):
+        return None
+    if len(fields) < len(headers) and any(_count(headers, name) > 1 for name in _SINGLETONS):
+        return None  # gunicorn refuses a second one
+    close = minor == "0"  # no Connection field: HTTP/1.0 closes, 1.1 keeps alive
+    connection = fields.get("CONNECTION")  # the first one decides, as gunicorn reads it
+    if connection is not None:
+        token = connection.lower()  # stripped already
+        if token == "close":
+            close = True
+        elif token == "keep-alive":
+            close = False
+    path, _, query = target.partition("?")
+    return (method, target, int(minor), path, query, headers, close,
+            _body_length(headers, fields))

@@ -262,3 +262,18 @@ def test_a_body_partly_read_or_of_another_length_is_not_taken() -> None:
     stream, _ = _body_stream([chunked])
     assert wsgi_fast.read_held(stream, 3) is None
     assert wsgi_fast.read_held(object(), 3) is None
+
+
+def test_a_known_list_of_names_is_kept_whole_only_with_plain_text_values() -> None:
+    names = ("Content-Type", "Content-Length", "X-Request-Id")
+    _same_answer(TYPICAL, "200 OK", list(zip(names, ["a/b", "2", "r1"], strict=True)), [b"ab"])
+    assert wsgi_fast._NAME_LISTS[names] == 1  # known now, its Content-Length second
+    for values in (["a/b", "2", "r2"], ["a/b ", "2", "r"], ["a/b", "2", "r\x00"],
+                   ["a/b", b"2", "r"], ["a/b", "x", "r"], ["a\tb", "2", "r"], ["", "2", "r"],
+                   ["a/b", "2", "r\n"], ["caf\xe9", "2", " "]):
+        _same_answer(TYPICAL, "200 OK", list(zip(names, values, strict=True)), [b"ab"])
+    # pairs given as lists, and a second Content-Length after the known list's
+    _same_answer(TYPICAL, "200 OK", [[n, v] for n, v in zip(names, ["a", "2", "r"], strict=True)],
+                 [b"ab"])
+    _same_answer(TYPICAL, "200 OK", [*zip(names, ["a", "2", "r"], strict=True),
+                                     ("Content-Length", "1")], [b"ab"])
