@@ -59,6 +59,7 @@ from gevent import get_hub
 from gevent.socket import socket as GeventSocket
 from gevent.socket import wait_read
 from gunicorn import util as gunicorn_util
+from gunicorn.config import PreRequest
 from gunicorn.http import wsgi as gunicorn_wsgi
 from gunicorn.http.parser import RequestParser
 from gunicorn.workers import ggevent
@@ -408,6 +409,9 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         #: gunicorn's head limits when the worker serves plain connections itself
         #: (:meth:`_serve_plain`); None when the config leaves every connection to gunicorn.
         self.plain_rules: HeadRules | None = None
+        #: The config's ``pre_request`` hook, or None while it is gunicorn's own and would
+        #: only write a debug line the error log's level drops.
+        self.pre_request: Callable[..., Any] | None = None
 
     def init_process(self) -> None:
         """In the worker process: HTTP/1 request heads are read by
@@ -454,6 +458,11 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         of the router's requests are written from the hub once their answer is
         (:class:`~continuum.web.observe.Observer`)."""
         gate = self.accept_gate = self._make_accept_gate()
+        hook = self.cfg.pre_request
+        error_log = getattr(self.log, "error_log", None)
+        if hook is not PreRequest.default or error_log is None \
+                or error_log.isEnabledFor(logging.DEBUG):
+            self.pre_request = hook
         router = self.router()
         if router is not None:  # access lines are written once the answer is
             router.observer.log_after_sending(get_hub().loop.run_callback)
@@ -593,7 +602,9 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         environ: dict[str, Any] = {}
         resp = None
         try:
-            cfg.pre_request(self, req)
+            pre_request = self.pre_request
+            if pre_request is not None:
+                pre_request(self, req)
             resp, environ = wsgi_fast.create_plain(req, out, addr, server, cfg)
             self.nr += 1
             if self.nr >= self.max_requests and self.alive:  # type: ignore[has-type]

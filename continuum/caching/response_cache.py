@@ -111,7 +111,7 @@ class ResponseCache:
 
     def _count(self, result: str) -> None:
         self.counts[result] += 1
-        self.metrics.child(self.metrics.response_cache, result).inc()
+        self.metrics.adder(self.metrics.response_cache, result)(1)
 
     def eligible(self, ctx: RequestContext, cache_control: str | None) -> bool:
         """Whether ``ctx`` may be answered from and stored in the cache (counts a skip).

@@ -22,7 +22,6 @@ import functools
 import hashlib
 import json
 import logging
-import operator
 import os
 import re
 import time
@@ -97,20 +96,30 @@ def _text_value(value: Any) -> str:
 
 def format_access(record: RequestRecord, fmt: str) -> str:
     """One access-log line for ``record`` in ``fmt`` (text or json)."""
-    fields = access_fields(record)
     if fmt == JSON_FORMAT:
-        return json.dumps(fields, separators=(",", ":"))
+        return json.dumps(access_fields(record), separators=(",", ":"))
     # ``key=_text_value(value)`` for each field. The common line first: when no value is
     # empty or has a character to quote (one search over all of them), every value is its
-    # ``str()`` (``-`` for None) as it stands.
-    texts = ["-" if value is None else str(value) for value in fields.values()]
-    if all(texts) and not _NEEDS_QUOTES("".join(texts)):
-        return " ".join(map(operator.add, _TEXT_KEYS, texts))
-    return " ".join(f"{key}={_text_value(value)}" for key, value in fields.items())
+    # ``str()`` (``-`` for None) as it stands, and the line is one formatting of the values
+    # in access_fields' order.
+    started = record.started
+    texts = tuple(map(_DASH.get, values := (
+        record.request_id, tenant_hash(record.tenant), record.endpoint, record.model,
+        record.backend, record.decision, record.cache, record.final_status, record.outcome,
+        _ms(started, record.first_byte) if record.stream else None,
+        _ms(started, record.finished), record.prompt_tokens, record.cached_tokens,
+        record.completion_tokens), values))
+    if "" not in texts and not _NEEDS_QUOTES("\x01".join(map(str, texts))):
+        return _TEXT_LINE % texts
+    return " ".join(f"{key}={_text_value(value)}"
+                    for key, value in access_fields(record).items())
 
 
-#: ``key=`` of every access-log field, in the order of :func:`access_fields`.
-_TEXT_KEYS = tuple(f"{key}=" for key in access_fields(RequestRecord(UNKNOWN)))
+#: None -> ``-``; ``_DASH.get(v, v)`` is any other value as it is.
+_DASH: dict[Any, str] = {None: "-"}
+
+#: The text line, one ``key=%s`` per field of :func:`access_fields`, in its order.
+_TEXT_LINE = " ".join(f"{key}=%s" for key in access_fields(RequestRecord(UNKNOWN)))
 
 
 def configure_access_log(fmt: str) -> None:

@@ -143,17 +143,27 @@ def _headers_environ(headers: list[tuple[str, str]], cfg: Any) -> dict[str, Any]
     """The worker's template with ``headers`` (upper-case names), or None for a repeated
     field (gunicorn joins them)."""
     environ = _template(cfg.workers > 1).copy()
-    keys = _ENVIRON_KEYS
-    for name, value in headers:
-        key = keys.get(name)
-        if key is None:
-            key = "HTTP_" + name.replace("-", "_")
-            if len(keys) < _NAMES_KEPT:
-                keys[name] = key
-        if key in environ:  # a repeated field: gunicorn joins them
-            return None
-        environ[key] = value
-    return environ
+    if not headers:
+        return environ
+    names, values = zip(*headers, strict=True)
+    try:
+        keys = list(map(_ENVIRON_KEYS.__getitem__, names))
+    except KeyError:  # a name not seen before
+        keys = [_environ_key(name) for name in names]
+    size = len(environ) + len(keys)
+    environ.update(zip(keys, values, strict=True))
+    # a repeated field (gunicorn joins them) adds fewer keys than fields
+    return environ if len(environ) == size else None
+
+
+def _environ_key(name: str) -> str:
+    """The environ key of a request field (remembered for the next time)."""
+    key = _ENVIRON_KEYS.get(name)
+    if key is None:
+        key = "HTTP_" + name.replace("-", "_")
+        if len(_ENVIRON_KEYS) < _NAMES_KEPT:
+            _ENVIRON_KEYS[name] = key
+    return key
 
 
 def create_plain(req: PlainRequest, sock: Any, client: tuple[Any, ...],

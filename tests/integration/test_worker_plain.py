@@ -250,3 +250,22 @@ def test_an_idle_kept_alive_connection_is_closed_after_keepalive_seconds(
         sock.settimeout(10.0)
         assert sock.recv(1) == b""
         assert 1.5 <= time.monotonic() - started <= 6.0  # --keepalive 2
+
+
+def test_gunicorns_own_pre_request_hook_still_logs_at_debug_level(tmp_path: Path) -> None:
+    """The worker skips gunicorn's default ``pre_request`` hook only while its debug line
+    would be dropped."""
+    port = free_port()
+    log = tmp_path / "debug.log"
+    child = Child([sys.executable, "-m", "gunicorn", "-k", WORKER_CLASS, "-w", "1",
+                   "--log-level", "debug", "-b", f"127.0.0.1:{port}",
+                   "tests.integration.wsgi_probe:app"],
+                  log, cwd=ROOT, stop_signal=signal.SIGQUIT)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 20, children=[child])
+        answers, _ = _answers(Server(port, tmp_path / "none"),
+                              [(b"GET /debug-me HTTP/1.1\r\nHost: h\r\n\r\n", 1)])
+        assert answers[0][1]["input"] == "HeldInput"  # the worker's own loop served it
+    finally:
+        child.stop()
+    assert "GET /debug-me" in log.read_text()
