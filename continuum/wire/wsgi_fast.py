@@ -108,25 +108,7 @@ def create(req: Any, sock: Any, client: Any, server: Any, cfg: Any,
     environ = _fields_environ(req, client, server, cfg)
     if environ is None:
         return _gunicorn_create(req, sock, client, server, cfg, FastResponse)  # type: ignore[no-any-return]
-    path = req.path
-    resp = FastResponse(req, sock, cfg)
-    environ.update({
-        "wsgi.errors": gunicorn_wsgi.WSGIErrorsWrapper(cfg),
-        "wsgi.input": req.body,
-        "gunicorn.socket": sock,
-        "REQUEST_METHOD": req.method,
-        "QUERY_STRING": req.query,
-        "RAW_URI": req.uri,
-        "SERVER_PROTOCOL": _PROTOCOLS[req.version],
-        "wsgi.url_scheme": req.scheme,
-        "REMOTE_ADDR": client[0],
-        "REMOTE_PORT": str(client[1]),
-        "SERVER_NAME": server[0],
-        "SERVER_PORT": str(server[1]),
-        "PATH_INFO": gunicorn_util.unquote_to_wsgi_str(path) if "%" in path else path,
-        "wsgi.early_hints": functools.partial(_early_hints, req, sock, resp),
-    })
-    return resp, environ
+    return _with_request(environ, req, sock, client, server, cfg), environ
 
 
 def _fields_environ(req: Any, client: Any, server: Any, cfg: Any) -> dict[str, Any] | None:
@@ -176,18 +158,25 @@ def create_plain(req: PlainRequest, sock: Any, client: tuple[Any, ...],
         resp, environ = _gunicorn_create(req, sock, client, server, cfg, FastResponse)
         environ["wsgi.multithread"] = True
         return resp, environ
+    environ["wsgi.multithread"] = True
+    return _with_request(environ, req, sock, client, server, cfg), environ
+
+
+def _with_request(environ: dict[str, Any], req: Any, sock: Any, client: tuple[Any, ...],
+                  server: tuple[Any, ...], cfg: Any) -> FastResponse:
+    """Add the request's own keys to ``environ`` (the template with its fields); its
+    response."""
     path = req.path
     resp = FastResponse(req, sock, cfg)
     environ.update({
         "wsgi.errors": gunicorn_wsgi.WSGIErrorsWrapper(cfg),
         "wsgi.input": req.body,
-        "wsgi.multithread": True,
         "gunicorn.socket": sock,
         "REQUEST_METHOD": req.method,
         "QUERY_STRING": req.query,
         "RAW_URI": req.uri,
         "SERVER_PROTOCOL": _PROTOCOLS[req.version],
-        "wsgi.url_scheme": "http",
+        "wsgi.url_scheme": req.scheme,
         "REMOTE_ADDR": client[0],
         "REMOTE_PORT": str(client[1]),
         "SERVER_NAME": server[0],
@@ -195,7 +184,7 @@ def create_plain(req: PlainRequest, sock: Any, client: tuple[Any, ...],
         "PATH_INFO": gunicorn_util.unquote_to_wsgi_str(path) if "%" in path else path,
         "wsgi.early_hints": functools.partial(_early_hints, req, sock, resp),
     })
-    return resp, environ
+    return resp
 
 
 class FastResponse(gunicorn_wsgi.Response):  # type: ignore[misc]
@@ -209,17 +198,17 @@ class FastResponse(gunicorn_wsgi.Response):  # type: ignore[misc]
         through gunicorn's checks, one header at a time, in order."""
         if type(headers) is list:
             try:
-                at = _NAME_LISTS.get(tuple([name for name, _ in headers]), -2)
-                values = "\n".join([value for _, value in headers]) + "\n" if at > -2 else ""
-                # as many LFs as values: none of them has one of its own
-                plain = values.count("\n") == len(headers) and _PLAIN_VALUES(values) is not None
+                at = _NAME_LISTS.get(tuple([name for name, _ in headers]))
+                if at is not None:
+                    values = "\n".join([value for _, value in headers]) + "\n"
+                    # as many LFs as values: none of them brought one of its own
+                    if values.count("\n") == len(headers) and _PLAIN_VALUES(values):
+                        if at >= 0:
+                            self.response_length = int(headers[at][1])
+                        self.headers.extend(map(tuple, headers))
+                        return
             except (TypeError, ValueError):  # not pairs, unhashable names, values not text
-                plain = False
-            if plain:
-                if at >= 0:
-                    self.response_length = int(headers[at][1])
-                self.headers.extend(map(tuple, headers))
-                return
+                pass
         self._process_each(headers)
 
     def _process_each(self, headers: Any) -> None:
