@@ -212,6 +212,12 @@ def test_post_request_hooks_see_every_request(servers: tuple[Server, Server]) ->
         ["GET /a 200 OK", "GET /b 200 OK"]
 
 
+def _assert_serving(server: Server) -> None:
+    answers, _ = _answers(server, [(b"GET /ok HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+                                    1)])
+    assert answers[0][1]["path"] == "/ok"
+
+
 def test_an_application_error_is_answered_in_json_and_the_connection_closed(
         servers: tuple[Server, Server]) -> None:
     ours, _ = servers
@@ -219,9 +225,7 @@ def test_an_application_error_is_answered_in_json_and_the_connection_closed(
     head, body = answers[0]
     assert head.startswith(b"HTTP/1.1 500 ") and closed
     assert body["error"]["type"] and "message" in body["error"]
-    # the worker lives on
-    answers, _ = _answers(ours, [(b"GET /ok HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n", 1)])
-    assert answers[0][1]["path"] == "/ok"
+    _assert_serving(ours)  # the worker lives on
 
 
 def test_a_client_closing_within_the_body_ends_only_its_connection(
@@ -236,8 +240,7 @@ def test_a_client_closing_within_the_body_ends_only_its_connection(
         assert json.loads(body)["body"] == "abc"  # the body ended short, as gunicorn's does
         sock.settimeout(3.0)
         assert sock.recv(1) == b""  # and the connection is closed after the answer
-    answers, _ = _answers(ours, [(b"GET /ok HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n", 1)])
-    assert answers[0][1]["path"] == "/ok"
+    _assert_serving(ours)
 
 
 def test_an_idle_kept_alive_connection_is_closed_after_keepalive_seconds(
