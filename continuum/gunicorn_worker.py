@@ -278,6 +278,11 @@ class _CoalescingSocket:
         if sent < len(data):
             sock.sendall(memoryview(data)[sent:])
 
+    def next_answer(self) -> None:
+        """The next answer on the connection begins (its first write is held back again);
+        the last one was flushed."""
+        self._first = True
+
     def send_whole(self, data: bytes) -> None:
         """Send a whole answer (its head and all its body) at once: nothing to hold back."""
         self._first = False
@@ -369,23 +374,29 @@ class _SettledConfig:
 
 class _ErrorsWrapper(gunicorn_wsgi.WSGIErrorsWrapper):  # type: ignore[misc]
     """gunicorn's ``wsgi.errors`` stream, made for every request as gunicorn makes it, but
-    from the ``gunicorn.error`` logger looked up once: ``logging.getLogger`` takes the
-    logging module's lock, which under gevent's monkey-patching is a Python-level lock
-    (1.4 % of a proxied request's instructions, ``tools.bench.instructions``). The
-    streams are still read from the logger's handlers for each request, so a reopened log
+    from the ``gunicorn.error`` logger looked up once (``logging.getLogger`` takes the
+    logging module's lock, which under gevent's monkey-patching is a Python-level lock),
+    and its streams found when it is written to rather than when it is made (most
+    requests never write to it): the handlers' streams of that moment, so a reopened log
     file (``USR1``) is the one written to."""
 
     _log = logging.getLogger("gunicorn.error")
 
-    def __init__(self, cfg: Any) -> None:  # gunicorn's __init__ with the logger at hand
+    def __init__(self, cfg: Any) -> None:  # gunicorn's sets the streams; see ``streams``
+        self._errorlog = cfg.errorlog
+
+    @property
+    def streams(self) -> list[Any]:
+        """The streams gunicorn's ``__init__`` would find now."""
         handlers = self._log.handlers
-        self.streams = []
-        if cfg.errorlog == "-":
-            self.streams.append(sys.stderr)
+        streams = []
+        if self._errorlog == "-":
+            streams.append(sys.stderr)
             handlers = handlers[1:]
         for handler in handlers:
             if hasattr(handler, "stream"):
-                self.streams.append(handler.stream)
+                streams.append(handler.stream)
+        return streams
 
 
 def serves_plain(cfg: Any) -> bool:
@@ -524,6 +535,7 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         handed: bytes | None = None
         try:
             sock.setblocking(1)  # as gunicorn's gevent worker does
+            out = _CoalescingSocket(sock)  # the answers' writer, one answer at a time
             server = listener.getsockname()
             cfg = self.cfg
             buf = b""  # bytes read of requests not yet served
@@ -573,7 +585,8 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
                 conn.requests += 1
                 req = PlainRequest(cfg, addr, conn.requests, method, uri, minor, path, query,
                                    headers, close, body)
-                if not self._serve_one(req, sock, addr, server) or body.ended_early:
+                out.next_answer()
+                if not self._serve_one(req, sock, out, addr, server) or body.ended_early:
                     return None
                 if not body._left:
                     body = None
@@ -591,14 +604,13 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
                 gunicorn_util.close(sock)
         return None
 
-    def _serve_one(self, req: PlainRequest, sock: Any, addr: tuple[Any, ...],
-                   server: tuple[Any, ...]) -> bool:
+    def _serve_one(self, req: PlainRequest, sock: Any, out: _CoalescingSocket,
+                   addr: tuple[Any, ...], server: tuple[Any, ...]) -> bool:
         """One request of :meth:`_serve_plain`, as gunicorn's ``handle_request`` serves it;
         whether the connection stays open. An error before the answer began is raised
         (the caller answers it and closes)."""
         cfg, log = self.cfg, self.log
         started = datetime.now() if getattr(log, "access_log_enabled", True) else None
-        out = _CoalescingSocket(sock)
         environ: dict[str, Any] = {}
         resp = None
         try:

@@ -533,8 +533,12 @@ class ConnectionPool:
 
     def _response(self, conn: Connection, method: str, status: int, reason: str,
                   headers: dict[str, str], http11: bool) -> Response:
-        tokens = {t.strip().lower() for t in headers.get("connection", "").split(",")}
-        reuse = "close" not in tokens and (http11 or "keep-alive" in tokens)
+        connection = headers.get("connection")
+        if connection is None:
+            reuse = http11
+        else:
+            tokens = {t.strip().lower() for t in connection.split(",")}
+            reuse = "close" not in tokens and (http11 or "keep-alive" in tokens)
         te, cl = headers.get("transfer-encoding"), headers.get("content-length")
         left: int | None = None
         chunked = False
@@ -544,8 +548,8 @@ class ConnectionPool:
             chunked = te.rsplit(",", 1)[-1].strip().lower() == "chunked"
             reuse = reuse and chunked and cl is None
         elif cl is not None:
-            values = {v.strip() for v in cl.split(",")}
-            value = values.pop()
+            values = {v.strip() for v in cl.split(",")} if "," in cl else set()
+            value = values.pop() if values else cl.strip()
             if values or not (value.isascii() and value.isdigit()) or len(value) > 18:
                 raise ProtocolError(f"bad Content-Length {cl[:40]!r}")
             left = int(value)

@@ -130,7 +130,8 @@ def test_cached_http_date_is_gunicorns() -> None:
 @pytest.mark.parametrize("errorlog", ["-", "/var/log/gunicorn-error.log"])
 def test_the_wsgi_errors_stream_is_gunicorns(errorlog: str) -> None:
     """``wsgi.errors`` made without a ``getLogger`` per request writes where gunicorn's own
-    does, also once a handler's stream was replaced (a log file reopened on USR1)."""
+    does, also once a handler's stream was replaced (a log file reopened on USR1), before
+    or after the request's stream was made."""
     import io
     import logging
     import types
@@ -153,6 +154,9 @@ def test_the_wsgi_errors_stream_is_gunicorns(errorlog: str) -> None:
         assert (first.stream in ours.streams) is (errorlog != "-")
         ours.write("boom\n")
         assert second.stream.getvalue() == "boom\n"
+        second.setStream(io.StringIO())  # reopened after the stream was made
+        ours.write("late\n")
+        assert second.stream.getvalue() == "late\n"
     finally:
         errorlog_logger.handlers = saved
 
