@@ -510,7 +510,7 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
             rules = self.plain_rules
             if rules is not None and type(client) is GeventSocket and type(addr) is tuple \
                     and not os.environ.get("SCRIPT_NAME"):
-                held = self._serve_plain(rules, listener, client, addr, conn)
+                held = self._serve_plain(rules, listener, client, addr, self._deadlines[me])
                 if held is None:
                     return
                 conn.buffered = True
@@ -523,7 +523,7 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
                 gate.closed()
 
     def _serve_plain(self, rules: HeadRules, listener: Any, sock: Any, addr: tuple[Any, ...],
-                     conn: _Connection) -> bytes | None:
+                     deadline: _HeaderDeadline) -> bytes | None:
         """Serve the connection's requests while each head is one
         :func:`~continuum.wire.request_head.parse_head` takes with a plain body length
         (see :mod:`continuum.wire.plain`), as gunicorn's loop would serve them: the same
@@ -531,6 +531,7 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
         and error answers. Returns the bytes read of the first request it leaves to
         gunicorn (from that request's first byte; the socket stays open), or None when the
         connection is over (the socket closed)."""
+        conn = deadline.conn
         req: PlainRequest | None = None
         handed: bytes | None = None
         try:
@@ -542,12 +543,11 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
             body: HeldInput | None = None  # the previous request's, if it left some unread
             while True:
                 req = None
-                if not buf and conn.requests:
-                    _wait_readable(conn, cfg.keepalive)  # StopIteration: none came
-                seconds = self.header_timeout()
-                timer = conn.header_timer = timer_for(conn.header_timer, seconds)
-                arm(timer)  # the header deadline, the unread body's drain included
-                try:
+                conn.buffered = bool(buf)
+                end = -1
+                # the keep-alive wait (StopIteration: no request came), then the header
+                # deadline, the unread body's drain included (a 408 when it passes)
+                with deadline:
                     if body is not None and not body.drain():
                         return None  # the client closed within the body
                     while (end := buf.find(b"\r\n\r\n")) < 0:
@@ -559,21 +559,16 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
                         if not data:
                             return None  # the client closed (within a head: as gunicorn)
                         buf += data
-                except gevent.Timeout as exc:
-                    if exc is not timer:
-                        raise
-                    self.log.info("client %s: no complete request header within %g s; 408",
-                                  addr, seconds)
-                    _answer_timeout(sock, f"request header not received within {seconds:g} s")
-                    return None
-                finally:
-                    timer.timer.stop()
+                if end < 0:
+                    return None  # no whole head in time: the deadline answered 408
                 head = parse_head(buf, end, rules)
-                length = None if head is None else head[7]
-                if head is None or length is None:
+                if head is None:
                     handed = buf  # gunicorn judges it
                     return handed
-                method, uri, minor, path, query, headers, close, _ = head
+                method, uri, minor, path, query, headers, close, length = head
+                if length is None:
+                    handed = buf  # a Content-Length gunicorn judges
+                    return handed
                 start = end + 4
                 stop = start + length
                 if len(buf) >= stop:
@@ -588,8 +583,6 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
                 out.next_answer()
                 if not self._serve_one(req, sock, out, addr, server) or body.ended_early:
                     return None
-                if not body._left:
-                    body = None
         except StopIteration as exc:
             self.log.debug("Closing connection. %s", exc)
         except OSError as exc:

@@ -81,9 +81,9 @@ class HeldInput:
         self._pos = length
         return self._data
 
-    def _fill(self, want: int) -> bool:
+    def _fill(self, want: int) -> None:
         """Read from the socket until ``want`` unread bytes are held or the body is all
-        read; False when nothing more can come."""
+        read (or ended early)."""
         data, pos = self._data, self._pos
         pieces = [data[pos:]]
         have = len(data) - pos
@@ -97,7 +97,6 @@ class HeldInput:
             have += len(piece)
             pieces.append(piece)
         self._data, self._pos = b"".join(pieces), 0
-        return have > 0
 
     def read(self, size: int | None = None) -> bytes:
         if size is None or size < 0:

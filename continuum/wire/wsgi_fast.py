@@ -154,12 +154,12 @@ def create_plain(req: PlainRequest, sock: Any, client: tuple[Any, ...],
     and listener, no PROXY protocol, no ``SCRIPT_NAME``: the loop's conditions), with
     ``wsgi.multithread`` as gunicorn's worker sets it after."""
     environ = _headers_environ(req.headers, cfg)
-    if environ is None:
+    if environ is None:  # a repeated field: gunicorn joins them
         resp, environ = _gunicorn_create(req, sock, client, server, cfg, FastResponse)
-        environ["wsgi.multithread"] = True
-        return resp, environ
+    else:
+        resp = _with_request(environ, req, sock, client, server, cfg)
     environ["wsgi.multithread"] = True
-    return _with_request(environ, req, sock, client, server, cfg), environ
+    return resp, environ
 
 
 def _with_request(environ: dict[str, Any], req: Any, sock: Any, client: tuple[Any, ...],
