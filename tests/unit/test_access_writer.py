@@ -115,9 +115,10 @@ def test_text_format_is_key_equals_text_value_of_each_field() -> None:
     ints, missing values."""
     from continuum.metrics import RequestRecord
 
-    models = ["m", "a b", 'q"uote', "k=v", "back\\\\slash", "", "ünï", "tab\there", None]
+    models = ["m", "a b", 'q"uote', "k=v", "back\\\\slash", "", "ünï", "tab\there", None,
+              "trail ", "=lead", "end=", " ", "=", "m"]
     for i, model in enumerate(models):
-        record = RequestRecord("chat", f"id-{i}")
+        record = RequestRecord("chat", "" if i == len(models) - 1 else f"id-{i}")
         record.model = model
         record.tenant = None if i % 2 else f"tenant {i}"
         record.backend = None if i == 3 else "b 1" if i == 4 else "bench"
@@ -128,7 +129,7 @@ def test_text_format_is_key_equals_text_value_of_each_field() -> None:
         record.prompt_tokens = i if i % 2 else None
         record.cached_tokens = 0
         record.completion_tokens = 10**i
-        record.cache = "miss" if i % 2 else None
+        record.cache = "miss" if i % 2 else "" if i == 10 else None
         fields = observe.access_fields(record)
         expected = " ".join(f"{key}={observe._text_value(value)}"
                             for key, value in fields.items())

@@ -191,6 +191,13 @@ m.kv_query_latency.observe(0.00002)
 both = m.joint((m.adder(m.prefix_requests, "prefix_hash"), m.adder(m.prefix_distribution, "b")))
 both((1, 1)); both((2, 0))
 m.attempt_done("chat", "b", 200); m.attempt_done("chat", "b", 499)
+# Enough series to grow the counter file past its first map (1 MiB) twice; then samples
+# to a series made before the growth (its view of the old map was replaced) and after.
+early = m.adder(m.requests, "chat", "2xx", "upstream")
+for i in range(9000):
+    m.adder(m.upstream_attempts, "chat", f"backend-{i:05d}", "200")(1)
+early(1)
+m.adder(m.upstream_attempts, "chat", "backend-08999", "200")(2)
 import time
 from continuum.metrics import CACHE, RequestRecord
 time.perf_counter = lambda: 100.0  # the durations observe_request takes
@@ -235,8 +242,9 @@ def test_multiprocess_values_write_what_prometheus_client_writes(tmp_path: Any) 
     """The router's multiprocess value class (and the adders and observers over it) leave
     the same files and the same exposition as prometheus-client's own class for the same
     samples: counters, gauges of each mode, histogram buckets at and around their bounds
-    (+Inf, NaN, negative), joint samples, finished requests and attempts, and samples after
-    a fork, which go to the child's own files."""
+    (+Inf, NaN, negative), joint samples, finished requests and attempts, samples to series
+    made before and after their file grew, and samples after a fork, which go to the
+    child's own files."""
     import subprocess
     import sys
 
