@@ -7,6 +7,11 @@ Run::
     git worktree add /tmp/before HEAD~1
     python -m tools.bench.ab /tmp/before . [--rounds 6] [--strategy PrefixAwareHash]
 
+or one tree under two interpreters (another build of CPython, say, in a venv with the
+router's dependencies)::
+
+    python -m tools.bench.ab . . --python-b /path/to/other-venv/bin/python
+
 Each round measures the upstream direct at c=1, then each router non-streaming at c=1 and
 at c=32 (A first in even rounds, B first in odd ones). It prints every round and, per
 router, the median and the best of: added p50 at c=1 (router - direct), router CPU per
@@ -51,11 +56,16 @@ def main(argv: list[str] | None = None) -> int:
                         default="PrefixAwareHash")
     parser.add_argument("--requests-c1", type=int, default=2000)
     parser.add_argument("--requests-c32", type=int, default=6000)
+    parser.add_argument("--python-a", default=ob.PYTHON,
+                        help="the interpreter that runs router A (default: this one)")
+    parser.add_argument("--python-b", default=ob.PYTHON,
+                        help="the interpreter that runs router B (default: this one)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     extra = ob.PREFIX_ROUTING if args.strategy == "PrefixAwareHash" else None
     names = {"A": str(Path(args.a).resolve()), "B": str(Path(args.b).resolve())}
+    pythons = {"A": args.python_a, "B": args.python_b}
     children: list[ob.Child] = []
     rounds: list[Round] = []
     with tempfile.TemporaryDirectory(prefix="continuum-ab-") as tmp:
@@ -66,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, src in names.items():
                 sub = Path(tmp) / name
                 sub.mkdir()
-                router, port = ob.start_router(sub, up_port, 1, src, extra)
+                router, port = ob.start_router(sub, up_port, 1, src, extra, pythons[name])
                 children.append(router)
                 routers[name] = (router, port)
             for k in range(args.rounds):
@@ -96,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 child.stop()
     print(f"\n# {args.strategy}, {args.rounds} round(s) taking turns: median (best)")
     for name, metrics in summarize(rounds).items():
-        print(f"{name} {names[name]}: " + "  ".join(
+        print(f"{name} {names[name]} ({pythons[name]}): " + "  ".join(
             f"{m} {median:.3f} ({best:.3f})" for m, (median, best) in metrics.items()))
     return 0
 

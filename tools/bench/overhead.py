@@ -141,10 +141,12 @@ def start_upstream(tmp: Path, chunks: int, chunk_delay_ms: float) -> tuple[Child
 
 
 def start_router(tmp: Path, upstream_port: int, workers: int, src: str,
-                 extra_config: dict[str, Any] | None = None) -> tuple[Child, int]:
+                 extra_config: dict[str, Any] | None = None,
+                 python: str = PYTHON) -> tuple[Child, int]:
     """gunicorn + gevent worker(s) with a one-backend config (plus ``extra_config``
-    sections); cwd is ``tmp`` so that the ``continuum`` imported is the one from ``src``
-    (default: this checkout)."""
+    sections), run by the interpreter ``python`` (default: this one, which must have the
+    router's dependencies); cwd is ``tmp`` so that the ``continuum`` imported is the one
+    from ``src`` (default: this checkout)."""
     port = free_port()
     config = tmp / "router.yaml"
     # JSON is YAML: no PyYAML needed here.
@@ -161,7 +163,7 @@ def start_router(tmp: Path, upstream_port: int, workers: int, src: str,
     env = pythonpath_env(src)
     env["CONTINUUM_CONFIG"] = str(config)
     env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
-    argv = [PYTHON, "-m", "gunicorn", "-c", "python:continuum.gunicorn_conf",
+    argv = [python, "-m", "gunicorn", "-c", "python:continuum.gunicorn_conf",
             "continuum.app:get_app()"]
     child = Child(argv, tmp / "router.log", name="router", env=env, cwd=tmp)
     wait_http(f"http://127.0.0.1:{port}/health", 30, children=[child])
