@@ -550,6 +550,12 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _python() -> str:
+    """The interpreter's version and path: builds of one version differ by 20 % in router
+    CPU here (see tools/bench/README.md, seventh round)."""
+    return f"{sys.version.split()[0]} ({sys.executable})"
+
+
 def print_report(phases: list[Phase], rows: list[dict[str, Any]], checks: list[dict[str, Any]],
                  info: dict[str, Any]) -> None:
     print(f"# continuum router overhead  ({info['cpus']} CPUs, python {info['python']}, "
@@ -991,7 +997,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = compare(phases)
     checks = goals(rows)
-    info = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "workers": args.workers,
+    info = {"cpus": os.cpu_count(), "python": _python(), "workers": args.workers,
             "chunks": args.chunks, "router_src": args.router_src}
     if args.json:
         print(json.dumps({"info": info, "phases": [asdict(p) for p in phases],
@@ -1023,7 +1029,7 @@ def main_suite(args: argparse.Namespace, tmp: Path) -> int:
     checks = suite_goals(phases)
     if scaled is not None:
         checks.append(scaled)
-    info = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "repeat": args.repeat,
+    info = {"cpus": os.cpu_count(), "python": _python(), "repeat": args.repeat,
             "chunks": args.chunks, "long_chunks": args.long_chunks,
             "router_src": args.router_src}
     if args.json:
