@@ -92,7 +92,6 @@ _FIRST_PIECE_STRIDE = 1 + 2 * WAIT_LEVELS  # version word, then (EWMA, samples) 
 SIZE = (_FIRST_PIECE_AT + MAX_BACKENDS * _FIRST_PIECE_STRIDE) * 8
 _FIRST_PIECES = struct.Struct(f"<{2 * WAIT_LEVELS}d")
 _PAIR = struct.Struct("<dd")
-_DOUBLE = struct.Struct("<d")
 _UNPACK = [struct.Struct(f"<{n}q").unpack_from for n in range(MAX_WORKERS + 1)]
 
 
@@ -150,6 +149,7 @@ class HostSegment:
             finally:
                 os.close(fd)
             self.words = memoryview(self._map).cast("q")
+            self.doubles = memoryview(self._map).cast("d")  # the same words as floats
             self.slot = self._claim_slot()
         self.host_id = self.words[_HDR_HOST_ID:_HDR_HOST_ID + 2].tobytes().hex()
         self._columns: dict[str, int] = {}
@@ -385,20 +385,20 @@ class HostSegment:
 
     def latency(self, col: int) -> float | None:
         """The host's latency EWMA of backend ``col`` in seconds, None before a sample."""
-        value: float = _DOUBLE.unpack_from(self._map, (_LATENCY_AT + col) * 8)[0]
+        value: float = self.doubles[_LATENCY_AT + col]
         return value if value > 0.0 else None
 
     def add_latency(self, col: int, seconds: float, alpha: float) -> None:
         """Fold one request's latency into backend ``col``'s EWMA (weight ``alpha``; the
         first sample is the mean). Not under a lock: a sample another worker folds in at
         the same moment may be lost, which an EWMA shrugs off."""
-        prev = self.latency(col)
-        self.set_latency(col, seconds if prev is None else prev + alpha * (seconds - prev))
+        doubles, at = self.doubles, _LATENCY_AT + col
+        prev = doubles[at]  # not above 0: no sample yet, as latency() reads it
+        doubles[at] = max(seconds if not prev > 0.0 else prev + alpha * (seconds - prev), 1e-9)
 
     def set_latency(self, col: int, seconds: float | None) -> None:
         """Set backend ``col``'s EWMA (None: no sample)."""
-        _DOUBLE.pack_into(self._map, (_LATENCY_AT + col) * 8,
-                          0.0 if seconds is None else max(seconds, 1e-9))
+        self.doubles[_LATENCY_AT + col] = 0.0 if seconds is None else max(seconds, 1e-9)
 
     def first_piece_version(self, col: int) -> int:
         """How many first-piece samples of backend ``col`` were folded in (a reader's
@@ -431,6 +431,7 @@ class HostSegment:
         """Unmap (the slot is kept: call :meth:`release` first to give it back)."""
         with contextlib.suppress(BufferError, ValueError):
             self.words.release()
+            self.doubles.release()
             self._map.close()
 
 
