@@ -114,13 +114,14 @@ def test_deep_nesting_is_refused(raw: bytes) -> None:
 
 
 def test_an_invalid_text_nested_deep_is_refused_either_way() -> None:
-    """1,250 levels, then a syntax error. Up to CPython 3.12 json.loads gives up on the
-    depth first (RecursionError: json_too_deep); 3.13 descends that far and meets the error
-    (invalid_json). Both are a 400, never a 500."""
-    code = "invalid_json" if sys.version_info >= (3, 13) else "json_too_deep"
+    """1,250 levels, then a syntax error. A decoder that gives up on the depth first
+    (RecursionError) makes it json_too_deep; one that descends that far meets the error
+    (invalid_json): which one happens depends on the interpreter's C recursion limit
+    (msgspec's decoder and CPython 3.13's json.loads go deeper). Both are a 400, never a
+    500."""
     with pytest.raises(RequestError) as err:
         load_json(_nested(2000)[:2500] + b"\\x")
-    assert err.value.code == code and err.value.status == 400
+    assert err.value.code in ("invalid_json", "json_too_deep") and err.value.status == 400
 
 
 def test_the_limit_is_inclusive_and_configurable() -> None:
@@ -145,6 +146,83 @@ def test_non_utf8_json_is_refused() -> None:
             parse_request(encoded, CHAT)
         assert err.value.code == "invalid_json"
     assert parse_request(b"\xef\xbb\xbf" + body.encode(), CHAT).model == "m"  # UTF-8 BOM
+
+
+# --- msgspec first, json for what it refuses ------------------------------------------
+
+def _json_outcome(raw: bytes) -> tuple[str, str]:
+    """What json alone makes of a UTF-8 body (the reference): its value's repr (NaN and
+    -0.0 compare by repr), or the error it raises."""
+    try:
+        return "value", repr(json.loads(raw.decode("utf-8", "surrogatepass")))
+    except (ValueError, UnicodeDecodeError) as exc:
+        return "error", f"request body is not valid JSON: {exc}"
+
+
+def _load_outcome(raw: bytes) -> tuple[str, str]:
+    try:
+        return "value", repr(load_json(raw, max_depth=512))
+    except RequestError as exc:
+        assert exc.code == "invalid_json"
+        return "error", str(exc)
+
+
+_any_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner,
+                                                                 max_size=4),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(value=_any_json, ascii_only=st.booleans())
+def test_bodies_decode_to_what_json_gives(value: Any, ascii_only: bool) -> None:
+    """Any document (integers of any size, floats to the last bit, text escaped or as
+    UTF-8, repeated keys collapsed as json collapses them) decodes as json.loads does."""
+    raw = json.dumps({"v": value, "k": 1, "k ": [value]}, ensure_ascii=ascii_only).encode()
+    assert _load_outcome(raw) == _json_outcome(raw)
+    assert _load_outcome(b'{"a": 1, "a": ' + raw + b"}") == \
+        _json_outcome(b'{"a": 1, "a": ' + raw + b"}")
+
+
+@pytest.mark.parametrize("raw", [
+    # json accepts these; msgspec refuses them, so json decides
+    b'{"t": NaN, "u": Infinity, "v": -Infinity}',
+    b'{"t": 1e400, "u": -1e400}',
+    b'{"s": "\\ud800 lone", "p": "\\udc00"}',
+    b'{"s": "\xed\xa0\x80"}',  # a surrogate encoded in the bytes (surrogatepass)
+    # both refuse: json's message, as before
+    b'{"a": 1} trailing',
+    b'{"a": "\xff"}',
+    b'{"a": }',
+    b"{",
+    # both accept
+    b'{"big": 123456789012345678901234567890, "neg": -18446744073709551617}',
+    b'{"f": [0.1, 1e-400, -0.0, 4.9e-324, 1.7976931348623157e308, 1E2, -0]}',
+    b'{"e": "\\ud83d\\ude00 \\u00e9 \\n \\/"}',
+])
+def test_what_msgspec_refuses_json_decides(raw: bytes) -> None:
+    assert _load_outcome(raw) == _json_outcome(raw)
+
+
+def test_a_plain_body_is_decoded_by_msgspec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast decoder is the one used for an ordinary request (json only after it
+    refused): a change that always fell back would pass every equality test above."""
+    import continuum.request as request_module
+
+    calls: list[bytes] = []
+    fast = request_module._fast_decode
+
+    def counted(raw: bytes) -> Any:
+        calls.append(raw)
+        return fast(raw)
+
+    monkeypatch.setattr(request_module, "_fast_decode", counted)
+    monkeypatch.setattr(request_module.json, "loads", None)  # json is not reached
+    assert parse_request(_raw(temperature=0.5), CHAT).temperature == 0.5
+    assert calls == [_raw(temperature=0.5)]
 
 
 # --- numbers and types -----------------------------------------------------------------
