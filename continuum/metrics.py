@@ -214,7 +214,7 @@ def _multiprocess_value_class(pid: list[int]) -> type:
         """A float in this process's mmapped file (see the factory)."""
 
         _multiprocess = True
-        __slots__ = ("_file", "_index", "_key", "_params", "_view")
+        __slots__ = ("_file", "_index", "_params", "_view")
 
         def __init__(self, typ: str, metric_name: str, name: str, labelnames: Any,
                      labelvalues: Any, help_text: str, multiprocess_mode: str = "",
@@ -235,7 +235,7 @@ def _multiprocess_value_class(pid: list[int]) -> type:
                 file = files[prefix] = MmapedDict(os.path.join(
                     os.environ[MULTIPROC_ENV], f"{prefix}_{owner[0]}.db"))  # type: ignore[no-untyped-call]
             self._file = file
-            self._key = key = mmap_key(metric_name, name, labelnames, labelvalues, help_text)
+            key = mmap_key(metric_name, name, labelnames, labelvalues, help_text)
             file.read_value(key)  # makes the entry if new (the map may grow)
             self._index = file._positions[key] // 8
             self._view = view_of(file)

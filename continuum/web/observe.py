@@ -61,24 +61,26 @@ def _ms(start: float, end: float | None) -> float | None:
     return None if end is None else round((end - start) * 1000, 3)
 
 
+#: The access-log fields' names, in the order of :func:`access_values`.
+ACCESS_KEYS = ("request_id", "tenant", "endpoint", "model", "backend", "decision", "cache",
+               "status", "outcome", "ttft_ms", "duration_ms", "prompt_tokens",
+               "cached_tokens", "completion_tokens")
+
+
+def access_values(record: RequestRecord) -> tuple[Any, ...]:
+    """The access-log fields of a finished ``record``, in the order of
+    :data:`ACCESS_KEYS`."""
+    started = record.started
+    return (record.request_id, tenant_hash(record.tenant), record.endpoint, record.model,
+            record.backend, record.decision, record.cache, record.final_status,
+            record.outcome, _ms(started, record.first_byte) if record.stream else None,
+            _ms(started, record.finished), record.prompt_tokens, record.cached_tokens,
+            record.completion_tokens)
+
+
 def access_fields(record: RequestRecord) -> dict[str, Any]:
-    """The access-log fields of a finished ``record``."""
-    return {
-        "request_id": record.request_id,
-        "tenant": tenant_hash(record.tenant),
-        "endpoint": record.endpoint,
-        "model": record.model,
-        "backend": record.backend,
-        "decision": record.decision,
-        "cache": record.cache,
-        "status": record.final_status,
-        "outcome": record.outcome,
-        "ttft_ms": _ms(record.started, record.first_byte) if record.stream else None,
-        "duration_ms": _ms(record.started, record.finished),
-        "prompt_tokens": record.prompt_tokens,
-        "cached_tokens": record.cached_tokens,
-        "completion_tokens": record.completion_tokens,
-    }
+    """The access-log fields of a finished ``record``, by name."""
+    return dict(zip(ACCESS_KEYS, access_values(record), strict=True))
 
 
 #: A text value containing one of these is written as a JSON string.
@@ -99,29 +101,24 @@ def format_access(record: RequestRecord, fmt: str) -> str:
     if fmt == JSON_FORMAT:
         return json.dumps(access_fields(record), separators=(",", ":"))
     # ``key=_text_value(value)`` for each field. The common line first: every value's
-    # ``str()`` (``-`` for None) as it stands, in access_fields' order, in one formatting.
-    # It is the line when no value is empty or has a character to quote: then it has the
-    # template's blanks and equals signs and no more, no quote or backslash, no "= " and
-    # no "=" at its end (a few scans of the line, instead of converting every value twice).
-    started = record.started
-    line = _TEXT_LINE % tuple(map(_DASH.get, values := (
-        record.request_id, tenant_hash(record.tenant), record.endpoint, record.model,
-        record.backend, record.decision, record.cache, record.final_status, record.outcome,
-        _ms(started, record.first_byte) if record.stream else None,
-        _ms(started, record.finished), record.prompt_tokens, record.cached_tokens,
-        record.completion_tokens), values))
+    # ``str()`` (``-`` for None) as it stands, in one formatting. It is the line when no
+    # value is empty or has a character to quote: then it has the template's blanks and
+    # equals signs and no more, no quote or backslash, no "= " and no "=" at its end (a
+    # few scans of the line, instead of converting every value twice).
+    values = access_values(record)
+    line = _TEXT_LINE % tuple(map(_DASH.get, values, values))
     if line.count(" ") == _TEXT_BLANKS and line.count("=") == _TEXT_EQUALS and \
             '"' not in line and "\\" not in line and "= " not in line and line[-1] != "=":
         return line
     return " ".join(f"{key}={_text_value(value)}"
-                    for key, value in access_fields(record).items())
+                    for key, value in zip(ACCESS_KEYS, values, strict=True))
 
 
 #: None -> ``-``; ``_DASH.get(v, v)`` is any other value as it is.
 _DASH: dict[Any, str] = {None: "-"}
 
-#: The text line, one ``key=%s`` per field of :func:`access_fields`, in its order.
-_TEXT_LINE = " ".join(f"{key}=%s" for key in access_fields(RequestRecord(UNKNOWN)))
+#: The text line, one ``key=%s`` per field, in the order of :data:`ACCESS_KEYS`.
+_TEXT_LINE = " ".join(f"{key}=%s" for key in ACCESS_KEYS)
 _TEXT_BLANKS = _TEXT_LINE.count(" ")
 _TEXT_EQUALS = _TEXT_LINE.count("=")
 

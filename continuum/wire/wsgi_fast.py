@@ -222,10 +222,9 @@ class FastResponse(gunicorn_wsgi.Response):  # type: ignore[misc]
                 if lower is None and type(name) is str and len(names) < _NAMES_KEPT \
                         and not gunicorn_util.is_hoppish(name):
                     names[name] = lower = name.lower()
-            elif lower == "content-length":
-                self.response_length = int(value)
-                kept.append((name, value))
             else:
+                if lower == "content-length":
+                    self.response_length = int(value)
                 kept.append((name, value))
             if lower is None or type(name) is not str:
                 listed = None
