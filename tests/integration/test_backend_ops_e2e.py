@@ -60,6 +60,19 @@ def _views(router: RouterProcess, rounds: int = 30) -> dict[int, dict[str, dict[
     return seen
 
 
+def _view_of(router: RouterProcess, pid: int, within: float) -> dict[str, dict[str, Any]]:
+    """``/admin/backends`` as worker ``pid`` answers it, asked on fresh connections until
+    that worker takes one (the kernel may hand a busy machine's connections to the other
+    worker many times in a row) or ``within`` seconds pass."""
+    deadline = time.monotonic() + within
+    while True:
+        doc = requests.get(router.url + "/admin/backends", timeout=5,
+                           headers={"Connection": "close"}).json()
+        if doc["worker_pid"] == pid:
+            return {row["name"]: row for row in doc["backends"]}
+        assert time.monotonic() < deadline, f"worker {pid} took no connection in {within} s"
+
+
 def _state(view: dict[str, dict[str, Any]], name: str) -> str | None:
     row = view.get(name)
     return None if row is None else row["state"]  # type: ignore[no-any-return]
@@ -122,7 +135,9 @@ def test_backends_a_reload_adds_are_unprobed_until_a_check_passes(
         tmp_path: Path, ups: Callable[[str], FakeUpstream], silent_port: int,
         dead_port: int) -> None:
     a = ups("a")
-    base = _config({"name": "a", "url": a.url, "models": ["m"]}, timeout_ms=4000)
+    # The silent backend's probe waits out this timeout: it stays unprobed that long.
+    probe_timeout_ms = 10000
+    base = _config({"name": "a", "url": a.url, "models": ["m"]}, timeout_ms=probe_timeout_ms)
     router = RouterProcess(base, tmp_path, workers=2)
     try:
         client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
@@ -133,12 +148,11 @@ def test_backends_a_reload_adds_are_unprobed_until_a_check_passes(
             {"name": "dead", "url": dead, "models": ["m"]},
             # were a request sent there, it would fail in 5 s instead of hanging the test
             {"name": "silent", "url": silent, "models": ["m"], "request_timeout_ms": 5000},
-            timeout_ms=4000))
+            timeout_ms=probe_timeout_ms))
         assert report["applied"] == ["backends.dead", "backends.silent"]
         assert "backends" not in report["restart_required"]
         # The receiving worker: the silent one's first probe is still waiting.
-        by_name = next(v for pid, v in _views(router, 40).items()
-                       if pid == report["worker_pid"])
+        by_name = _view_of(router, report["worker_pid"], within=probe_timeout_ms / 2000)
         assert (by_name["silent"]["state"], by_name["silent"]["healthy"]) == ("unprobed", False)
         assert by_name["dead"]["healthy"] is False
         assert by_name["dead"]["state"] in ("unprobed", "unhealthy")
@@ -151,7 +165,7 @@ def test_backends_a_reload_adds_are_unprobed_until_a_check_passes(
         wait_until(lambda: (views := _views(router)) and all(
             _state(v, "dead") == _state(v, "silent") == "unhealthy"
             for v in views.values()),
-            lambda: f"both workers probe the new backends: {_views(router)}", timeout=20)
+            lambda: f"both workers probe the new backends: {_views(router)}", timeout=40)
         assert set(_backends_of(client, 12)) == {"a"}
         text = router.metrics()
         for name in ("dead", "silent"):
