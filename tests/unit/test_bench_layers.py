@@ -50,14 +50,15 @@ def _post(port: int, stream: bool, times: int = 2) -> list[tuple[int, str | None
         conn.close()
 
 
+@pytest.mark.parametrize("threads", [False, True], ids=["gevent", "threads"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_floor_server_relays_the_upstreams_answers_on_a_kept_alive_connection(
-        upstream: int, tmp_path: Path, stream: bool) -> None:
+        upstream: int, tmp_path: Path, stream: bool, threads: bool) -> None:
     direct = _post(upstream, stream, times=1)[0]
     port = free_port()
     floor = Child([sys.executable, "-m", "tools.bench.layer_apps", "--port", str(port),
-                   "--upstream-port", str(upstream)], tmp_path / "floor.log", name="floor",
-                  cwd=ROOT)
+                   "--upstream-port", str(upstream), *(["--threads"] if threads else [])],
+                  tmp_path / "floor.log", name="floor", cwd=ROOT)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", 20, children=[floor])
         answers = _post(port, stream)

@@ -7,6 +7,10 @@ upstream's body and ``X-Continuum-Backend``) on one more layer of the router's s
   connection. Nothing a Python proxy on gevent can skip: the floor. It forks once and
   serves in the child, so that, as with gunicorn, the serving process is the child of the
   one started (the benchmark reads the child's CPU).
+* ``python -m tools.bench.layer_apps --threads --port P --upstream-port U``: the same
+  relay on the standard library's blocking sockets, a thread per client connection: no
+  event loop, so a streamed record costs the kernel's wake-up and two syscalls only. What
+  gevent's loop adds per wake-up is the difference from the one above.
 * ``python -m tools.bench.layer_apps --exec CMD [ARG ...]``: runs another proxy (a Rust
   router ``tools.bench.layers`` compares against) as its child the same way, passing a
   stop on to it.
@@ -121,9 +125,13 @@ def _read_message(sock: Any, buf: bytes) -> tuple[bytes | None, bytes, bytes]:
     return head, rest[:size], rest[size:]
 
 
-def _serve_floor(port: int, upstream_port: int) -> None:
-    from gevent import socket
-    from gevent.server import StreamServer
+def _serve_floor(port: int, upstream_port: int, threads: bool = False) -> None:
+    """The floor relay, on gevent; ``threads``: the same relay on the standard library's
+    blocking sockets, one OS thread per client connection (no event loop at all)."""
+    if threads:
+        import socket
+    else:
+        from gevent import socket  # type: ignore[no-redef]
 
     def handle(client: Any, _addr: Any) -> None:
         client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -159,13 +167,25 @@ def _serve_floor(port: int, upstream_port: int) -> None:
             if upstream is not None:
                 upstream.close()
 
-    StreamServer(("127.0.0.1", port), handle).serve_forever()
+    if not threads:
+        from gevent.server import StreamServer
+
+        StreamServer(("127.0.0.1", port), handle).serve_forever()
+        return
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", port), backlog=1024)
+    while True:
+        client, addr = listener.accept()
+        threading.Thread(target=handle, args=(client, addr), daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int)
     parser.add_argument("--upstream-port", type=int)
+    parser.add_argument("--threads", action="store_true",
+                        help="the floor relay on blocking sockets, a thread per connection")
     parser.add_argument("--exec", dest="command", nargs=argparse.REMAINDER,
                         help="serve by running this command in the child instead")
     args = parser.parse_args(argv)
@@ -178,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
             die_with_parent()
         if args.command:
             os.execvp(args.command[0], args.command)
-        _serve_floor(args.port, args.upstream_port)
+        _serve_floor(args.port, args.upstream_port, args.threads)
         return
 
     def stop(signum: int, _frame: Any) -> None:  # the parent passes a stop on, as gunicorn's

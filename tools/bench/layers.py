@@ -9,6 +9,8 @@ upstream over a kept-alive connection, answer with the upstream's body), with on
 piece of the router's stack than the one before (:mod:`tools.bench.layer_apps`):
 
 =================  ==========================================================================
+``floor-threads``  the same relay on blocking sockets, a thread per connection: no event
+                   loop (not a layer of the router's stack; what the kernel alone costs)
 ``floor``          a bare gevent ``StreamServer``, heads split by hand: what a Python proxy on
                    gevent cannot skip (loopback sends and receives, wake-ups, greenlets)
 ``gunicorn-wsgi``  gunicorn's own gevent worker (``-k gevent``) and a bare WSGI function
@@ -81,7 +83,8 @@ from tools.bench.overhead import (
     start_upstream,
 )
 
-LAYERS = ("floor", "gunicorn-wsgi", "worker-wsgi", "worker-falcon", "router-rr", "router-pah")
+LAYERS = ("floor-threads", "floor", "gunicorn-wsgi", "worker-wsgi", "worker-falcon", "router-rr",
+          "router-pah")
 
 #: Rust routers measured beside the router: layer -> (executable, arguments before the
 #: common ``--host --port --worker-urls``, the policy arguments).
@@ -141,9 +144,10 @@ def start_layer(layer: str, tmp: Path, upstream_port: int, src: str,
         # phases read the serving child's CPU (all its threads).
         argv = [PYTHON, "-m", "tools.bench.layer_apps", "--exec",
                 *rival_argv(layer, executable, port, upstream_port, free_port())]
-    elif layer == "floor":
+    elif layer in ("floor", "floor-threads"):
         argv = [PYTHON, "-m", "tools.bench.layer_apps", "--port", str(port),
-                "--upstream-port", str(upstream_port)]
+                "--upstream-port", str(upstream_port),
+                *(["--threads"] if layer == "floor-threads" else [])]
     else:
         worker = "gevent" if layer == "gunicorn-wsgi" else WORKER_CLASS
         app = "falcon_app" if layer == "worker-falcon" else "wsgi"
