@@ -58,6 +58,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 RUNTIME_DIR_ENV = "CONTINUUM_RUNTIME_DIR"
+#: The file in the runtime directory a reload bumps, so that every worker and the KV
+#: event bus notice it (:mod:`continuum.web.reload`, :mod:`continuum.kv.bus_process`).
+GENERATION_FILE = "reload-generation"
 SEGMENT_FILE = "host.shm"
 LOCK_FILE = "host.lock"
 

@@ -25,8 +25,9 @@ from prometheus_client import CollectorRegistry
 
 from continuum.config import KvEventSourceConfig
 from continuum.errors import ContinuumError
+from continuum.hostshm import RUNTIME_DIR_ENV
 from continuum.interfaces import KvCacheIndex
-from continuum.kv.bus_process import RUNTIME_DIR_ENV, read_bus_file
+from continuum.kv.bus_process import read_bus_file
 from continuum.kv.consumer import DRAINING, KvEventConsumerManager, SourceConsumer
 from continuum.kv.stream import Transport, open_transport
 from continuum.wire.sse import StreamOpenError

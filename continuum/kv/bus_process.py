@@ -38,13 +38,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from continuum.hostshm import write_private
+from continuum.hostshm import GENERATION_FILE, RUNTIME_DIR_ENV, write_private
 
 log = logging.getLogger(__name__)
 
 BUS_FILE = "bus-local.json"
-RUNTIME_DIR_ENV = "CONTINUUM_RUNTIME_DIR"
-GENERATION_FILE = "reload-generation"
 RESTART_DELAY = 1.0
 
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from continuum.config import check_config_file
 from continuum.errors import ConfigError, ConfigIssue
+from continuum.hostshm import GENERATION_FILE, runtime_dir, write_private
 from continuum.hostshm import RUNTIME_DIR_ENV as RUNTIME_DIR_ENV  # (drain, tests)
-from continuum.hostshm import runtime_dir, write_private
 
 if TYPE_CHECKING:
     from continuum.config import CheckResult
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_GENERATION_FILE = "reload-generation"
 #: A copy of the last config file a worker of this router loaded (at boot or reload), in
 #: ``$CONTINUUM_RUNTIME_DIR``: what a worker boots with while the file has errors.
 LAST_GOOD_FILE = "config.last-good.yaml"
@@ -45,7 +44,7 @@ def _signature(path: Path) -> tuple[int, int] | None:
 
 def _generation_file() -> Path | None:
     runtime = runtime_dir()
-    return runtime / _GENERATION_FILE if runtime else None
+    return runtime / GENERATION_FILE if runtime else None
 
 
 def _read_generation(generation_file: Path | None) -> str | None:

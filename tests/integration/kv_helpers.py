@@ -1,13 +1,36 @@
-"""Comparing a router's KV index with what a KV listener says a backend holds."""
+"""Comparing a router's KV index with what a KV listener says a backend holds, and the
+config of a router whose index those listeners feed."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from stores.kv_memory import InMemoryKvIndex
 
+if TYPE_CHECKING:
+    from tests.integration.conftest import EventStreams
+
 Snapshot = Callable[[], dict[str, int]]
+
+
+def kv_router_config(ups: list[Any], streams: EventStreams, sections: dict[str, Any] | None = None,
+                     **kv: Any) -> dict[str, Any]:
+    """A router over ``ups`` with prefix routing and a KV index fed by ``streams``: the
+    seed-literal index (``match: seed``, no approximate entries) unless ``kv`` says
+    otherwise, so that the tests pin the seed's scoring; ``sections`` adds top-level
+    sections (a strategy, the fleet's lease)."""
+    kv = {"match": "seed", "approximate": {"enabled": False}, **kv}
+    return {
+        "backends": [{"name": u.name, "url": u.url, "models": ["m"]} for u in ups],
+        "prefix_routing": {"enabled": True},
+        "health_check": {"interval_seconds": 30},
+        "kv_cache_index": {"enabled": True, "event_sources": [
+            {"backend_name": u.name, "endpoint": streams.url(u.name),
+             "reconnect_interval_ms": 100} for u in ups], **kv},
+        **(sections or {}),
+    }
 
 
 def index_view(index: InMemoryKvIndex, prefixes: dict[str, int],

@@ -15,22 +15,14 @@ import yaml
 
 from continuum.devtools.procs import wait_until
 from tests.integration.conftest import EventStreams
+from tests.integration.kv_helpers import kv_router_config
 from tests.integration.test_fleet_e2e import Conn, _one_per_worker
 
 pytestmark = pytest.mark.e2e
 
 
 def _config(ups: list[Any], streams: EventStreams, **kv: Any) -> dict[str, Any]:
-    return {
-        "backends": [{"name": u.name, "url": u.url, "models": ["m"]} for u in ups],
-        "prefix_routing": {"enabled": True},
-        "health_check": {"interval_seconds": 30},
-        "fleet": {"lease_ttl_ms": 900},
-        "kv_cache_index": {"enabled": True, "match": "seed",
-                           "approximate": {"enabled": False}, "event_sources": [
-                               {"backend_name": u.name, "endpoint": streams.url(u.name),
-                                "reconnect_interval_ms": 100} for u in ups], **kv},
-    }
+    return kv_router_config(ups, streams, {"fleet": {"lease_ttl_ms": 900}}, **kv)
 
 
 def _sources(conn: Conn) -> dict[str, dict[str, Any]]:

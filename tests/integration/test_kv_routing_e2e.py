@@ -14,6 +14,7 @@ from continuum.devtools.procs import wait_until
 from continuum.prefix import request_prefix_key
 from continuum.prefix_chain import request_chain
 from tests.integration.conftest import EventStreams
+from tests.integration.kv_helpers import kv_router_config
 
 pytestmark = pytest.mark.e2e
 
@@ -32,18 +33,7 @@ def _prefix(system: str = SYSTEM) -> str:
 
 
 def _config(ups: list[Any], streams: EventStreams, **kv: Any) -> dict[str, Any]:
-    """The seed-literal index (``match: seed``, no approximate entries) unless ``kv`` says
-    otherwise: these tests pin the seed's scoring."""
-    kv = {"match": "seed", "approximate": {"enabled": False}, **kv}
-    return {
-        "backends": [{"name": u.name, "url": u.url, "models": ["m"]} for u in ups],
-        "selection_strategy": "RoundRobin",
-        "prefix_routing": {"enabled": True},
-        "health_check": {"interval_seconds": 30},
-        "kv_cache_index": {"enabled": True, "event_sources": [
-            {"backend_name": u.name, "endpoint": streams.url(u.name),
-             "reconnect_interval_ms": 100} for u in ups], **kv},
-    }
+    return kv_router_config(ups, streams, {"selection_strategy": "RoundRobin"}, **kv)
 
 
 def _wait_holders(router: Any, expected: int) -> None:
