@@ -77,6 +77,7 @@ from tools.bench.overhead import (
     children_of,
     failed,
     figure,
+    interpreter,
     pythonpath_env,
     run_phase,
     start_router,
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for child in reversed(children):
                 child.stop()
-    info = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "repeat": args.repeat,
+    info = {"cpus": os.cpu_count(), "python": interpreter(), "repeat": args.repeat,
             "chunks": args.long_chunks}
     if args.json:
         print(json.dumps({"info": info, "layers": [r.__dict__ for r in results]}, indent=2))

@@ -550,9 +550,10 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _python() -> str:
-    """The interpreter's version and path: builds of one version differ by 20 % in router
-    CPU here (see tools/bench/README.md, seventh round)."""
+def interpreter() -> str:
+    """This interpreter's version and path, for the reports (the routers and layers they
+    start run on it): builds of one version differ by 20 % in router CPU here (see
+    tools/bench/README.md, seventh round)."""
     return f"{sys.version.split()[0]} ({sys.executable})"
 
 
@@ -997,7 +998,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = compare(phases)
     checks = goals(rows)
-    info = {"cpus": os.cpu_count(), "python": _python(), "workers": args.workers,
+    info = {"cpus": os.cpu_count(), "python": interpreter(), "workers": args.workers,
             "chunks": args.chunks, "router_src": args.router_src}
     if args.json:
         print(json.dumps({"info": info, "phases": [asdict(p) for p in phases],
@@ -1029,7 +1030,7 @@ def main_suite(args: argparse.Namespace, tmp: Path) -> int:
     checks = suite_goals(phases)
     if scaled is not None:
         checks.append(scaled)
-    info = {"cpus": os.cpu_count(), "python": _python(), "repeat": args.repeat,
+    info = {"cpus": os.cpu_count(), "python": interpreter(), "repeat": args.repeat,
             "chunks": args.chunks, "long_chunks": args.long_chunks,
             "router_src": args.router_src}
     if args.json:

@@ -248,7 +248,7 @@ def summarize(rounds: list[Round], cpus: int) -> dict[str, Any]:
 def print_table(rounds: list[Round], summary: dict[str, Any], cpus: int,
                 concurrency: int) -> None:
     print(f"# worker scaling: PrefixAwareHash router, nginx upstream, wrk at c={concurrency} "
-          f"({cpus} CPUs, python {sys.version.split()[0]})")
+          f"({cpus} CPUs, python {ob.interpreter()})")
     print()
     print("| workers | round | req/s | p50 ms | p99 ms | router CPU ms/req | nginx µs/req "
           "| wrk µs/req | worker shares | errors |")
