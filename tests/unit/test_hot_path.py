@@ -223,10 +223,11 @@ if pid == 0:
 os.waitpid(pid, 0)
 m.adder(m.requests, "chat", "2xx", "upstream")(1)
 names = {str(os.getpid()): "PARENT", str(pid): "CHILD"}
+import re
+# Only where a pid stands for a process (a file name, a pid label): a pid's digits can also
+# occur inside a series' label value, such as backend-04637.
 def rename(text):
-    for p, name in names.items():
-        text = text.replace(p, name)
-    return text
+    return re.sub(r'(?<=_)\\d+(?=\\.db)|(?<=pid=")\\d+(?=")', lambda m: names.get(m[0], m[0]), text)
 directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 for name in sorted(os.listdir(directory)):
     print(rename(name), sorted(MmapedDict.read_all_values_from_file(os.path.join(directory, name))))
