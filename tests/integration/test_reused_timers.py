@@ -25,8 +25,10 @@ from tests.integration.test_slow_clients import Responses
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-HEADER_TIMEOUT = 1  # seconds: the smallest client_header_timeout_seconds
-READ_TIMEOUT_MS = 600  # the backend's request_timeout_ms
+# Each wait below takes at most 0.4 of its timeout (so a busy machine's stall of a second
+# or so does not end it), and the waits of one connection add up to well over it.
+HEADER_TIMEOUT = 2  # seconds: client_header_timeout_seconds
+READ_TIMEOUT_MS = 1500  # the backend's request_timeout_ms
 
 
 def _config(upstream: Any) -> dict[str, Any]:
@@ -48,9 +50,9 @@ def test_every_request_on_a_kept_alive_connection_gets_the_whole_header_timeout(
     head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
     with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
         responses = Responses(sock)
-        for _ in range(4):  # 2.4 s of header time in all, against a 1 s timeout
+        for _ in range(4):  # 3.2 s of header time in all, against a 2 s timeout
             sock.sendall(head)
-            time.sleep(HEADER_TIMEOUT * 0.6)
+            time.sleep(HEADER_TIMEOUT * 0.4)
             sock.sendall(b"\r\n")
             answer = responses.next()
             assert answer.startswith(b"HTTP/1.1 200 "), answer
@@ -59,17 +61,17 @@ def test_every_request_on_a_kept_alive_connection_gets_the_whole_header_timeout(
 def test_every_idle_gap_on_a_kept_alive_connection_gets_the_whole_keepalive(
     upstreams: Any, router_factory: Any
 ) -> None:
-    keepalive = 1  # seconds (gunicorn's --keep-alive)
+    keepalive = 2  # seconds (gunicorn's --keep-alive)
     router = router_factory(_config(upstreams("a")),
                             env={"GUNICORN_CMD_ARGS": f"--keep-alive {keepalive}"})
     request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
         responses = Responses(sock)
-        for _ in range(5):  # 3 s of idle gaps in all, against a 1 s keep-alive
+        for _ in range(5):  # 4 s of idle gaps in all, against a 2 s keep-alive
             sock.sendall(request)
             answer = responses.next()
             assert answer.startswith(b"HTTP/1.1 200 "), answer
-            time.sleep(keepalive * 0.6)
+            time.sleep(keepalive * 0.4)
         # and an idle connection is still closed after the keep-alive
         time.sleep(keepalive * 2)
         assert sock.recv(1) == b""
@@ -81,8 +83,8 @@ def test_waits_on_a_pooled_upstream_connection_do_not_add_up(
     up = upstreams("a")
     router = router_factory(_config(up))
     with requests.Session() as http:
-        for _ in range(5):  # 1.5 s of waiting on one pooled connection, timeout 0.6 s
-            resp = http.post(router.url + "/v1/chat/completions", json=_chat(hang=0.3),
+        for _ in range(5):  # 3 s of waiting on one pooled connection, timeout 1.5 s
+            resp = http.post(router.url + "/v1/chat/completions", json=_chat(hang=0.6),
                              timeout=10)
             assert resp.status_code == 200, resp.text
             assert resp.json()["choices"][0]["message"]["content"] == "hello from a"
@@ -92,7 +94,7 @@ def test_a_stream_may_last_longer_than_the_read_timeout_in_small_gaps(
     upstreams: Any, router_factory: Any
 ) -> None:
     router = router_factory(_config(upstreams("a")))
-    body = {**_chat(chunks=12, delay=0.1), "stream": True}  # 1.2 s in 0.1 s gaps
+    body = {**_chat(chunks=12, delay=0.3), "stream": True}  # 3.6 s in 0.3 s gaps
     with requests.post(router.url + "/v1/chat/completions", json=body, stream=True,
                        timeout=10) as resp:
         assert resp.status_code == 200

@@ -211,6 +211,11 @@ def test_metrics_aggregate_two_workers(upstreams, router_factory) -> None:
     router = router_factory(_config(a), workers=2)
     import concurrent.futures
 
+    # The router answered its first /health from one worker; the other may still be
+    # booting: both serve the burst below only once both are up.
+    wait_until(lambda: metric_sum(router.metrics(), "continuum_workers") == 2,
+               "both workers to boot", 30)
+
     body = {"model": "m", "messages": MSG, "x_test": {"hang": 0.2}}
 
     def call(_: int) -> int:
@@ -227,8 +232,14 @@ def test_metrics_aggregate_two_workers(upstreams, router_factory) -> None:
                       status="200") == 48
     assert metric_sum(text, "continuum_workers") == 2
     assert "pid=" not in text
-    # One access-log line per request, written by the worker that served it.
-    lines = [line for line in router.proc.log_text().splitlines()
-             if " continuum.access: " in line]
+    # One access-log line per request, written by the worker that served it (from the
+    # hub, after the answer went out: the last lines may land a moment after it).
+    def access_lines() -> list[str]:
+        return [line for line in router.proc.log_text().splitlines()
+                if " continuum.access: " in line]
+
+    wait_until(lambda: len(access_lines()) >= 48,
+               lambda: f"48 access-log lines (seen {len(access_lines())})", 20)
+    lines = access_lines()
     assert len(lines) == 48
     assert len({line.split("request_id=")[1].split()[0] for line in lines}) == 48

@@ -148,7 +148,10 @@ def test_embedding_failure_is_a_plain_miss(upstreams, router_factory, failure) -
         requests.get(emb.url + "/_test/embed_status?code=404", timeout=5)
     if failure == "garbage":
         requests.get(emb.url + "/_test/embed_garbage?on=1", timeout=5)
-    router = router_factory(_config(up, emb_url, embedding_timeout_ms=200))
+    # 200 ms against the slow backend's 2 s; the other failures answer at once, but a busy
+    # machine must not turn their answer into a timeout.
+    timeout_ms = 200 if failure == "slow" else 5000
+    router = router_factory(_config(up, emb_url, embedding_timeout_ms=timeout_ms))
     errors, caches = 0, []
     with _client(router) as client:
         for text in (Q, PARA, Q):
@@ -181,14 +184,17 @@ def test_embedding_failure_is_a_plain_miss(upstreams, router_factory, failure) -
 
 def test_ttl_and_max_entries_evict(upstreams, router_factory) -> None:
     up, emb = upstreams("a"), upstreams("e")
-    router = router_factory(_config(up, emb.url, max_entries=1, ttl="1s"))
+    # A ttl of a few seconds: each hit below must come within it of the miss that stored
+    # its vector, even when a busy machine stalls a request.
+    ttl = 4
+    router = router_factory(_config(up, emb.url, max_entries=1, ttl=f"{ttl}s"))
     with _client(router) as client:
         assert _ask(client, Q)[0] == "MISS"
         assert _ask(client, OTHER)[0] == "MISS"  # evicts Q's vector (max_entries 1)
         assert _ask(client, OTHER_PARA)[:2] == ("HIT", "semantic")
         assert _ask(client, PARA)[0] == "MISS"  # indexed now, OTHER evicted
         assert _ask(client, "how can i reset my password")[:2] == ("HIT", "semantic")
-        time.sleep(1.2)  # past the semantic ttl (1s); the exact entries live 300s
+        time.sleep(ttl + 0.2)  # past the semantic ttl; the exact entries live 300s
         assert _ask(client, "How can I reset my password")[0] == "MISS"
     assert _stats(router)["semantic"]["evictions"] >= 1
 

@@ -119,7 +119,9 @@ def test_a_follower_probes_what_the_holder_does_not_report(upstreams, tmp_path) 
     at another URL, and one whose last result is stale: the follower probes them itself,
     once an interval."""
     a, b, c = _start(upstreams, "a", "b", "c")
-    config = HealthCheckConfig(interval_seconds=1.0, timeout_ms=100)
+    # A probe timeout a busy machine's upstream still answers within, and an interval that
+    # the checks between the follower's first and second follow() fit in.
+    config = HealthCheckConfig(interval_seconds=2.0, timeout_ms=1000)
     holder = _worker(tmp_path, ("a", a.url, ("m",)), ("b", b.url, ("m",)), config=config)
     follower = _worker(tmp_path, ("a", a.url, ("m",)), ("b", c.url, ("m",)),
                        ("new", c.url, ("m",)), config=config)
@@ -135,7 +137,8 @@ def test_a_follower_probes_what_the_holder_does_not_report(upstreams, tmp_path) 
         follower.follow()  # within the interval: no second probe of its own
         gevent.sleep(0.1)
         assert _probes(c) == 2
-        time.sleep(2.2)  # the holder's results grow stale (2 intervals + a timeout)
+        # the holder's results grow stale (2 intervals + a timeout)
+        time.sleep(2 * config.interval_seconds + config.timeout_ms / 1000 + 0.2)
         follower.follow()
         wait_until(lambda: (_probes(a), _probes(b), _probes(c)) == (2, 1, 4),
                    lambda: f"probes of stale results: {(_probes(a), _probes(b), _probes(c))}",
@@ -226,8 +229,13 @@ def test_gunicorn_workers_share_one_prober(upstreams, router_factory) -> None:
     unshared.stop()
 
     router = router_factory(config, workers=3)
-    wait_until(lambda: len(_prober_pids(router.url, 3)) == 3, "3 workers", 15)
-    roles = _prober_pids(router.url, 3)
+
+    def all_three() -> dict[int, bool]:
+        """Each worker's role, once a round of fresh connections reached all 3 (else {})."""
+        found = _prober_pids(router.url, 3)
+        return found if len(found) == 3 else {}
+
+    roles = wait_until(all_three, "3 workers", 15)
     assert sorted(roles.values()) == [False, False, True], roles
     after = _probe_rate(up, 2.0)
     # 3 workers probing every 0.25 s make ~12 probes a second, one prober ~4.
@@ -238,9 +246,9 @@ def test_gunicorn_workers_share_one_prober(upstreams, router_factory) -> None:
     def states() -> set[bool]:
         return set(_healthy_by_worker(router.url, 3).values())
 
-    wait_until(lambda: states() == {False}, "every worker to take the sick backend out", 5)
+    wait_until(lambda: states() == {False}, "every worker to take the sick backend out", 20)
     _set(up, healthy=True)
-    wait_until(lambda: states() == {True}, "every worker to put it back", 5)
+    wait_until(lambda: states() == {True}, "every worker to put it back", 20)
 
     prober = next(pid for pid, probes in roles.items() if probes)
     os.kill(prober, signal.SIGKILL)  # a gunicorn worker this test started

@@ -26,12 +26,12 @@ CHAT = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 
 
-def _config(upstream: Any) -> dict[str, Any]:
+def _config(upstream: Any, timeout: float = TIMEOUT) -> dict[str, Any]:
     return {
         "backends": [{"name": upstream.name, "url": upstream.url, "models": ["m"]}],
         "server": {"worker_connections": WORKER_CONNECTIONS,
-                   "client_header_timeout_seconds": TIMEOUT,
-                   "client_body_timeout_seconds": TIMEOUT},
+                   "client_header_timeout_seconds": timeout,
+                   "client_body_timeout_seconds": timeout},
     }
 
 
@@ -231,10 +231,13 @@ def test_a_header_within_the_configured_timeout_is_served(
     """The header deadline is the configured one: a header that takes longer than a second
     but less than ``client_header_timeout_seconds`` is served (the reused timer once kept
     the length it was made with, 1 s)."""
-    router = router_factory(_config(upstreams("a")))
+    # A header timeout well above the pause, so that a busy machine's stall after the
+    # pause cannot push the header past it.
+    timeout = 6
+    router = router_factory(_config(upstreams("a"), timeout=timeout))
     head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-    with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
+    with socket.create_connection(("127.0.0.1", router.port), timeout=timeout + 10) as sock:
         sock.sendall(head)
-        time.sleep(TIMEOUT * 0.7)  # past 1 s, within the header timeout
+        time.sleep(1.4)  # past 1 s, well within the header timeout
         sock.sendall(b"\r\n")
         assert Responses(sock).next().startswith(b"HTTP/1.1 200 ")

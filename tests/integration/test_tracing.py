@@ -195,17 +195,24 @@ def test_gunicorn_traces_by_otel_environment_variables(tmp_path: Path,
         assert sent is not None and sent.split("-")[1] == CLIENT_TRACE
         upstream_span = sent.split("-")[2]
 
-        def exported() -> bool:
-            return f'"span_id": "0x{upstream_span}"' in router.proc.log_text()
+        wanted = {"POST /v1/chat/completions", "continuum.selection", "continuum.upstream"}
 
-        wait_until(exported, "the console exporter's spans", timeout=10)
-        log = router.proc.log_text()
-        spans = [json.loads(doc) for doc in _json_docs(log) if '"span_id"' in doc]
-        names = {s["name"] for s in spans if s["context"]["trace_id"] == "0x" + CLIENT_TRACE}
-        assert {"POST /v1/chat/completions", "continuum.selection",
-                "continuum.upstream"} <= names
+        def spans() -> list[dict[str, Any]]:
+            log = router.proc.log_text()
+            return [json.loads(doc) for doc in _json_docs(log) if '"span_id"' in doc]
+
+        def names() -> set[str]:
+            return {s["name"] for s in spans() if s["context"]["trace_id"] == "0x" + CLIENT_TRACE}
+
+        # The server span ends after the answer is sent: the batch processor may export it
+        # in a later batch than the upstream span, so wait for all of them.
+        wait_until(lambda: f'"span_id": "0x{upstream_span}"' in router.proc.log_text()
+                   and wanted <= names(),
+                   lambda: f"the console exporter's spans (seen: {sorted(names())})",
+                   timeout=20)
+        assert wanted <= names()
         assert all(s["resource"]["attributes"]["service.name"] == "router-under-test"
-                   for s in spans)
+                   for s in spans())
     finally:
         router.stop()
 

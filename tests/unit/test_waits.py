@@ -35,10 +35,13 @@ def test_wait_watcher_gives_each_wait_the_whole_timeout() -> None:
     left, right = socket.socketpair()
     reader = GeventSocket(fileno=left.detach())
     try:
-        timer = timer_for(None, SECONDS)
+        # Each byte comes 0.3 of the timeout into its wait: a stall of this process (a busy
+        # machine) that lets the timeout expire with the byte's timer would fail the wait.
+        timeout = 1.0
+        timer = timer_for(None, timeout)
         watcher = reader._read_event
-        for _ in range(4):  # 0.6 s of waiting in all, three times the timeout
-            gevent.spawn_later(SECONDS * 0.75, right.send, b"x")
+        for _ in range(4):  # 1.2 s of waiting in all, more than the timeout
+            gevent.spawn_later(timeout * 0.3, right.send, b"x")
             assert wait_watcher(watcher, timer)
             assert reader.recv(1) == b"x"
         assert not wait_watcher(watcher, timer)  # nothing sent: it runs out
