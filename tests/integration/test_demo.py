@@ -81,7 +81,10 @@ def _assert_kv_row(row: dict[str, Any]) -> None:
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_demo_quick_prints_ordered_hit_rates_and_cleans_up() -> None:
-    doc = _run_demo("--quick", timeout=120)
+    # Half the quick workload's arrival rate (24/s): on a loaded machine the engines' KV
+    # events then still land before most follow-up turns arrive. At 24/s with the CPUs
+    # busy, the chain index's row lost 2-5 points to its quiet runs; at 12/s it did not.
+    doc = _run_demo("--quick", "--rate", "12", timeout=180)
     rows = {row["name"]: row for row in doc["scenarios"]}
     assert all(row["skipped"] == 0 for row in rows.values()), rows
     assert {"single engine", "RoundRobin", "PrefixAwareHash", "KV index",
