@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import gc
 import logging
 import os
 import socket
@@ -399,6 +400,25 @@ class _ErrorsWrapper(gunicorn_wsgi.WSGIErrorsWrapper):  # type: ignore[misc]
         return streams
 
 
+#: The youngest generation's threshold while serving (CPython's default is 700): a request
+#: leaves few objects behind, and one collection every 700 allocations walks the objects of
+#: every request then in flight and promotes them, to be walked again by the older
+#: generations' collections.
+GC_YOUNG_THRESHOLD = 7000
+
+
+def settle_garbage_collector() -> None:
+    """Before the worker serves: everything alive now (modules, the app, its config, ring and
+    stores) moves to the collector's permanent generation (``gc.freeze``), so no collection
+    walks it again, and the youngest generation is collected 10 times less often. Garbage
+    cycles are still collected; only the objects of startup are left out of it. Applied
+    once per worker process, after the app has loaded."""
+    gc.collect()
+    gc.freeze()
+    _, middle, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, oldest)
+
+
 def serves_plain(cfg: Any) -> bool:
     """Whether the worker's own loop may serve connections under ``cfg``: kept alive,
     plain TCP without TLS, PROXY protocol or cleartext HTTP/2 (gunicorn's loop handles
@@ -482,6 +502,7 @@ class GeventWorker(_GunicornGeventWorker):  # type: ignore[misc]
 
             # gunicorn's run() builds its servers from this module name (worker process only)
             ggevent.StreamServer = functools.partial(BalancedStreamServer, gate=gate)
+        settle_garbage_collector()
         super().run()
 
     def _make_accept_gate(self) -> AcceptGate | None:

@@ -7,10 +7,16 @@ watcher notices the new generation, or a changed file, within
 ``server.watch_interval_seconds`` and reloads too. A config with errors is refused and the
 running one stays; so is one without backends while the router runs some (an emptied or
 half-written file).
+
+A worker froze its startup objects out of the garbage collector's sight
+(:func:`continuum.gunicorn_worker.settle_garbage_collector`); a reload replaces some of them
+(the backends, strategy and stores of the old config), so it collects what the old config
+left in reference cycles and freezes the rest again.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -32,6 +38,15 @@ log = logging.getLogger(__name__)
 #: A copy of the last config file a worker of this router loaded (at boot or reload), in
 #: ``$CONTINUUM_RUNTIME_DIR``: what a worker boots with while the file has errors.
 LAST_GOOD_FILE = "config.last-good.yaml"
+
+
+def _collect_frozen() -> None:
+    """What a reload left in reference cycles among frozen objects is collected, and what
+    is alive is frozen again (nothing to do where nothing was frozen)."""
+    if gc.get_freeze_count():
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
 
 
 def _signature(path: Path) -> tuple[int, int] | None:
@@ -184,6 +199,7 @@ class ConfigReloader:
         for warning in result.warnings:
             log.warning("config: %s", warning.render(result.source))
         report = self.service.reload(result.config)
+        _collect_frozen()
         remember_good(raw)
         self.reloads += 1
         if broadcast and self.generation_file is not None:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from continuum.devtools.procs import Child, child_env, free_port, wait_http
-from continuum.gunicorn_worker import WORKER_CLASS
+from continuum.gunicorn_worker import GC_YOUNG_THRESHOLD, WORKER_CLASS
 
 pytestmark = pytest.mark.e2e
 
@@ -272,3 +272,20 @@ def test_gunicorns_own_pre_request_hook_still_logs_at_debug_level(tmp_path: Path
     finally:
         child.stop()
     assert "GET /debug-me" in log.read_text()
+
+
+def test_the_worker_freezes_what_it_loaded_and_collects_the_young_less_often(
+    servers: tuple[Server, Server],
+) -> None:
+    """Before serving, the router's worker moves what is alive after loading the app to the
+    collector's permanent generation and raises the youngest generation's threshold;
+    gunicorn's own worker leaves the collector as CPython sets it up."""
+    docs = []
+    for server in servers:
+        answers, _ = _answers(server, [(b"GET /gc HTTP/1.1\r\nHost: x\r\n\r\n", 1)])
+        docs.append(answers[0][1]["gc"])
+    ours, theirs = docs
+    assert ours["threshold"][0] == GC_YOUNG_THRESHOLD
+    assert ours["threshold"][1:] == theirs["threshold"][1:] == [10, 10]
+    assert ours["frozen"] > 10_000  # the modules, gunicorn, gevent, the app
+    assert theirs == {"threshold": [700, 10, 10], "frozen": 0}

@@ -1,13 +1,15 @@
 """A WSGI app for the worker tests: it answers with what the worker gave it (the environ's
 HTTP fields, which response and request-parsing code served it, and the body it read; under
 ``/unread`` it reads none). ``/environ`` answers with every text value of the environ,
-``/stream`` with a body of unknown length, ``/fail`` raises before answering.
+``/stream`` with a body of unknown length, ``/fail`` raises before answering, ``/gc`` with
+the garbage collector's thresholds and frozen object count.
 
 Loaded as a gunicorn config too (``-c python:tests.integration.wsgi_probe``): its hooks add
 a field to every request before the environ is made and count the requests after."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from typing import Any
@@ -50,6 +52,8 @@ def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
         "body": body.decode(),
         "environ": {k: v for k, v in environ.items() if type(v) in (str, bool, tuple)}
         if path == "/environ" else None,
+        "gc": {"threshold": gc.get_threshold(), "frozen": gc.get_freeze_count()}
+        if path == "/gc" else None,
     }).encode()
     if path == "/stream":
         start_response("200 OK", [("Content-Type", "application/json"), ("X-Probe", "1")])

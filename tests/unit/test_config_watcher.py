@@ -138,3 +138,40 @@ def test_a_router_started_without_backends_may_reload_to_none(
         assert list(service.pool) == []
     finally:
         service.stop()
+
+
+def test_a_reload_collects_the_garbage_cycles_among_frozen_objects(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A serving worker has frozen its startup objects (the old config's among them); the
+    reload that replaces them collects what they left in reference cycles, and freezes
+    again what is still alive."""
+    import gc
+    import weakref
+
+    monkeypatch.delenv("CONTINUUM_RUNTIME_DIR", raising=False)
+    path = tmp_path / "router.yaml"
+    _write(path, "a")
+    registry = PluginRegistry()
+    service = RouterService(load_config(path, registry), registry=registry,
+                            metrics=RouterMetrics())
+    reloader = ConfigReloader(service, path)
+
+    class Node:
+        peer: Any = None
+
+    cycle = Node()
+    cycle.peer = Node()
+    cycle.peer.peer = cycle
+    gone = weakref.ref(cycle)
+    gc.freeze()
+    try:
+        del cycle
+        gc.collect()
+        assert gone() is not None  # frozen: no collection sees it
+        _write(path, "a", "b")
+        assert reloader.reload().applied == ["backends.b"]
+        assert gone() is None
+        assert gc.get_freeze_count() > 0  # the living are frozen again
+    finally:
+        gc.unfreeze()
+        service.stop()
