@@ -411,8 +411,10 @@ def settle_garbage_collector() -> None:
     """Before the worker serves: everything alive now (modules, the app, its config, ring and
     stores) moves to the collector's permanent generation (``gc.freeze``), so no collection
     walks it again, and the youngest generation is collected 10 times less often. Garbage
-    cycles are still collected; only the objects of startup are left out of it. Applied
-    once per worker process, after the app has loaded."""
+    cycles are still collected; only the objects of startup are left out of it: one of them
+    that later ends up unreachable in a reference cycle is collected at the next config
+    reload (:mod:`continuum.web.reload`), not before. Applied once per worker process,
+    after the app has loaded."""
     gc.collect()
     gc.freeze()
     _, middle, oldest = gc.get_threshold()
