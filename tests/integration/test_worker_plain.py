@@ -282,7 +282,8 @@ def test_the_worker_freezes_what_it_loaded_and_collects_the_young_less_often(
     gunicorn's own worker leaves the collector as CPython sets it up."""
     docs = []
     for server in servers:
-        answers, _ = _answers(server, [(b"GET /gc HTTP/1.1\r\nHost: x\r\n\r\n", 1)])
+        answers, _ = _answers(server, [(b"GET /gc HTTP/1.1\r\nHost: x\r\nConnection: close"
+                                        b"\r\n\r\n", 1)])
         docs.append(answers[0][1]["gc"])
     ours, theirs = docs
     assert ours["threshold"][0] == GC_YOUNG_THRESHOLD
