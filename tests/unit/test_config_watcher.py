@@ -26,15 +26,20 @@ def _write(path: Path, *names: str) -> None:
         "health_check": {"enabled": False}}))
 
 
+def _booted(path: Path) -> RouterService:
+    """A worker's service, booted from the config file at ``path``."""
+    registry = PluginRegistry()
+    return RouterService(load_config(path, registry), registry=registry,
+                         metrics=RouterMetrics())
+
+
 def test_a_change_while_the_worker_boots_is_reloaded(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CONTINUUM_RUNTIME_DIR", raising=False)
     path = tmp_path / "router.yaml"
     _write(path, "a")
     seen = config_state(path)
-    registry = PluginRegistry()
-    service = RouterService(load_config(path, registry), registry=registry,
-                            metrics=RouterMetrics())
+    service = _booted(path)
     try:
         _write(path, "a", "b")  # the change lands while this worker is still booting
         reloader = ConfigReloader(service, path, seen)
@@ -54,9 +59,7 @@ def test_reloads_in_one_worker_run_one_at_a_time_and_a_change_during_one_is_seen
     monkeypatch.delenv("CONTINUUM_RUNTIME_DIR", raising=False)
     path = tmp_path / "router.yaml"
     _write(path, "a")
-    registry = PluginRegistry()
-    service = RouterService(load_config(path, registry), registry=registry,
-                            metrics=RouterMetrics())
+    service = _booted(path)
     reloader = ConfigReloader(service, path)
     inside = []
     overlaps = []
@@ -104,9 +107,7 @@ def test_a_file_without_backends_never_empties_a_running_router(
     monkeypatch.delenv("CONTINUUM_RUNTIME_DIR", raising=False)
     path = tmp_path / "router.yaml"
     _write(path, "a", "b")
-    registry = PluginRegistry()
-    service = RouterService(load_config(path, registry), registry=registry,
-                            metrics=RouterMetrics())
+    service = _booted(path)
     reloader = ConfigReloader(service, path)
     try:
         path.write_text(content)
@@ -129,9 +130,7 @@ def test_a_router_started_without_backends_may_reload_to_none(
     monkeypatch.delenv("CONTINUUM_RUNTIME_DIR", raising=False)
     path = tmp_path / "router.yaml"
     path.write_text("health_check: {enabled: false}\n")
-    registry = PluginRegistry()
-    service = RouterService(load_config(path, registry), registry=registry,
-                            metrics=RouterMetrics())
+    service = _booted(path)
     try:
         path.write_text("health_check: {enabled: false}\nserver: {workers: 2}\n")
         assert ConfigReloader(service, path, ((0, 0), None)).reload() is not None
@@ -151,9 +150,7 @@ def test_a_reload_collects_the_garbage_cycles_among_frozen_objects(
     monkeypatch.delenv("CONTINUUM_RUNTIME_DIR", raising=False)
     path = tmp_path / "router.yaml"
     _write(path, "a")
-    registry = PluginRegistry()
-    service = RouterService(load_config(path, registry), registry=registry,
-                            metrics=RouterMetrics())
+    service = _booted(path)
     reloader = ConfigReloader(service, path)
 
     class Node:
