@@ -16,13 +16,12 @@ is refused (400) as a server without storage would.
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 from continuum.errors import RequestError
 from continuum.sim.engine import Generation
+from continuum.wire import responses_api
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -76,66 +75,34 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
 
 def usage_doc(gen: Generation) -> dict[str, Any]:
     """The Responses API's ``usage`` object."""
-    return {"input_tokens": gen.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": gen.cached_tokens},
-            "output_tokens": gen.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens}
+    return responses_api.usage_doc(gen.prompt_tokens, gen.cached_tokens, gen.completion_tokens)
 
 
-class ResponseShape:
-    """The ``response`` object of one request, whole or as stream events."""
+class ResponseShape(responses_api.ResponseShape):
+    """The ``response`` object of one generation, whole or as stream events."""
 
     def __init__(self, model: str, body: dict[str, Any]) -> None:
-        self.model = model
-        self.body = body
-        self.id = "resp_" + uuid.uuid4().hex
-        self.item_id = "msg_" + uuid.uuid4().hex
-        self.created_at = int(time.time())
+        super().__init__(model, body)
+        self.item_id = responses_api.new_id("msg")
 
-    def _doc(self, status: str, output: list[dict[str, Any]],
-             usage: dict[str, Any] | None) -> dict[str, Any]:
-        body = self.body
-        return {
-            "id": self.id, "object": "response", "created_at": self.created_at,
-            "status": status, "error": None, "incomplete_details": None,
-            "instructions": body.get("instructions"),
-            "max_output_tokens": body.get("max_output_tokens"), "model": self.model,
-            "output": output, "parallel_tool_calls": True, "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None}, "store": False,
-            "temperature": body.get("temperature", 1.0),
-            "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
-            "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": usage,
-            "user": None, "metadata": body.get("metadata") or {},
-        }
-
-    def _part(self, text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-    def _item(self, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.item_id, "type": "message", "status": status,
-                "role": "assistant", "content": content}
+    def _item(self, status: str, text: str | None) -> dict[str, Any]:
+        content = [] if text is None else [responses_api.text_part(text)]
+        return responses_api.message_item(self.item_id, status, content)
 
     def full(self, gen: Generation) -> dict[str, Any]:
         """The whole ``response`` object of a finished generation."""
-        item = self._item("completed", [self._part(gen.text)])
-        return self._doc("completed", [item], usage_doc(gen))
+        return self.doc("completed", [self._item("completed", gen.text)], usage_doc(gen))
 
     def events(self, gen: Generation) -> Iterator[tuple[str, dict[str, Any]]]:
         """(event name, data) of the stream; closing it releases the engine's slot."""
-        seq = 0
-
-        def event(name: str, **fields: Any) -> tuple[str, dict[str, Any]]:
-            nonlocal seq
-            seq += 1
-            return name, {"type": name, "sequence_number": seq - 1, **fields}
-
+        counter = responses_api.EventCounter()
+        event = counter.event
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        yield event("response.created", response=self._doc("in_progress", [], None))
-        yield event("response.in_progress", response=self._doc("in_progress", [], None))
+        yield event("response.created", response=self.doc("in_progress", [], None))
+        yield event("response.in_progress", response=self.doc("in_progress", [], None))
         yield event("response.output_item.added", output_index=0,
-                    item=self._item("in_progress", []))
-        yield event("response.content_part.added", part=self._part(""), **where)
+                    item=self._item("in_progress", None))
+        yield event("response.content_part.added", part=responses_api.text_part(""), **where)
         steps = iter(gen)
         try:
             for step in steps:
@@ -146,8 +113,8 @@ class ResponseShape:
             steps.close()  # type: ignore[attr-defined]
         text = gen.text
         yield event("response.output_text.done", text=text, logprobs=[], **where)
-        yield event("response.content_part.done", part=self._part(text), **where)
-        item = self._item("completed", [self._part(text)])
+        yield event("response.content_part.done", part=responses_api.text_part(text), **where)
+        item = self._item("completed", text)
         yield event("response.output_item.done", output_index=0, item=item)
-        yield event("response.completed", response=self._doc("completed", [item],
-                                                             usage_doc(gen)))
+        yield event("response.completed", response=self.doc("completed", [item],
+                                                            usage_doc(gen)))
