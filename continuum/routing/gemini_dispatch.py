@@ -17,6 +17,10 @@ One dispatch (:meth:`GeminiGateway.send`):
 4. The answer goes back through a :class:`ResponseAdapter` on the upstream: native answers
    and streams are translated to OpenAI's shapes, Google's errors to OpenAI's error body,
    and the cached tokens of every answer are counted (metrics and the cache's stats).
+
+A Responses API request (``/v1/responses``), which Google has no endpoint for, is sent as
+the chat completion it stands for, without a context-cache reference, and its answer comes
+back in the Responses shapes (:mod:`continuum.routing.gemini_responses`).
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Counter
 
-from continuum.request import CHAT
-from continuum.routing import gemini
+from continuum.request import CHAT, RESPONSES
+from continuum.routing import gemini, gemini_responses
+from continuum.wire.responses_api import ResponseShape
 
 if TYPE_CHECKING:
     from continuum.config import GeminiContextCacheConfig
@@ -187,8 +192,11 @@ class GeminiGateway:
         """Send ``ctx`` to ``backend``; the upstream carries its :class:`ResponseAdapter`.
 
         Raises:
+            RequestError: a Responses request the translation cannot honour.
             UpstreamConnectError, UpstreamTimeoutError: as :meth:`Forwarder.send`.
         """
+        if ctx.endpoint == RESPONSES:
+            return self._send_responses(backend, ctx, headers)
         chat = ctx.endpoint == CHAT
         native = chat and self.settings.prefer_native_api
         target = gemini.native_path(ctx.model, ctx.stream) if native else \
@@ -215,6 +223,22 @@ class GeminiGateway:
                 prefetched = data
         upstream.adapter = ResponseAdapter(backend.name, ctx.model, native, self._count,
                                            prefetched)
+        return upstream
+
+    def _send_responses(self, backend: Backend, ctx: RequestContext,
+                        headers: dict[str, str] | None) -> Upstream:
+        """A Responses request, sent as its chat completion (see the module doc)."""
+        chat = gemini_responses.chat_body(ctx.body)
+        native = self.settings.prefer_native_api
+        if native:
+            target, body = gemini.native_path(ctx.model, ctx.stream), gemini.to_native(chat)
+        else:
+            target, body = "/v1beta/openai/chat/completions", chat
+        upstream = self.forwarder.send(backend, ctx, target, json.dumps(body).encode(),
+                                       headers)
+        upstream.adapter = gemini_responses.ResponsesAdapter(
+            ResponseAdapter(backend.name, ctx.model, native, self._count),
+            ResponseShape(ctx.model, ctx.body))
         return upstream
 
     @staticmethod

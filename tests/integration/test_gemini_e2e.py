@@ -5,6 +5,7 @@ router sent it is read back from ``/_sim/received``, its cache counters from
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,6 +15,7 @@ import openai
 import pytest
 import requests
 
+from continuum.devtools.fleet import metric_sum
 from continuum.devtools.gemini_fake import FakeGeminiProcess
 from continuum.devtools.procs import wait_until
 from continuum.devtools.redis_server import unique_prefix
@@ -278,3 +280,141 @@ def test_disabled_manager_and_models(
     _ask(client)
     assert fake.received("/cachedContents") == []
     assert "extra_body" not in _last_chat_body(fake)
+
+
+# --- the Responses API, which Google serves no endpoint for: translated by the router ------
+
+TOOL = {"type": "function", "name": "lookup", "description": "Find a page of the manual.",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}
+
+
+def _respond(client: openai.OpenAI, question: str = "How do I clear the cache?",
+             **extra: Any) -> Any:
+    extra.setdefault("max_output_tokens", 64)
+    return client.responses.create(model=MODEL, instructions=LONG_SYSTEM, input=question,
+                                   **extra)
+
+
+def test_responses_go_as_chat_completions_and_come_back_as_responses(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    fake = gemini_factory()
+    router = router_factory(_config(fake))
+    client = _client(router)
+    first = _respond(client, temperature=0.0)
+    sent = fake.received(CHAT, "POST")
+    assert len(sent) == 1 and fake.received("/responses") == []
+    assert sent[0]["body"] == {
+        "model": MODEL, "temperature": 0.0, "max_completion_tokens": 64,
+        "messages": [{"role": "system", "content": LONG_SYSTEM},
+                     {"role": "user", "content": "How do I clear the cache?"}]}
+    assert first.object == "response" and first.status == "completed"
+    assert first.id.startswith("resp_") and first.output[0].type == "message"
+    assert first.output_text and first.instructions == LONG_SYSTEM
+    assert first.usage is not None and first.usage.input_tokens > 0
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    assert first.usage.total_tokens == first.usage.input_tokens + first.usage.output_tokens
+
+    # Gemini's implicit cache now holds the instructions: reported as cached input tokens
+    again = _respond(client, temperature=0.0)
+    assert again.output_text == first.output_text
+    assert again.usage is not None and again.usage.input_tokens == first.usage.input_tokens
+    cached = again.usage.input_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.input_tokens
+
+    events = list(_respond(client, stream=True))
+    assert fake.received(CHAT, "POST")[-1]["body"]["stream_options"] == {"include_usage": True}
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] == "response.completed" and "error" not in types
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == first.output_text
+    done = events[-1].response
+    assert done.output_text == text and done.usage.input_tokens_details.cached_tokens == cached
+
+    # the context cache serves chat completions only: no lookup, no cachedContents
+    assert fake.received("/cachedContents") == []
+    assert _stats(router)["hits"] + _stats(router)["misses"] == 0
+    metrics = router.metrics()
+    assert f'continuum_gemini_cached_tokens_total{{backend="gem"}} {2.0 * cached}' in metrics
+    assert metric_sum(metrics, "continuum_requests_total", endpoint="responses",
+                      outcome="upstream", status_class="2xx") == 3
+    assert metric_sum(metrics, "continuum_cached_prompt_tokens_total") == 2 * cached
+
+
+def test_responses_on_the_native_api_with_function_calls(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    fake = gemini_factory()
+    router = router_factory(_config(fake, prefer_native_api=True))
+    client = _client(router)
+    ask = "Please lookup the page on clearing"
+    called = _respond(client, ask, tools=[TOOL], tool_choice="auto")
+    body = _last_chat_body(fake, ":generateContent")
+    assert body["systemInstruction"] == {"parts": [{"text": LONG_SYSTEM}]}
+    assert body["contents"] == [{"role": "user", "parts": [{"text": ask}]}]
+    assert body["tools"] == [{"functionDeclarations": [
+        {"name": "lookup", "description": TOOL["description"],
+         "parameters": TOOL["parameters"]}]}]
+    assert body["toolConfig"] == {"functionCallingConfig": {"mode": "AUTO"}}
+    assert "cachedContent" not in body
+    [call] = called.output
+    assert call.type == "function_call" and call.name == "lookup"
+    assert json.loads(call.arguments) == {"query": ask[:40]}
+
+    # the call and its result go back as items: functionCall and functionResponse parts
+    answer = client.responses.create(
+        model=MODEL, instructions=LONG_SYSTEM, max_output_tokens=64, tools=[TOOL], input=[
+            {"role": "user", "content": ask},
+            {"type": "function_call", "call_id": call.call_id, "name": "lookup",
+             "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id,
+             "output": '{"page": "Clearing: POST /admin/cache/clear"}'},
+            {"role": "user", "content": [{"type": "input_text", "text": "Thanks, and?"}]}])
+    contents = _last_chat_body(fake, ":generateContent")["contents"]
+    assert contents == [
+        {"role": "user", "parts": [{"text": ask}]},
+        {"role": "model", "parts": [{"functionCall": {"name": "lookup",
+                                                      "args": {"query": ask[:40]}}}]},
+        {"role": "user", "parts": [
+            {"functionResponse": {"name": "lookup", "response": {
+                "page": "Clearing: POST /admin/cache/clear"}}},
+            {"text": "Thanks, and?"}]}]
+    assert answer.status == "completed" and answer.output_text
+    assert answer.usage is not None and answer.usage.input_tokens_details.cached_tokens > 0
+
+    events = list(_respond(client, ask, tools=[TOOL], stream=True))
+    assert fake.received(":streamGenerateContent", "POST")[-1]["query"] == "alt=sse"
+    types = [e.type for e in events]
+    assert types[-4:] == ["response.function_call_arguments.delta",
+                          "response.function_call_arguments.done",
+                          "response.output_item.done", "response.completed"]
+    assert events[-1].response.output[0].arguments == call.arguments
+
+    short = _respond(client, max_output_tokens=2)
+    assert short.status == "incomplete"
+    assert short.incomplete_details is not None
+    assert short.incomplete_details.reason == "max_output_tokens"
+
+
+def test_responses_a_gemini_backend_cannot_honour_are_400s_naming_the_field(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    fake = gemini_factory()
+    router = router_factory(_config(fake))
+    client = _client(router)
+    cases = [({"previous_response_id": "resp_123"}, "previous_response_id"),
+             ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+             ({"input": [{"type": "input_file", "file_id": "file-1"}]}, "input[0]"),
+             ({"input": [{"role": "user", "content": [
+                 {"type": "input_image", "file_id": "file-1"}]}]}, "input[0].content[0]"),
+             ({"text": {"format": {"type": "json_schema"}}}, "text.format")]
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(**{"model": MODEL, "input": "hi", **extra})
+        assert caught.value.status_code == 400
+        error = caught.value.body
+        assert isinstance(error, dict) and error["param"] == param, (extra, error)
+        assert error["type"] == "invalid_request_error"
+    assert fake.received(CHAT) == []

@@ -1,0 +1,210 @@
+"""The Responses API translated for Gemini backends (``continuum.routing.gemini_responses``):
+requests to chat completions, chat answers and chunk streams back to responses."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from continuum.errors import RequestError
+from continuum.routing.gemini_responses import EventTranslator, chat_body, response_from_chat
+from continuum.wire.responses_api import ResponseShape
+
+MODEL = "gemini-2.5-flash"
+
+
+def test_a_conversation_of_items_becomes_chat_messages() -> None:
+    body = {
+        "model": MODEL, "instructions": "Be brief.", "max_output_tokens": 50, "top_p": 0.5,
+        "store": True, "metadata": {"k": "v"}, "user": "u1", "truncation": "auto",
+        "reasoning": {"effort": "low"}, "parallel_tool_calls": False,
+        "text": {"format": {"type": "json_schema", "name": "answer", "strict": True,
+                            "schema": {"type": "object"}}},
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+        "tool_choice": {"type": "function", "name": "f"},
+        "input": [
+            {"type": "message", "role": "developer", "content": "Use metric units."},
+            {"role": "user", "content": [{"type": "input_text", "text": "Weather?"},
+                                         {"type": "input_image",
+                                          "image_url": "data:image/png;base64,AAAA"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x":1}'},
+            {"type": "function_call", "call_id": "c2", "name": "f", "arguments": '{"x":2}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "ten"},
+            {"type": "function_call_output", "call_id": "c2",
+             "output": [{"type": "input_text", "text": "twelve"}]},
+        ]}
+    assert chat_body(body) == {
+        "model": MODEL, "top_p": 0.5, "parallel_tool_calls": False,
+        "max_completion_tokens": 50, "reasoning_effort": "low",
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "answer", "schema": {"type": "object"}, "strict": True}},
+        "tools": [{"type": "function",
+                   "function": {"name": "f", "parameters": {"type": "object"}}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "system", "content": "Use metric units."},
+            {"role": "user", "content": [
+                {"type": "text", "text": "Weather?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Checking."}],
+             "tool_calls": [
+                 {"id": "c1", "type": "function",
+                  "function": {"name": "f", "arguments": '{"x":1}'}},
+                 {"id": "c2", "type": "function",
+                  "function": {"name": "f", "arguments": '{"x":2}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ten"},
+            {"role": "tool", "tool_call_id": "c2", "content": "twelve"}]}
+
+
+def test_a_string_input_streamed_asks_for_the_usage_chunk() -> None:
+    assert chat_body({"model": MODEL, "input": "hi", "stream": True, "temperature": 0}) == {
+        "model": MODEL, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "file_search"}]}, "tools[0]"),
+    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0]"),
+    ({"input": [{"role": "user", "content": 5}]}, "input[0].content"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
+     "input[0].content[0]"),
+    ({"input": [{"role": "system", "content": "only rules"}]}, "input"),
+])
+def test_what_cannot_be_translated_is_refused_naming_the_field(
+        extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(RequestError) as caught:
+        chat_body({"model": MODEL, "input": "hi", **extra})
+    assert caught.value.param == param
+
+
+def _chat(content: str | None, finish: str, calls: list[Any] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return {"id": "chatcmpl-1", "object": "chat.completion", "model": "gemini-2.5-flash-001",
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 100, "completion_tokens": 7, "total_tokens": 107,
+                      "prompt_tokens_details": {"cached_tokens": 60},
+                      "completion_tokens_details": {"reasoning_tokens": 3}}}
+
+
+def test_a_chat_answer_becomes_a_response_with_its_usage() -> None:
+    shape = ResponseShape(MODEL, {"model": MODEL, "input": "hi", "instructions": "Be brief."})
+    doc = response_from_chat(_chat("Hello.", "stop"), shape)
+    assert doc["object"] == "response" and doc["status"] == "completed"
+    assert doc["model"] == "gemini-2.5-flash-001" and doc["instructions"] == "Be brief."
+    [item] = doc["output"]
+    assert item["type"] == "message" and item["content"][0]["text"] == "Hello."
+    assert doc["usage"] == {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 60},
+                            "output_tokens": 7, "output_tokens_details": {"reasoning_tokens": 3},
+                            "total_tokens": 107}
+    assert doc["incomplete_details"] is None and doc["store"] is False
+
+    cut = response_from_chat(_chat("Hel", "length"), shape)
+    assert cut["status"] == "incomplete"
+    assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+
+    calls = [{"id": "call_9", "type": "function",
+              "function": {"name": "f", "arguments": '{"x":1}'}}]
+    called = response_from_chat(_chat(None, "tool_calls", calls), shape)
+    [call] = called["output"]
+    assert call["type"] == "function_call" and call["call_id"] == "call_9"
+    assert call["name"] == "f" and call["arguments"] == '{"x":1}'
+    assert called["status"] == "completed"
+
+
+def _sse(doc: Any) -> bytes:
+    return b"data: " + (doc if isinstance(doc, bytes) else json.dumps(doc).encode()) + b"\n\n"
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+    return _sse({"id": "c", "object": "chat.completion.chunk", "model": MODEL,
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+
+def _events(raw: bytes) -> list[dict[str, Any]]:
+    out = []
+    for record in raw.split(b"\n\n"):
+        if record:
+            event, data = record.split(b"\n")
+            doc = json.loads(data.removeprefix(b"data: "))
+            assert event == b"event: " + doc["type"].encode()
+            out.append(doc)
+    return out
+
+
+def test_a_chunk_stream_becomes_typed_events_text_then_calls() -> None:
+    pieces = [
+        _chunk({"role": "assistant", "content": "Let me "}),
+        # a record split across reads
+        _chunk({"content": "look."})[:20], _chunk({"content": "look."})[20:],
+        _chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                "function": {"name": "f", "arguments": '{"x"'}}]}),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": ':1}'}}]}),
+        _chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                                "function": {"name": "g", "arguments": "{}"}}]}, "tool_calls"),
+        _sse({"id": "c", "choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 4,
+                                                 "prompt_tokens_details": {"cached_tokens": 8}}}),
+        _sse(b"[DONE]"),
+    ]
+    translator = EventTranslator(ResponseShape(MODEL, {"model": MODEL, "input": "x"}))
+    events = _events(b"".join(translator.translate(iter(pieces), lambda: True)))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    assert events[6]["text"] == "Let me look."
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] \
+        == [0, 1, 2]
+    done = events[-1]["response"]
+    assert done["status"] == "completed"
+    assert [(i["type"], i.get("arguments")) for i in done["output"]] == [
+        ("message", None), ("function_call", '{"x":1}'), ("function_call", "{}")]
+    assert done["usage"]["input_tokens_details"] == {"cached_tokens": 8}
+    assert done["usage"]["output_tokens"] == 4
+
+
+def test_a_stream_cut_at_the_length_limit_is_incomplete() -> None:
+    translator = EventTranslator(ResponseShape(MODEL, {"model": MODEL, "input": "x"}))
+    raw = b"".join(translator.translate(iter([_chunk({"content": "Hel"}, "length")]),
+                                        lambda: True))
+    last = _events(raw)[-1]
+    assert last["type"] == "response.incomplete"
+    assert last["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_an_error_record_ends_the_stream_without_completing_it() -> None:
+    pieces = [_chunk({"content": "Hel"}),
+              _sse({"error": {"message": "upstream broke off", "type": "server_error",
+                              "code": "upstream_error"}})]
+    translator = EventTranslator(ResponseShape(MODEL, {"model": MODEL, "input": "x"}))
+    # the relay ended the broken stream with the error record: not completed
+    events = _events(b"".join(translator.translate(iter(pieces), lambda: False)))
+    assert events[-1] == {"type": "error", "sequence_number": len(events) - 1,
+                          "code": "upstream_error", "message": "upstream broke off",
+                          "param": None}
+    assert not any(e["type"].startswith("response.completed") for e in events)
+    # an error record from Google on a stream that ended normally: nothing completes either
+    translator = EventTranslator(ResponseShape(MODEL, {"model": MODEL, "input": "x"}))
+    events = _events(b"".join(translator.translate(iter(pieces), lambda: True)))
+    assert events[-1]["type"] == "error"
