@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Counter
 
-from continuum.request import CHAT, RESPONSES
+from continuum.errors import RequestError
+from continuum.request import CHAT, COMPLETIONS, RESPONSES
 from continuum.routing import gemini, gemini_responses
 from continuum.wire.responses_api import ResponseShape
 
@@ -192,9 +193,15 @@ class GeminiGateway:
         """Send ``ctx`` to ``backend``; the upstream carries its :class:`ResponseAdapter`.
 
         Raises:
-            RequestError: a Responses request the translation cannot honour.
+            RequestError: a legacy completion (Google serves none), or a Responses request
+                the translation cannot honour.
             UpstreamConnectError, UpstreamTimeoutError: as :meth:`Forwarder.send`.
         """
+        if ctx.endpoint == COMPLETIONS:
+            raise RequestError(
+                f"backend '{backend.name}' is a Gemini API, which serves no legacy "
+                "completions (/v1/completions): use /v1/chat/completions or /v1/responses",
+                code="unsupported_endpoint")
         if ctx.endpoint == RESPONSES:
             return self._send_responses(backend, ctx, headers)
         chat = ctx.endpoint == CHAT

@@ -398,7 +398,7 @@ def test_responses_on_the_native_api_with_function_calls(
     assert short.incomplete_details.reason == "max_output_tokens"
 
 
-def test_responses_a_gemini_backend_cannot_honour_are_400s_naming_the_field(
+def test_what_a_gemini_backend_cannot_honour_is_a_400_naming_the_field(
     gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
 ) -> None:
     fake = gemini_factory()
@@ -417,4 +417,10 @@ def test_responses_a_gemini_backend_cannot_honour_are_400s_naming_the_field(
         error = caught.value.body
         assert isinstance(error, dict) and error["param"] == param, (extra, error)
         assert error["type"] == "invalid_request_error"
-    assert fake.received(CHAT) == []
+    # Google has no legacy completions either: said before anything is sent
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="Once upon a time")
+    assert isinstance(caught.value.body, dict)
+    assert caught.value.body["code"] == "unsupported_endpoint"
+    assert "/v1/chat/completions" in caught.value.body["message"]
+    assert fake.received("/v1beta", "POST") == []
