@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -26,6 +26,7 @@ from continuum.errors import (
     StoreError,
 )
 from continuum.service import RouterService
+from continuum.web import totals
 from continuum.web.fleet import fleet_of
 from continuum.web.http import read_body, request_id_of
 from continuum.web.reload import ConfigReloader
@@ -106,7 +107,8 @@ class AdminView(AdminResource):
     """A ``GET`` view of one worker's state (:meth:`doc`). ``?workers=all`` answers with
     every worker's view instead: ``{"workers": [...], "fleet": {...}}``, this worker's
     first, then those of the host's other workers and of the routers sharing Redis, each
-    with its ``worker_pid``, gathered through the fleet bus (:mod:`continuum.web.fleet`)."""
+    with its ``worker_pid``, gathered through the fleet bus (:mod:`continuum.web.fleet`);
+    a view with per-worker counters adds their sums as ``total`` (:meth:`total`)."""
 
     #: The path it is mounted at (set by :meth:`AdminIndexResource.mount`), which names the
     #: view to the other workers.
@@ -119,6 +121,11 @@ class AdminView(AdminResource):
         """:meth:`doc` with this worker's ``worker_pid``: one entry of ``?workers=all``."""
         return {**self.doc(), "worker_pid": os.getpid()}
 
+    def total(self, views: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+        """The ``total`` section of ``?workers=all`` (:mod:`continuum.web.totals`); None:
+        a view without counters to sum."""
+        return None
+
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         scope = req.get_param("workers")
         if scope is None:
@@ -127,14 +134,17 @@ class AdminView(AdminResource):
         if scope != "all":
             raise RequestError(f"workers must be 'all' (every worker's view), got '{scope}'",
                                param="workers", code="invalid_value")
-        own = self.snapshot()
+        views = [self.snapshot()]
+        doc: dict[str, Any] = {"workers": views}
         fleet = fleet_of(self.service)
-        if fleet is None:  # one worker, or workers that share nothing: this one is all
-            self._send(resp, {"workers": [own]})
-            return
-        section = fleet.spread("snapshot", {"view": self.path})
-        others = section.pop("elsewhere", {}).get("snapshots", [])
-        self._send(resp, {"workers": [own, *others], "fleet": section})
+        if fleet is not None:  # else one worker, or workers that share nothing: this one
+            section = fleet.spread("snapshot", {"view": self.path})
+            views += section.pop("elsewhere", {}).get("snapshots", [])
+            doc["fleet"] = section
+        total = self.total(views)
+        if total is not None:
+            doc["total"] = total
+        self._send(resp, doc)
 
 
 class StrategiesResource(AdminView):
@@ -158,6 +168,9 @@ class PrefixRoutingStatsResource(AdminView):
 
     def doc(self) -> dict[str, Any]:
         return asdict(self.service.prefix_routing_view())
+
+    def total(self, views: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+        return totals.prefix_routing(views)
 
 
 class ExplainResource(AdminResource):
@@ -208,6 +221,9 @@ class ResponseCacheStatsResource(AdminView):
     def doc(self) -> dict[str, Any]:
         return self.service.response_cache_stats()
 
+    def total(self, views: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+        return totals.response_cache(views)
+
 
 class ResponseCacheInvalidateResource(AdminResource):
     """``POST /admin/response-cache/invalidate``: empty the response cache and the semantic
@@ -244,6 +260,9 @@ class KvIndexStatsResource(AdminView):
     def doc(self) -> dict[str, Any]:
         return asdict(self.service.kv_index_view())
 
+    def total(self, views: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+        return totals.kv_index(views)
+
 
 class KvIndexBackendsResource(AdminView):
     """``GET /admin/kv-index/backends``: per-backend event statistics."""
@@ -276,6 +295,9 @@ class GeminiContextStatsResource(AdminView):
 
     def doc(self) -> dict[str, Any]:
         return self.service.gemini_context_stats()
+
+    def total(self, views: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+        return totals.gemini_context(views)
 
 
 class GeminiContextClearResource(AdminResource):

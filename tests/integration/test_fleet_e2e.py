@@ -199,6 +199,12 @@ def test_workers_all_lists_every_workers_view(upstreams, router_factory) -> None
         assert doc["fleet"]["workers"] == 2 and doc["fleet"]["complete"] is True, doc
         rows = [(w["worker_pid"], w["entries"], w["requests"]["miss"]) for w in doc["workers"]]
         assert rows == [(conns[0].pid, 1, 1), (conns[1].pid, 3, 3)]  # the answering one first
+        # the workers' counters summed (each worker has its own memory store: entries too)
+        assert doc["total"]["requests"] == {"hit": 0, "miss": 4, "skip": 0, "total": 4}
+        assert doc["total"]["entries"] == 4 and doc["total"]["hit_rate"] == "0.0000"
+        assert conns[1].post("/v1/chat/completions", _question(0))[0] == 200  # a hit
+        total = conns[1].get("/admin/response-cache/stats?workers=all")["total"]
+        assert total["requests"]["hit"] == 1 and total["hit_rate"] == "0.2000"
         backends = conns[1].get("/admin/backends?workers=all")["workers"]
         assert [w["worker_pid"] for w in backends] == [conns[1].pid, conns[0].pid]
         assert all(w["backends"][0]["name"] == "a" for w in backends)
@@ -222,6 +228,8 @@ def test_workers_all_reaches_the_routers_sharing_redis(upstreams, router_factory
         assert doc["fleet"]["routers_applied"] == 2, doc
         assert [(w["worker_pid"], w["entries"]) for w in doc["workers"]] == [
             (conns[1].pid, 2), (conns[0].pid, 1)]
+        # the routers' memory stores and lookups, summed
+        assert doc["total"]["entries"] == 3 and doc["total"]["requests"]["miss"] == 3
     finally:
         for conn in conns:
             conn.close()
