@@ -18,9 +18,9 @@ One dispatch (:meth:`GeminiGateway.send`):
    and streams are translated to OpenAI's shapes, Google's errors to OpenAI's error body,
    and the cached tokens of every answer are counted (metrics and the cache's stats).
 
-A Responses API request (``/v1/responses``), which Google has no endpoint for, is sent as
-the chat completion it stands for, without a context-cache reference, and its answer comes
-back in the Responses shapes (:mod:`continuum.routing.gemini_responses`).
+A Responses API request (``/v1/responses``), which Google has no endpoint for, is sent to
+the native API as the chat completion it stands for, without a context-cache reference, and
+its answer comes back in the Responses shapes (:mod:`continuum.routing.gemini_responses`).
 """
 
 from __future__ import annotations
@@ -234,17 +234,13 @@ class GeminiGateway:
 
     def _send_responses(self, backend: Backend, ctx: RequestContext,
                         headers: dict[str, str] | None) -> Upstream:
-        """A Responses request, sent as its chat completion (see the module doc)."""
-        chat = gemini_responses.chat_body(ctx.body)
-        native = self.settings.prefer_native_api
-        if native:
-            target, body = gemini.native_path(ctx.model, ctx.stream), gemini.to_native(chat)
-        else:
-            target, body = "/v1beta/openai/chat/completions", chat
-        upstream = self.forwarder.send(backend, ctx, target, json.dumps(body).encode(),
-                                       headers)
+        """A Responses request, sent to the native API as its chat completion (see
+        :mod:`continuum.routing.gemini_responses`)."""
+        native = gemini.to_native(gemini_responses.chat_body(ctx.body))
+        upstream = self.forwarder.send(backend, ctx, gemini.native_path(ctx.model, ctx.stream),
+                                       json.dumps(native).encode(), headers)
         upstream.adapter = gemini_responses.ResponsesAdapter(
-            ResponseAdapter(backend.name, ctx.model, native, self._count),
+            ResponseAdapter(backend.name, ctx.model, True, self._count),
             ResponseShape(ctx.model, ctx.body))
         return upstream
 

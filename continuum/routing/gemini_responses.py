@@ -1,23 +1,25 @@
 """The OpenAI Responses API (``POST /v1/responses``) on ``type: gemini`` backends.
 
 Google serves chat completions on its OpenAI-compatible surface, but no Responses endpoint,
-so the gateway (:mod:`continuum.routing.gemini_dispatch`) translates:
+so the gateway (:mod:`continuum.routing.gemini_dispatch`) translates, through the native
+API (``generateContent``, ``streamGenerateContent?alt=sse``) whatever
+``prefer_native_api`` says: it is Google's own, reports ``usageMetadata`` on every answer
+and stream, and leaves nothing to how the compatible surface treats the fields it was
+given. The context cache is not asked: it serves chat completions only.
 
-* **The request** becomes a chat completion (:func:`chat_body`), sent as the gateway sends
-  chat completions (the native ``generateContent`` with ``prefer_native_api``, else
-  ``/v1beta/openai/chat/completions``), but never with a context-cache reference: the
-  context cache serves chat completions only.
+* **The request** becomes a chat completion (:func:`chat_body`), then native
+  (:func:`continuum.routing.gemini.to_native`).
 
   - ``instructions`` → a system message; ``input`` as a string → one user message;
     message items (a string, or ``input_text``/``output_text``/``input_image`` parts) →
     messages, ``developer`` as ``system``; ``function_call`` items → the assistant's
     ``tool_calls``; ``function_call_output`` items → ``tool`` messages; ``reasoning`` items
     are dropped (Gemini cannot take them back).
-  - ``max_output_tokens`` → ``max_completion_tokens``; ``temperature``, ``top_p``,
-    ``parallel_tool_calls`` as they are; function ``tools`` and ``tool_choice`` in chat's
-    shapes; ``text.format`` (``json_object``, ``json_schema``) → ``response_format``;
-    ``reasoning.effort`` → ``reasoning_effort``. Other fields (``store``, ``metadata``,
-    ``user``, ``include``, ``truncation``…) are not sent; ``store`` is reported false.
+  - ``max_output_tokens`` → ``max_completion_tokens``; ``temperature`` and ``top_p`` as
+    they are; function ``tools`` and ``tool_choice`` in chat's shapes; ``text.format``
+    (``json_object``, ``json_schema``) → ``response_format``. Other fields (``store``,
+    ``metadata``, ``user``, ``include``, ``truncation``, ``reasoning``,
+    ``parallel_tool_calls``…) are not sent; ``store`` is reported false.
   - What the translation cannot honour is a 400 naming the field: ``previous_response_id``
     and ``conversation`` (the router stores no responses), ``background``, tools other
     than functions, file inputs, other input items.
@@ -61,7 +63,7 @@ _REFUSED = {
 }
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
-_PASSED = ("model", "temperature", "top_p", "parallel_tool_calls")
+_PASSED = ("model", "temperature", "top_p")
 #: Chat finish reasons that leave a response incomplete, with the Responses reason.
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
@@ -207,12 +209,6 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     fmt = _response_format(body.get("text"))
     if fmt is not None:
         chat["response_format"] = fmt
-    reasoning = body.get("reasoning")
-    if isinstance(reasoning, dict) and isinstance(reasoning.get("effort"), str):
-        chat["reasoning_effort"] = reasoning["effort"]
-    if body.get("stream"):
-        chat["stream"] = True
-        chat["stream_options"] = {"include_usage": True}
     return chat
 
 

@@ -295,19 +295,20 @@ def _respond(client: openai.OpenAI, question: str = "How do I clear the cache?",
                                    **extra)
 
 
-def test_responses_go_as_chat_completions_and_come_back_as_responses(
+def test_responses_go_to_the_native_api_and_come_back_as_responses(
     gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
 ) -> None:
     fake = gemini_factory()
-    router = router_factory(_config(fake))
+    router = router_factory(_config(fake))  # prefer_native_api off: Responses go native
     client = _client(router)
     first = _respond(client, temperature=0.0)
-    sent = fake.received(CHAT, "POST")
-    assert len(sent) == 1 and fake.received("/responses") == []
+    sent = fake.received(":generateContent", "POST")
+    assert len(sent) == 1 and fake.received(CHAT) == [] and fake.received("/responses") == []
+    assert sent[0]["path"] == f"/v1beta/models/{MODEL}:generateContent"
     assert sent[0]["body"] == {
-        "model": MODEL, "temperature": 0.0, "max_completion_tokens": 64,
-        "messages": [{"role": "system", "content": LONG_SYSTEM},
-                     {"role": "user", "content": "How do I clear the cache?"}]}
+        "systemInstruction": {"parts": [{"text": LONG_SYSTEM}]},
+        "contents": [{"role": "user", "parts": [{"text": "How do I clear the cache?"}]}],
+        "generationConfig": {"temperature": 0.0, "maxOutputTokens": 64}}
     assert first.object == "response" and first.status == "completed"
     assert first.id.startswith("resp_") and first.output[0].type == "message"
     assert first.output_text and first.instructions == LONG_SYSTEM
@@ -322,8 +323,8 @@ def test_responses_go_as_chat_completions_and_come_back_as_responses(
     cached = again.usage.input_tokens_details.cached_tokens
     assert 0 < cached < again.usage.input_tokens
 
-    events = list(_respond(client, stream=True))
-    assert fake.received(CHAT, "POST")[-1]["body"]["stream_options"] == {"include_usage": True}
+    events = list(_respond(client, stream=True, temperature=0.0))
+    assert fake.received(":streamGenerateContent", "POST")[-1]["query"] == "alt=sse"
     types = [e.type for e in events]
     assert types[:2] == ["response.created", "response.in_progress"]
     assert types[-1] == "response.completed" and "error" not in types
@@ -342,23 +343,26 @@ def test_responses_go_as_chat_completions_and_come_back_as_responses(
                       outcome="upstream", status_class="2xx") == 3
     assert metric_sum(metrics, "continuum_cached_prompt_tokens_total") == 2 * cached
 
+    short = _respond(client, max_output_tokens=2)
+    assert short.status == "incomplete"
+    assert short.incomplete_details is not None
+    assert short.incomplete_details.reason == "max_output_tokens"
 
-def test_responses_on_the_native_api_with_function_calls(
+
+def test_responses_with_function_calls(
     gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
 ) -> None:
     fake = gemini_factory()
-    router = router_factory(_config(fake, prefer_native_api=True))
+    router = router_factory(_config(fake))
     client = _client(router)
     ask = "Please lookup the page on clearing"
     called = _respond(client, ask, tools=[TOOL], tool_choice="auto")
     body = _last_chat_body(fake, ":generateContent")
-    assert body["systemInstruction"] == {"parts": [{"text": LONG_SYSTEM}]}
     assert body["contents"] == [{"role": "user", "parts": [{"text": ask}]}]
     assert body["tools"] == [{"functionDeclarations": [
         {"name": "lookup", "description": TOOL["description"],
          "parameters": TOOL["parameters"]}]}]
     assert body["toolConfig"] == {"functionCallingConfig": {"mode": "AUTO"}}
-    assert "cachedContent" not in body
     [call] = called.output
     assert call.type == "function_call" and call.name == "lookup"
     assert json.loads(call.arguments) == {"query": ask[:40]}
@@ -385,17 +389,11 @@ def test_responses_on_the_native_api_with_function_calls(
     assert answer.usage is not None and answer.usage.input_tokens_details.cached_tokens > 0
 
     events = list(_respond(client, ask, tools=[TOOL], stream=True))
-    assert fake.received(":streamGenerateContent", "POST")[-1]["query"] == "alt=sse"
     types = [e.type for e in events]
     assert types[-4:] == ["response.function_call_arguments.delta",
                           "response.function_call_arguments.done",
                           "response.output_item.done", "response.completed"]
     assert events[-1].response.output[0].arguments == call.arguments
-
-    short = _respond(client, max_output_tokens=2)
-    assert short.status == "incomplete"
-    assert short.incomplete_details is not None
-    assert short.incomplete_details.reason == "max_output_tokens"
 
 
 def test_what_a_gemini_backend_cannot_honour_is_a_400_naming_the_field(

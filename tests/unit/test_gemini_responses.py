@@ -19,7 +19,7 @@ def test_a_conversation_of_items_becomes_chat_messages() -> None:
     body = {
         "model": MODEL, "instructions": "Be brief.", "max_output_tokens": 50, "top_p": 0.5,
         "store": True, "metadata": {"k": "v"}, "user": "u1", "truncation": "auto",
-        "reasoning": {"effort": "low"}, "parallel_tool_calls": False,
+        "reasoning": {"effort": "low"}, "parallel_tool_calls": False, "stream": True,
         "text": {"format": {"type": "json_schema", "name": "answer", "strict": True,
                             "schema": {"type": "object"}}},
         "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
@@ -38,8 +38,7 @@ def test_a_conversation_of_items_becomes_chat_messages() -> None:
              "output": [{"type": "input_text", "text": "twelve"}]},
         ]}
     assert chat_body(body) == {
-        "model": MODEL, "top_p": 0.5, "parallel_tool_calls": False,
-        "max_completion_tokens": 50, "reasoning_effort": "low",
+        "model": MODEL, "top_p": 0.5, "max_completion_tokens": 50,
         "response_format": {"type": "json_schema", "json_schema": {
             "name": "answer", "schema": {"type": "object"}, "strict": True}},
         "tools": [{"type": "function",
@@ -61,11 +60,9 @@ def test_a_conversation_of_items_becomes_chat_messages() -> None:
             {"role": "tool", "tool_call_id": "c2", "content": "twelve"}]}
 
 
-def test_a_string_input_streamed_asks_for_the_usage_chunk() -> None:
-    assert chat_body({"model": MODEL, "input": "hi", "stream": True, "temperature": 0}) == {
-        "model": MODEL, "temperature": 0, "stream": True,
-        "stream_options": {"include_usage": True},
-        "messages": [{"role": "user", "content": "hi"}]}
+def test_a_string_input_is_one_user_message() -> None:
+    assert chat_body({"model": MODEL, "input": "hi", "temperature": 0}) == {
+        "model": MODEL, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize(("extra", "param"), [
