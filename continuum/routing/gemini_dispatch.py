@@ -139,7 +139,11 @@ class ResponseAdapter:
             return data
         answer = gemini.from_native(doc, self.model)
         self.count(self.backend, answer["usage"]["prompt_tokens_details"]["cached_tokens"])
-        return json.dumps(answer).encode()
+        return json.dumps(self.reshape(answer)).encode()
+
+    def reshape(self, answer: dict[str, Any]) -> dict[str, Any]:
+        """The client's shape of a (translated) chat completion: itself."""
+        return answer
 
     def _count_openai(self, data: bytes) -> None:
         if b'"cached_tokens"' not in data:
@@ -171,6 +175,24 @@ class ResponseAdapter:
                     if line.startswith(b"data: {") and line.find(b'"cached_tokens"') >= 0:
                         self._count_openai(line[6:])
             yield piece
+
+
+class ResponsesAdapter(ResponseAdapter):
+    """A Responses request's adapter: the native answer as a ``response`` object, the
+    native stream as the typed events (:mod:`continuum.routing.gemini_responses`)."""
+
+    def __init__(self, backend: str, model: str, count: Callable[[str, int], None],
+                 shape: ResponseShape) -> None:
+        super().__init__(backend, model, True, count)
+        self.shape = shape
+
+    def reshape(self, answer: dict[str, Any]) -> dict[str, Any]:
+        return gemini_responses.response_from_chat(answer, self.shape)
+
+    def stream(self, pieces: Iterator[bytes], upstream: Upstream) -> Iterator[bytes]:
+        chat = super().stream(pieces, upstream)
+        return gemini_responses.EventTranslator(self.shape).translate(
+            chat, lambda: upstream.completed)
 
 
 class GeminiGateway:
@@ -239,9 +261,8 @@ class GeminiGateway:
         native = gemini.to_native(gemini_responses.chat_body(ctx.body))
         upstream = self.forwarder.send(backend, ctx, gemini.native_path(ctx.model, ctx.stream),
                                        json.dumps(native).encode(), headers)
-        upstream.adapter = gemini_responses.ResponsesAdapter(
-            ResponseAdapter(backend.name, ctx.model, True, self._count),
-            ResponseShape(ctx.model, ctx.body))
+        upstream.adapter = ResponsesAdapter(backend.name, ctx.model, self._count,
+                                            ResponseShape(ctx.model, ctx.body))
         return upstream
 
     @staticmethod

@@ -42,16 +42,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from continuum.errors import RequestError
 from continuum.wire import responses_api
 from continuum.wire.responses_api import ResponseShape
 from continuum.wire.sse import SseParser
-
-if TYPE_CHECKING:
-    from continuum.routing.forwarder import Forwarder, Upstream
-    from continuum.routing.gemini_dispatch import ResponseAdapter
 
 #: Responses fields that need state or features the translation has not.
 _REFUSED = {
@@ -418,31 +414,3 @@ class EventTranslator:
                 yield b"".join(events)
         if completed():
             yield b"".join(self.finish())
-
-
-class ResponsesAdapter:
-    """The gateway's adapter for a translated Responses request: the chat answer (read
-    through ``chat``, the chat adapter, which also counts cached tokens) as a
-    ``response``, its stream as typed events."""
-
-    def __init__(self, chat: ResponseAdapter, shape: ResponseShape) -> None:
-        self.chat = chat
-        self.shape = shape
-
-    def read(self, forwarder: Forwarder, upstream: Upstream) -> bytes:
-        """The whole answer as a ``response`` object (errors as they are)."""
-        data = self.chat.read(forwarder, upstream)
-        if upstream.status >= 400:
-            return data
-        try:
-            doc = json.loads(data)
-        except ValueError:
-            return data
-        if not isinstance(doc, dict):
-            return data
-        return json.dumps(response_from_chat(doc, self.shape)).encode()
-
-    def stream(self, pieces: Iterator[bytes], upstream: Upstream) -> Iterator[bytes]:
-        """The answer's events."""
-        chat = self.chat.stream(pieces, upstream)
-        return EventTranslator(self.shape).translate(chat, lambda: upstream.completed)
