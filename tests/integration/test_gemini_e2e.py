@@ -333,15 +333,21 @@ def test_responses_go_to_the_native_api_and_come_back_as_responses(
     assert text == first.output_text
     done = events[-1].response
     assert done.output_text == text and done.usage.input_tokens_details.cached_tokens == cached
+    # the SDK's own stream helper accumulates the events into the same response
+    with client.responses.stream(model=MODEL, instructions=LONG_SYSTEM, temperature=0.0,
+                                 input="How do I clear the cache?",
+                                 max_output_tokens=64) as helper:
+        final = helper.get_final_response()
+    assert final.output_text == first.output_text and final.status == "completed"
 
     # the context cache serves chat completions only: no lookup, no cachedContents
     assert fake.received("/cachedContents") == []
     assert _stats(router)["hits"] + _stats(router)["misses"] == 0
     metrics = router.metrics()
-    assert f'continuum_gemini_cached_tokens_total{{backend="gem"}} {2.0 * cached}' in metrics
+    assert f'continuum_gemini_cached_tokens_total{{backend="gem"}} {3.0 * cached}' in metrics
     assert metric_sum(metrics, "continuum_requests_total", endpoint="responses",
-                      outcome="upstream", status_class="2xx") == 3
-    assert metric_sum(metrics, "continuum_cached_prompt_tokens_total") == 2 * cached
+                      outcome="upstream", status_class="2xx") == 4
+    assert metric_sum(metrics, "continuum_cached_prompt_tokens_total") == 3 * cached
 
     short = _respond(client, max_output_tokens=2)
     assert short.status == "incomplete"
@@ -394,6 +400,10 @@ def test_responses_with_function_calls(
                           "response.function_call_arguments.done",
                           "response.output_item.done", "response.completed"]
     assert events[-1].response.output[0].arguments == call.arguments
+    with client.responses.stream(model=MODEL, instructions=LONG_SYSTEM, input=ask,
+                                 tools=[TOOL]) as helper:
+        [streamed_call] = helper.get_final_response().output
+    assert streamed_call.type == "function_call" and streamed_call.arguments == call.arguments
 
 
 def test_what_a_gemini_backend_cannot_honour_is_a_400_naming_the_field(
