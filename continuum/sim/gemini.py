@@ -13,6 +13,10 @@
 * ``cachedContents``: create (``POST``), list (``GET``, ``pageSize``/``pageToken``), get,
   ``PATCH`` (``updateMask=ttl`` or ``expireTime``) and ``DELETE``, with the behaviour of
   :mod:`continuum.sim.gemini_cache` (minimum sizes, TTL expiry, storage accounting);
+* Gemini 3 models sign their function calls (``thoughtSignature`` beside each
+  ``functionCall`` part) and, as Google does, refuse (400) a request whose current turn
+  (the contents after the last user text) holds a model content whose first function call
+  lacks its signature or carries one the fake never gave;
 * errors as ``{"error": {"code", "message", "status"}}``: a ``cachedContent`` together with
   ``systemInstruction``, ``tools`` or ``toolConfig`` is refused (400) as Google does, and so
   is a missing or expired cache (403, "CachedContent not found (or permission denied)");
@@ -28,7 +32,9 @@ expiry) against the client's, as a skewed or long-running server would be.
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
+import hmac
 import json
 import random
 import secrets
@@ -126,6 +132,7 @@ class FakeGemini:
         self.received: deque[dict[str, Any]] = deque(maxlen=keep_received)
         self.tokenizer = SimTokenizer()
         self._spaced, self._capital = self.tokenizer.generation_lexicon()
+        self._signer = secrets.token_bytes(16)  # thoughtSignature of Gemini 3's calls
 
     def now(self) -> float:
         """The fake's wall clock (with its offset)."""
@@ -171,6 +178,37 @@ class FakeGemini:
                                  f"or is not supported for {method}. Call ListModels to see "
                                  "the list of available models and their supported methods.")
         return "models/" + bare
+
+    def _signature(self, call: dict[str, Any]) -> str:
+        mac = hmac.new(self._signer, json.dumps(call, sort_keys=True).encode(), "sha256")
+        return base64.b64encode(mac.digest()).decode()
+
+    def _check_signatures(self, contents: list[Any]) -> None:
+        """Gemini 3's rule: in the current turn (after the last user text), each model
+        content's first function call carries the signature it was answered with."""
+        start = 0
+        for i, content in enumerate(contents):
+            if content.get("role", "user") == "user" and any(
+                    isinstance(part.get("text"), str) for part in content["parts"]):
+                start = i + 1
+        for content in contents[start:]:
+            if content.get("role") != "model":
+                continue
+            calls = [(j, part) for j, part in enumerate(content["parts"])
+                     if isinstance(part.get("functionCall"), dict)]
+            if not calls:
+                continue
+            position, part = calls[0]
+            signature = part.get("thoughtSignature")
+            if signature is None:
+                raise GeminiApiError(
+                    400, "Function call is missing a thought_signature in functionCall "
+                    f"parts. function call `{part['functionCall'].get('name')}`, position "
+                    f"{position + 1}. Please refer to "
+                    "https://ai.google.dev/gemini-api/docs/thought-signatures")
+            if not isinstance(signature, str) or not hmac.compare_digest(
+                    signature, self._signature(part["functionCall"])):
+                raise GeminiApiError(400, "Corrupted thought signature.")
 
     def _tokens(self, texts: Sequence[str]) -> int:
         return sum(len(self.tokenizer.encode(t)) for t in texts if t)
@@ -280,6 +318,9 @@ class FakeGemini:
                 raise GeminiApiError(400, f"Please use a valid role: user, model. "
                                      f"(contents[{i}].role)")
             texts += _texts(content, f"contents[{i}]")
+        signs = model.startswith("models/gemini-3")
+        if signs:
+            self._check_signatures(contents)
         system = body.get("systemInstruction")
         system_text = "\n".join(_texts(system, "systemInstruction")) if system else ""
         declared = [f.get("name", "") for tool in body.get("tools") or []
@@ -303,8 +344,10 @@ class FakeGemini:
         if cached_tokens:
             usage["cachedContentTokenCount"] = cached_tokens
         if call is not None:
-            parts: list[dict[str, Any]] = [
-                {"functionCall": {"name": call, "args": {"query": last[:40]}}}]
+            function = {"name": call, "args": {"query": last[:40]}}
+            parts: list[dict[str, Any]] = [{"functionCall": function}]
+            if signs:
+                parts[0]["thoughtSignature"] = self._signature(function)
             pieces: list[str] = []
             finish = "STOP"
             out_tokens = 8
