@@ -9,6 +9,10 @@ streamed); these functions translate both ways:
   developer messages → ``systemInstruction``;
 * sampling parameters → ``generationConfig``; ``tools`` → ``functionDeclarations``;
   ``tool_choice`` → ``toolConfig.functionCallingConfig``;
+* a function call's ``thoughtSignature`` (Gemini 3 signs its calls and refuses a
+  conversation that does not give the signatures back) ↔ the tool call's
+  ``extra_content.google.thought_signature``, where Google's OpenAI-compatible surface
+  puts it, so a client written for that surface round-trips it unchanged;
 * ``candidates`` → ``choices`` with their finish reasons; ``usageMetadata`` → ``usage``, where
   ``prompt_tokens`` stays the whole prompt (Google's ``promptTokenCount`` includes cached
   tokens) and ``prompt_tokens_details.cached_tokens`` is ``cachedContentTokenCount``, from a
@@ -110,6 +114,22 @@ def _arguments(raw: Any) -> Any:
     return raw if isinstance(raw, dict) else {}
 
 
+def thought_signature(call: Any) -> str | None:
+    """The Gemini signature an OpenAI tool call carries
+    (``extra_content.google.thought_signature``), or None."""
+    extra = call.get("extra_content") if isinstance(call, dict) else None
+    google = extra.get("google") if isinstance(extra, dict) else None
+    signature = google.get("thought_signature") if isinstance(google, dict) else None
+    return signature if isinstance(signature, str) else None
+
+
+def signed(signature: Any) -> dict[str, Any]:
+    """The ``extra_content`` carrying a Gemini signature (empty without one)."""
+    if not isinstance(signature, str):
+        return {}
+    return {"extra_content": {"google": {"thought_signature": signature}}}
+
+
 def _contents(messages: list[Any]) -> list[dict[str, Any]]:
     """The conversation as ``contents``; consecutive turns of one role are merged."""
     names: dict[str, str] = {}
@@ -124,8 +144,12 @@ def _contents(messages: list[Any]) -> list[dict[str, Any]]:
                 function = call.get("function") or {} if isinstance(call, dict) else {}
                 name = str(function.get("name", ""))
                 names[str(call.get("id", ""))] = name
-                parts.append({"functionCall": {"name": name,
-                                               "args": _arguments(function.get("arguments"))}})
+                part: dict[str, Any] = {"functionCall": {
+                    "name": name, "args": _arguments(function.get("arguments"))}}
+                signature = thought_signature(call)
+                if signature is not None:
+                    part["thoughtSignature"] = signature
+                parts.append(part)
         elif role == "tool":
             turn = "user"
             name = names.get(str(message.get("tool_call_id", "")), message.get("name") or "")
@@ -251,7 +275,8 @@ def _message(candidate: dict[str, Any], index_base: int = 0) -> tuple[str | None
             calls.append({"id": call.get("id") or f"call_{index_base + len(calls)}",
                           "type": "function",
                           "function": {"name": call.get("name", ""),
-                                       "arguments": json.dumps(call.get("args") or {})}})
+                                       "arguments": json.dumps(call.get("args") or {})},
+                          **signed(part.get("thoughtSignature"))})
     return ("".join(texts) if texts else None), calls
 
 

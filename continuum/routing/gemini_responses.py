@@ -14,7 +14,8 @@ given. The context cache is not asked: it serves chat completions only.
     message items (a string, or ``input_text``/``output_text``/``input_image`` parts) →
     messages, ``developer`` as ``system``; ``function_call`` items → the assistant's
     ``tool_calls``; ``function_call_output`` items → ``tool`` messages; ``reasoning`` items
-    are dropped (Gemini cannot take them back).
+    are dropped (Gemini cannot take them back). A ``function_call`` item's
+    ``extra_content.google.thought_signature`` goes back as its ``thoughtSignature``.
   - ``max_output_tokens`` → ``max_completion_tokens``; ``temperature`` and ``top_p`` as
     they are; function ``tools`` and ``tool_choice`` in chat's shapes; ``text.format``
     (``json_object``, ``json_schema``) → ``response_format``. Other fields (``store``,
@@ -25,7 +26,9 @@ given. The context cache is not asked: it serves chat completions only.
     than functions, file inputs, other input items.
 
 * **The answer** becomes a ``response`` object (:func:`response_from_chat`): the text as
-  one ``message`` item, each tool call as a ``function_call`` item; a ``length`` finish as
+  one ``message`` item, each tool call as a ``function_call`` item (with Gemini 3's
+  signature in ``extra_content.google.thought_signature``, as Google's OpenAI-compatible
+  surface gives it, for the client to send back with the item); a ``length`` finish as
   status ``incomplete`` (``max_output_tokens``), ``content_filter`` likewise; ``usage`` as
   ``input_tokens`` (the whole prompt), ``input_tokens_details.cached_tokens`` (Gemini's
   ``cachedContentTokenCount``, implicit caching included), ``output_tokens`` and
@@ -45,6 +48,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from continuum.errors import RequestError
+from continuum.routing.gemini import signed, thought_signature
 from continuum.wire import responses_api
 from continuum.wire.responses_api import ResponseShape
 from continuum.wire.sse import SseParser
@@ -119,7 +123,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             call = {"id": str(item.get("call_id") or item.get("id") or f"call_{i}"),
                     "type": "function",
                     "function": {"name": item["name"], "arguments":
-                                 arguments if isinstance(arguments, str) else "{}"}}
+                                 arguments if isinstance(arguments, str) else "{}"},
+                    **signed(thought_signature(item))}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -236,10 +241,10 @@ def response_from_chat(doc: dict[str, Any], shape: ResponseShape) -> dict[str, A
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict):
-            output.append(responses_api.function_call_item(
+            output.append({**responses_api.function_call_item(
                 responses_api.new_id("fc"), str(call.get("id") or ""),
                 str(function.get("name") or ""), str(function.get("arguments") or "{}"),
-                "completed"))
+                "completed"), **signed(thought_signature(call))})
     if isinstance(doc.get("model"), str):
         shape.model = doc["model"]
     reason = _INCOMPLETE.get(str(choice.get("finish_reason")))
@@ -250,7 +255,7 @@ def response_from_chat(doc: dict[str, Any], shape: ResponseShape) -> dict[str, A
 class _Call:
     """A function call being streamed: its item and the arguments so far."""
 
-    __slots__ = ("arguments", "call_id", "index", "item_id", "name")
+    __slots__ = ("arguments", "call_id", "index", "item_id", "name", "signature")
 
     def __init__(self, index: int, call_id: str, name: str) -> None:
         self.index = index
@@ -258,6 +263,13 @@ class _Call:
         self.call_id = call_id
         self.name = name
         self.arguments: list[str] = []
+        self.signature: str | None = None
+
+    def item(self, arguments: str, status: str) -> dict[str, Any]:
+        """Its ``function_call`` item (with Gemini's signature, when it has one)."""
+        return {**responses_api.function_call_item(self.item_id, self.call_id, self.name,
+                                                   arguments, status),
+                **signed(self.signature)}
 
 
 class EventTranslator:
@@ -353,12 +365,12 @@ class EventTranslator:
             call = _Call(len(self.items) + len(self.open_calls),
                          str(delta.get("id") or f"call_{index}"), str(function.get("name")
                                                                      or ""))
+            call.signature = thought_signature(delta)
             self.calls[index] = call
             self.open_calls.append(call)
-            out.append(self.counter.record(
-                "response.output_item.added", output_index=call.index,
-                item=responses_api.function_call_item(call.item_id, call.call_id, call.name,
-                                                      "", "in_progress")))
+            out.append(self.counter.record("response.output_item.added",
+                                           output_index=call.index,
+                                           item=call.item("", "in_progress")))
         arguments = function.get("arguments")
         if isinstance(arguments, str) and arguments:
             call.arguments.append(arguments)
@@ -392,8 +404,7 @@ class EventTranslator:
             out.append(self.counter.record(
                 "response.function_call_arguments.done", item_id=call.item_id,
                 output_index=call.index, arguments=arguments))
-            item = responses_api.function_call_item(call.item_id, call.call_id, call.name,
-                                                    arguments, "completed")
+            item = call.item(arguments, "completed")
             out.append(self.counter.record("response.output_item.done",
                                            output_index=call.index, item=item))
             self.items.append(item)

@@ -432,3 +432,66 @@ def test_what_a_gemini_backend_cannot_honour_is_a_400_naming_the_field(
     assert caught.value.body["code"] == "unsupported_endpoint"
     assert "/v1/chat/completions" in caught.value.body["message"]
     assert fake.received("/v1beta", "POST") == []
+
+
+G3 = "gemini-3-pro-preview"  # signs its function calls and wants the signatures back
+
+
+def _signature(call: Any) -> Any:
+    return (call.model_extra or {}).get("extra_content", {}).get("google", {}).get(
+        "thought_signature")
+
+
+def test_gemini_3_signatures_round_trip_through_chat_and_responses(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    fake = gemini_factory()
+    cfg = _config(fake, prefer_native_api=True)
+    cfg["backends"][0]["models"] = [MODEL, G3]
+    router = router_factory(cfg)
+    client = _client(router)
+    ask = "Please lookup the page on clearing"
+    chat_tool = {"type": "function", "function": {
+        k: TOOL[k] for k in ("name", "description", "parameters")}}
+
+    # chat completions on the native API: the signature comes as Google's compatible
+    # surface gives it, and goes back beside the functionCall
+    first = client.chat.completions.create(
+        model=G3, tools=[chat_tool], messages=[{"role": "user", "content": ask}])
+    [call] = first.choices[0].message.tool_calls or []
+    signature = _signature(call)
+    assert isinstance(signature, str) and signature
+    history = [{"role": "user", "content": ask},
+               {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": '{"page": "POST /clear"}'}]
+    answer = client.chat.completions.create(model=G3, tools=[chat_tool], messages=history)
+    assert answer.choices[0].finish_reason in ("stop", "tool_calls")  # accepted
+    sent = _last_chat_body(fake, ":generateContent")["contents"][1]["parts"][0]
+    assert sent["thoughtSignature"] == signature
+    # without it Gemini 3 refuses the conversation, and the client hears why
+    stripped = {**history[1], "tool_calls": [{k: v for k, v in call.model_dump().items()
+                                              if k != "extra_content"}]}
+    with pytest.raises(openai.BadRequestError, match="thought_signature"):
+        client.chat.completions.create(model=G3, tools=[chat_tool],
+                                       messages=[history[0], stripped, history[2]])
+
+    # the Responses API: the function_call item carries it; sent back with the item
+    called = client.responses.create(model=G3, input=ask, tools=[TOOL])
+    [item] = called.output
+    assert item.type == "function_call" and isinstance(_signature(item), str)
+    output = {"type": "function_call_output", "call_id": item.call_id, "output": "POST /clear"}
+    answer = client.responses.create(model=G3, tools=[TOOL], input=[
+        {"role": "user", "content": ask}, *called.output, output])  # type: ignore[list-item]
+    assert answer.status == "completed"  # accepted
+    assert _last_chat_body(fake, ":generateContent")["contents"][1]["parts"][0][
+        "thoughtSignature"] == _signature(item)
+    with pytest.raises(openai.BadRequestError, match="thought_signature"):
+        client.responses.create(model=G3, tools=[TOOL], input=[
+            {"role": "user", "content": ask},
+            {"type": "function_call", "call_id": item.call_id, "name": item.name,
+             "arguments": item.arguments}, output])
+    # streamed, the item's signature comes in its events too
+    events = list(client.responses.create(model=G3, input=ask, tools=[TOOL], stream=True))
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert isinstance(_signature(added.item), str)
+    assert _signature(events[-1].response.output[0]) == _signature(added.item)

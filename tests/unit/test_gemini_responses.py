@@ -31,7 +31,8 @@ def test_a_conversation_of_items_becomes_chat_messages() -> None:
                                           "image_url": "data:image/png;base64,AAAA"}]},
             {"type": "reasoning", "id": "rs_1", "summary": []},
             {"role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
-            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x":1}'},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x":1}',
+             "extra_content": {"google": {"thought_signature": "c2ln"}}},
             {"type": "function_call", "call_id": "c2", "name": "f", "arguments": '{"x":2}'},
             {"type": "function_call_output", "call_id": "c1", "output": "ten"},
             {"type": "function_call_output", "call_id": "c2",
@@ -53,7 +54,8 @@ def test_a_conversation_of_items_becomes_chat_messages() -> None:
             {"role": "assistant", "content": [{"type": "text", "text": "Checking."}],
              "tool_calls": [
                  {"id": "c1", "type": "function",
-                  "function": {"name": "f", "arguments": '{"x":1}'}},
+                  "function": {"name": "f", "arguments": '{"x":1}'},
+                  "extra_content": {"google": {"thought_signature": "c2ln"}}},
                  {"id": "c2", "type": "function",
                   "function": {"name": "f", "arguments": '{"x":2}'}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "ten"},
@@ -114,11 +116,13 @@ def test_a_chat_answer_becomes_a_response_with_its_usage() -> None:
     assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
 
     calls = [{"id": "call_9", "type": "function",
-              "function": {"name": "f", "arguments": '{"x":1}'}}]
+              "function": {"name": "f", "arguments": '{"x":1}'},
+              "extra_content": {"google": {"thought_signature": "c2ln"}}}]
     called = response_from_chat(_chat(None, "tool_calls", calls), shape)
     [call] = called["output"]
     assert call["type"] == "function_call" and call["call_id"] == "call_9"
     assert call["name"] == "f" and call["arguments"] == '{"x":1}'
+    assert call["extra_content"] == {"google": {"thought_signature": "c2ln"}}  # Gemini 3's
     assert called["status"] == "completed"
 
 

@@ -95,6 +95,32 @@ def test_answer_translation_with_cached_tokens_and_tool_calls() -> None:
                                "completion_tokens_details": {"reasoning_tokens": 3}}
 
 
+def test_gemini_3_signatures_go_both_ways_as_googles_compatible_surface_carries_them() -> None:
+    # parallel calls: Gemini signs the first one only
+    answer = gemini.from_native({"candidates": [{"finishReason": "STOP", "content": {
+        "role": "model", "parts": [
+            {"functionCall": {"name": "f", "args": {"x": 1}}, "thoughtSignature": "c2ln"},
+            {"functionCall": {"name": "g", "args": {}}}]}}]}, "gemini-3-pro-preview")
+    first, second = answer["choices"][0]["message"]["tool_calls"]
+    assert first["extra_content"] == {"google": {"thought_signature": "c2ln"}}
+    assert "extra_content" not in second
+    native = gemini.to_native({"messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": [first, second]},
+        {"role": "tool", "tool_call_id": first["id"], "content": "1"},
+        {"role": "tool", "tool_call_id": second["id"], "content": "2"}]})
+    assert native["contents"][1]["parts"] == [
+        {"functionCall": {"name": "f", "args": {"x": 1}}, "thoughtSignature": "c2ln"},
+        {"functionCall": {"name": "g", "args": {}}}]
+    # streamed, the chunk's tool call carries it too
+    stream = gemini.NativeStream("gemini-3-pro-preview")
+    [chunk] = stream.feed(b'data: {"candidates": [{"index": 0, "content": {"parts": [{'
+                          b'"functionCall": {"name": "f", "args": {}}, '
+                          b'"thoughtSignature": "c2ln"}]}}]}\r\n\r\n')
+    delta = json.loads(chunk.removeprefix(b"data: "))["choices"][0]["delta"]
+    assert delta["tool_calls"][0]["extra_content"]["google"]["thought_signature"] == "c2ln"
+
+
 def test_stream_translation_ends_with_usage_and_done() -> None:
     records = [
         {"candidates": [{"content": {"role": "model", "parts": [{"text": "Hel"}]}, "index": 0}],
