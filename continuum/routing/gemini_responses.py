@@ -96,11 +96,11 @@ def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
 
 
 def _output_text(output: Any, where: str) -> str:
-    if isinstance(output, str):
-        return output
-    content = _content(output, where)
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict)) \
-        if isinstance(content, list) else content
+    """A ``function_call_output``'s ``output``: a string, or its text parts joined."""
+    parts = _content(output, where)
+    if isinstance(parts, str):
+        return parts
+    return "".join(part.get("text", "") for part in parts)
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
