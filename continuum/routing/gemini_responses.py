@@ -147,8 +147,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
+    if tools is not None and not isinstance(tools, list):
+        raise RequestError("'tools' must be an array", param="tools")
     out = []
-    for i, tool in enumerate(tools if isinstance(tools, list) else []):
+    for i, tool in enumerate(tools or []):
         if not isinstance(tool, dict) or tool.get("type") != "function" or \
                 not isinstance(tool.get("name"), str):
             raise RequestError(f"'tools[{i}]': a Gemini backend takes function tools only "

@@ -72,6 +72,7 @@ def test_a_string_input_is_one_user_message() -> None:
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"tools": [{"type": "file_search"}]}, "tools[0]"),
+    ({"tools": {"type": "function", "name": "f"}}, "tools"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
