@@ -35,6 +35,12 @@ class PrefixRoutingSettings:
     anthropic_cache_control_injection: bool
 
 
+def rate_text(part: float, whole: float) -> str:
+    """``part / whole`` with four decimals (0 when ``whole`` is 0): how the admin API shows
+    its rates (``hit_rate``, ``overflow_rate``)."""
+    return f"{(part / whole if whole else 0.0):.4f}"
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixRoutingDecisions:
     """How a prefix-routing strategy decided: on the key's owner, on the next backend under

@@ -34,7 +34,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from continuum.cardinality import DistinctCounter
 from continuum.config import PrefixRoutingConfig
 from continuum.errors import NoHealthyBackendError
-from continuum.interfaces import PrefixRoutingDecisions, PrefixRoutingSettings, PrefixRoutingStats
+from continuum.interfaces import (
+    PrefixRoutingDecisions,
+    PrefixRoutingSettings,
+    PrefixRoutingStats,
+    rate_text,
+)
 from continuum.routing.backends import in_flight_of
 from strategies.consistent_hash import ConsistentHash
 
@@ -205,7 +210,7 @@ class PrefixAwareHash(ConsistentHash):
             routing_decisions=PrefixRoutingDecisions(
                 total=total, prefix_hash=self.decisions[PREFIX_HASH], overflow=overflow,
                 fallback=self.decisions[FALLBACK],
-                overflow_rate=f"{(overflow / total if total else 0.0):.4f}",
+                overflow_rate=rate_text(overflow, total),
             ),
             unique_prefixes=self.prefixes.count(),
         )

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from continuum.caching.cache_key import cache_key
 from continuum.errors import StoreError
+from continuum.interfaces import rate_text
 from continuum.request import RESPONSES
 
 if TYPE_CHECKING:
@@ -243,7 +244,7 @@ class ResponseCache:
             "entries": store_stats.entries if store_stats else None,
             "capacity": config.capacity,
             "requests": {**counts, "total": looked_up + counts["skip"]},
-            "hit_rate": f"{(counts['hit'] / looked_up if looked_up else 0.0):.4f}",
+            "hit_rate": rate_text(counts["hit"], looked_up),
             "evictions": store_stats.evictions if store_stats else 0,
             "size_bytes": store_stats.size_bytes if store_stats else 0,
             "config": {

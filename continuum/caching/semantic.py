@@ -51,6 +51,7 @@ from continuum.caching.false_hit_gate import refusal
 from continuum.caching.response_cache import CachedResponse, decode_entry, encode_entry
 from continuum.caching.semantic_replay import adapt
 from continuum.caching.vector_index import Matrix, VectorIndex, unit
+from continuum.interfaces import rate_text
 from continuum.request import CHAT
 from continuum.wire import http_client
 
@@ -512,7 +513,7 @@ class SemanticCache:
             "partitions": self.index.partitions(),
             "evictions": self.index.evictions,
             "requests": {**counts, "total": looked_up + counts["skip"]},
-            "hit_rate": f"{(counts['hit'] / looked_up if looked_up else 0.0):.4f}",
+            "hit_rate": rate_text(counts["hit"], looked_up),
             "skips": dict(self.skips),
             "gate_refusals": dict(self.refusals),
             "embedding_errors": dict(self.embedding_errors),

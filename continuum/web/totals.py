@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from continuum.interfaces import rate_text
+
 #: ``/admin/response-cache/stats``: always per worker.
 RESPONSE_CACHE = ("requests.hit", "requests.miss", "requests.skip", "requests.total",
                   "semantic.requests.hit", "semantic.requests.miss", "semantic.requests.skip",
@@ -59,11 +61,6 @@ def summed(views: Sequence[dict[str, Any]], paths: Sequence[str]) -> dict[str, A
     return out
 
 
-def rate(part: Any, whole: Any) -> str:
-    """``part / whole`` with four decimals, as the admin views show their rates."""
-    return f"{(part / whole if isinstance(part, int) and whole else 0.0):.4f}"
-
-
 def response_cache(views: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The ``total`` of ``/admin/response-cache/stats``."""
     paths: tuple[str, ...] = RESPONSE_CACHE
@@ -76,7 +73,7 @@ def response_cache(views: Sequence[dict[str, Any]]) -> dict[str, Any]:
         requests = section.get("requests")
         if isinstance(requests, dict):
             hits = requests.get("hit", 0)
-            section["hit_rate"] = rate(hits, hits + requests.get("miss", 0))
+            section["hit_rate"] = rate_text(hits, hits + requests.get("miss", 0))
     return out
 
 
@@ -86,7 +83,7 @@ def prefix_routing(views: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out = summed(views, PREFIX_ROUTING)
     decisions = out.get("routing_decisions")
     if isinstance(decisions, dict):
-        decisions["overflow_rate"] = rate(decisions.get("overflow", 0),
+        decisions["overflow_rate"] = rate_text(decisions.get("overflow", 0),
                                           decisions.get("total", 0))
     return out
 
