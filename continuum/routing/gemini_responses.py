@@ -61,8 +61,6 @@ _REFUSED = {
                     "'input'",
     "background": "background responses need a stored response to poll",
 }
-_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-_TEXT_PARTS = ("input_text", "output_text", "text")
 _PASSED = ("model", "temperature", "top_p")
 #: Chat finish reasons that leave a response incomplete, with the Responses reason.
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
@@ -74,7 +72,7 @@ def _dict(value: Any) -> dict[str, Any]:
 
 def _part(part: Any, where: str) -> dict[str, Any]:
     kind = part.get("type") if isinstance(part, dict) else None
-    if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+    if kind in responses_api.TEXT_PART_TYPES and isinstance(part.get("text"), str):
         return {"type": "text", "text": part["text"]}
     if kind == "input_image":
         url = part.get("image_url")
@@ -115,8 +113,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     for i, item in enumerate(given if isinstance(given, list) else []):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "message" and item.get("role") in _ROLES:
-            messages.append({"role": _ROLES[item["role"]],
+        if kind == "message" and item.get("role") in responses_api.INPUT_ROLES:
+            messages.append({"role": responses_api.INPUT_ROLES[item["role"]],
                              "content": _content(item.get("content"), where + ".content")})
         elif kind == "function_call" and isinstance(item.get("name"), str):
             arguments = item.get("arguments")

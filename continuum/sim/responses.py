@@ -23,9 +23,6 @@ from continuum.errors import RequestError
 from continuum.sim.engine import Generation
 from continuum.wire import responses_api
 
-_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-_TEXT_PARTS = ("input_text", "output_text", "text")
-
 
 def _text(content: Any, where: str) -> str:
     if isinstance(content, str):
@@ -35,7 +32,7 @@ def _text(content: Any, where: str) -> str:
                            param=where)
     texts = []
     for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or \
+        if not isinstance(part, dict) or part.get("type") not in responses_api.TEXT_PART_TYPES or \
                 not isinstance(part.get("text"), str):
             raise RequestError(f"'{where}[{i}]' must be a text part (input_text)",
                                param=f"{where}[{i}]")
@@ -61,11 +58,11 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     elif isinstance(given, list) and given:
         for i, item in enumerate(given):
             if not isinstance(item, dict) or item.get("type", "message") != "message" or \
-                    item.get("role") not in _ROLES:
+                    item.get("role") not in responses_api.INPUT_ROLES:
                 raise RequestError(f"'input[{i}]' must be a message item with a role of "
                                    "user, assistant, system or developer",
                                    param=f"input[{i}]")
-            messages.append({"role": _ROLES[item["role"]],
+            messages.append({"role": responses_api.INPUT_ROLES[item["role"]],
                              "content": _text(item.get("content"), f"input[{i}].content")})
     else:
         raise RequestError("'input' is required: a string or a non-empty array",

@@ -18,6 +18,11 @@ import time
 import uuid
 from typing import Any
 
+#: The roles of an input message item, and the chat role each stands for.
+INPUT_ROLES = {"user": "user", "assistant": "assistant", "system": "system",
+               "developer": "system"}
+#: Content part types that carry text (``text`` beside the Responses API's own two).
+TEXT_PART_TYPES = ("input_text", "output_text", "text")
 #: The ``text`` setting of a response whose request set none.
 PLAIN_TEXT = {"format": {"type": "text"}}
 
