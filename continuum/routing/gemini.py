@@ -325,6 +325,12 @@ def openai_error(status: int, data: bytes) -> bytes:
                                  "param": None}}).encode()
 
 
+def _event(doc: dict[str, Any]) -> bytes:
+    """A chunk (compact JSON) or an error (as the forwarder writes its own) as an SSE event."""
+    data = json.dumps(doc) if "error" in doc else json.dumps(doc, separators=(",", ":"))
+    return b"data: " + data.encode() + b"\n\n"
+
+
 class NativeStream:
     """Translates one ``alt=sse`` stream into ``chat.completion.chunk`` events.
 
@@ -343,13 +349,12 @@ class NativeStream:
         self._started: set[int] = set()
         self._calls: dict[int, int] = {}
 
-    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        doc = {"id": self._id, "object": "chat.completion.chunk", "created": self._created,
-               "model": self.model, "choices": choices, **extra}
-        return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self._id, "object": "chat.completion.chunk", "created": self._created,
+                "model": self.model, "choices": choices, **extra}
 
-    def feed(self, piece: bytes) -> list[bytes]:
-        """The chunks ``piece`` completes."""
+    def chunks(self, piece: bytes) -> list[dict[str, Any]]:
+        """The chunks ``piece`` completes, as documents (an error as ``{"error": …}``)."""
         out = []
         for record in self._parser.feed(piece):
             if not record.data:
@@ -362,9 +367,9 @@ class NativeStream:
                 continue
             if "error" in doc:
                 error = doc["error"] if isinstance(doc["error"], dict) else {}
-                out.append(b"data: " + json.dumps({"error": {
+                out.append({"error": {
                     "message": str(error.get("message", "upstream error")),
-                    "type": "server_error", "code": error.get("status")}}).encode() + b"\n\n")
+                    "type": "server_error", "code": error.get("status")}})
                 continue
             if doc.get("responseId"):
                 self._id = "chatcmpl-" + str(doc["responseId"])
@@ -376,7 +381,15 @@ class NativeStream:
                 out.append(self._candidate_chunk(candidate.get("index", i), candidate))
         return out
 
-    def _candidate_chunk(self, index: int, candidate: dict[str, Any]) -> bytes:
+    def final_chunks(self) -> list[dict[str, Any]]:
+        """After the upstream ended normally: the usage chunk, if any usage was seen."""
+        return [self._chunk([], usage=self.usage)] if self.usage is not None else []
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        """The chunks ``piece`` completes, as SSE events."""
+        return [_event(doc) for doc in self.chunks(piece)]
+
+    def _candidate_chunk(self, index: int, candidate: dict[str, Any]) -> dict[str, Any]:
         base = self._calls.get(index, 0)
         text, calls = _message(candidate, base)
         delta: dict[str, Any] = {}
@@ -393,8 +406,7 @@ class NativeStream:
 
     def finish(self) -> list[bytes]:
         """The usage chunk and the end marker."""
-        final = [self._chunk([], usage=self.usage)] if self.usage is not None else []
-        return [*final, b"data: [DONE]\n\n"]
+        return [*map(_event, self.final_chunks()), b"data: [DONE]\n\n"]
 
     def translate(self, pieces: Iterator[bytes], completed: Any) -> Iterator[bytes]:
         """Translate ``pieces``; the end chunks follow only when ``completed()`` says the

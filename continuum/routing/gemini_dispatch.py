@@ -161,12 +161,17 @@ class ResponseAdapter:
         translator = gemini.NativeStream(self.model)
 
         def run() -> Iterator[bytes]:
-            yield from translator.translate(pieces, lambda: upstream.completed)
+            yield from self.render(translator, pieces, lambda: upstream.completed)
             if translator.usage is not None:
                 self.count(self.backend,
                            translator.usage["prompt_tokens_details"]["cached_tokens"])
 
         return run()
+
+    def render(self, translator: gemini.NativeStream, pieces: Iterator[bytes],
+               completed: Callable[[], bool]) -> Iterator[bytes]:
+        """The client's stream of a native one: ``chat.completion.chunk`` events."""
+        return translator.translate(pieces, completed)
 
     def _watch_openai(self, pieces: Iterator[bytes]) -> Iterator[bytes]:
         for piece in pieces:
@@ -189,10 +194,16 @@ class ResponsesAdapter(ResponseAdapter):
     def reshape(self, answer: dict[str, Any]) -> dict[str, Any]:
         return gemini_responses.response_from_chat(answer, self.shape)
 
-    def stream(self, pieces: Iterator[bytes], upstream: Upstream) -> Iterator[bytes]:
-        chat = super().stream(pieces, upstream)
-        return gemini_responses.EventTranslator(self.shape).translate(
-            chat, lambda: upstream.completed)
+    def render(self, translator: gemini.NativeStream, pieces: Iterator[bytes],
+               completed: Callable[[], bool]) -> Iterator[bytes]:
+        """The typed events, made from the chunk documents (never serialised in between)."""
+        def batches() -> Iterator[list[dict[str, Any]]]:
+            for piece in pieces:
+                yield translator.chunks(piece)
+            if completed():
+                yield translator.final_chunks()
+
+        return gemini_responses.EventTranslator(self.shape).translate(batches(), completed)
 
 
 class GeminiGateway:

@@ -43,7 +43,6 @@ given. The context cache is not asked: it serves chat completions only.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -51,7 +50,6 @@ from continuum.errors import RequestError
 from continuum.routing.gemini import signed, thought_signature
 from continuum.wire import responses_api
 from continuum.wire.responses_api import ResponseShape
-from continuum.wire.sse import SseParser
 
 #: Responses fields that need state or features the translation has not.
 _REFUSED = {
@@ -273,12 +271,12 @@ class _Call:
 
 
 class EventTranslator:
-    """``chat.completion.chunk`` events in, the Responses API's typed events out."""
+    """``chat.completion.chunk`` documents in (as :class:`~continuum.routing.gemini.NativeStream`
+    makes them from Google's records), the Responses API's typed events out."""
 
     def __init__(self, shape: ResponseShape) -> None:
         self.shape = shape
         self.counter = responses_api.EventCounter()
-        self.parser = SseParser()
         self.started = False
         self.failed = False
         self.items: list[dict[str, Any]] = []
@@ -297,18 +295,12 @@ class EventTranslator:
             out.append(self.counter.record("response.created", response=doc))
             out.append(self.counter.record("response.in_progress", response=doc))
 
-    def feed(self, piece: bytes) -> list[bytes]:
-        """The events ``piece`` completes."""
+    def feed(self, chunks: list[dict[str, Any]]) -> list[bytes]:
+        """The events ``chunks`` (``chat.completion.chunk`` documents, or an error
+        ``{"error": …}``) make."""
         out: list[bytes] = []
-        for record in self.parser.feed(piece):
-            data = record.data
-            if not data or data == "[DONE]" or self.failed:
-                continue
-            try:
-                doc = json.loads(data)
-            except ValueError:
-                continue
-            if isinstance(doc, dict):
+        for doc in chunks:
+            if not self.failed:
                 self._chunk(doc, out)
         return out
 
@@ -415,12 +407,13 @@ class EventTranslator:
         out.append(self.counter.record(f"response.{status}", response=doc))
         return out
 
-    def translate(self, pieces: Iterator[bytes], completed: Callable[[], bool]
-                  ) -> Iterator[bytes]:
-        """Translate ``pieces``; the closing events follow only when ``completed()`` says
-        the upstream ended normally (a broken stream ended with an error event)."""
-        for piece in pieces:
-            events = self.feed(piece)
+    def translate(self, batches: Iterator[list[dict[str, Any]]],
+                  completed: Callable[[], bool]) -> Iterator[bytes]:
+        """Translate ``batches`` of chunks (those of one upstream read each, whose events
+        go out together); the closing events follow only when ``completed()`` says the
+        upstream ended normally (a broken stream ended with an error)."""
+        for chunks in batches:
+            events = self.feed(chunks)
             if events:
                 yield b"".join(events)
         if completed():

@@ -127,13 +127,9 @@ def test_a_chat_answer_becomes_a_response_with_its_usage() -> None:
     assert called["status"] == "completed"
 
 
-def _sse(doc: Any) -> bytes:
-    return b"data: " + (doc if isinstance(doc, bytes) else json.dumps(doc).encode()) + b"\n\n"
-
-
-def _chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-    return _sse({"id": "c", "object": "chat.completion.chunk", "model": MODEL,
-                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {"id": "c", "object": "chat.completion.chunk", "model": MODEL,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
 
 def _events(raw: bytes) -> list[dict[str, Any]]:
@@ -148,21 +144,19 @@ def _events(raw: bytes) -> list[dict[str, Any]]:
 
 
 def test_a_chunk_stream_becomes_typed_events_text_then_calls() -> None:
-    pieces = [
-        _chunk({"role": "assistant", "content": "Let me "}),
-        # a record split across reads
-        _chunk({"content": "look."})[:20], _chunk({"content": "look."})[20:],
-        _chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
-                                "function": {"name": "f", "arguments": '{"x"'}}]}),
-        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": ':1}'}}]}),
-        _chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
-                                "function": {"name": "g", "arguments": "{}"}}]}, "tool_calls"),
-        _sse({"id": "c", "choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 4,
-                                                 "prompt_tokens_details": {"cached_tokens": 8}}}),
-        _sse(b"[DONE]"),
+    batches = [  # the chunks of each upstream read
+        [_chunk({"role": "assistant", "content": "Let me "}), _chunk({"content": "look."})],
+        [_chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                 "function": {"name": "f", "arguments": '{"x"'}}]})],
+        [],  # a read that completed no chunk
+        [_chunk({"tool_calls": [{"index": 0, "function": {"arguments": ':1}'}}]}),
+         _chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                                 "function": {"name": "g", "arguments": "{}"}}]}, "tool_calls")],
+        [{"id": "c", "choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 4,
+                                              "prompt_tokens_details": {"cached_tokens": 8}}}],
     ]
     translator = EventTranslator(ResponseShape(MODEL, {"model": MODEL, "input": "x"}))
-    events = _events(b"".join(translator.translate(iter(pieces), lambda: True)))
+    events = _events(b"".join(translator.translate(iter(batches), lambda: True)))
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert [e["type"] for e in events] == [
         "response.created", "response.in_progress",
@@ -188,7 +182,7 @@ def test_a_chunk_stream_becomes_typed_events_text_then_calls() -> None:
 
 def test_a_stream_cut_at_the_length_limit_is_incomplete() -> None:
     translator = EventTranslator(ResponseShape(MODEL, {"model": MODEL, "input": "x"}))
-    raw = b"".join(translator.translate(iter([_chunk({"content": "Hel"}, "length")]),
+    raw = b"".join(translator.translate(iter([[_chunk({"content": "Hel"}, "length")]]),
                                         lambda: True))
     last = _events(raw)[-1]
     assert last["type"] == "response.incomplete"
@@ -196,17 +190,17 @@ def test_a_stream_cut_at_the_length_limit_is_incomplete() -> None:
 
 
 def test_an_error_record_ends_the_stream_without_completing_it() -> None:
-    pieces = [_chunk({"content": "Hel"}),
-              _sse({"error": {"message": "upstream broke off", "type": "server_error",
-                              "code": "upstream_error"}})]
+    batches = [[_chunk({"content": "Hel"})],
+               [{"error": {"message": "upstream broke off", "type": "server_error",
+                           "code": "upstream_error"}}]]
     translator = EventTranslator(ResponseShape(MODEL, {"model": MODEL, "input": "x"}))
     # the relay ended the broken stream with the error record: not completed
-    events = _events(b"".join(translator.translate(iter(pieces), lambda: False)))
+    events = _events(b"".join(translator.translate(iter(batches), lambda: False)))
     assert events[-1] == {"type": "error", "sequence_number": len(events) - 1,
                           "code": "upstream_error", "message": "upstream broke off",
                           "param": None}
     assert not any(e["type"].startswith("response.completed") for e in events)
     # an error record from Google on a stream that ended normally: nothing completes either
     translator = EventTranslator(ResponseShape(MODEL, {"model": MODEL, "input": "x"}))
-    events = _events(b"".join(translator.translate(iter(pieces), lambda: True)))
+    events = _events(b"".join(translator.translate(iter(batches), lambda: True)))
     assert events[-1]["type"] == "error"
