@@ -17,6 +17,11 @@
   ``functionCall`` part) and, as Google does, refuse (400) a request whose current turn
   (the contents after the last user text) holds a model content whose first function call
   lacks its signature or carries one the fake never gave;
+* ``generationConfig.thinkingConfig`` as Google checks it: ``thinkingLevel`` and
+  ``thinkingBudget`` not together, a level only on models after 2.x (and not ``minimal`` on
+  a Gemini 3 Pro), a budget of 0 not on a 2.5 Pro; a budget or a level makes the answer
+  report ``thoughtsTokenCount`` (budget ÷ 128, or 4/8/64/192 by level), and
+  ``includeThoughts`` puts a thought summary part (``thought: true``) before the answer;
 * errors as ``{"error": {"code", "message", "status"}}``: a ``cachedContent`` together with
   ``systemInstruction``, ``tools`` or ``toolConfig`` is refused (400) as Google does, and so
   is a missing or expired cache (403, "CachedContent not found (or permission denied)");
@@ -61,6 +66,37 @@ CACHE_CONFLICT = ("CachedContent can not be used with GenerateContent request se
                   "system_instruction, tools or tool_config.\n\nProposed fix: move those "
                   "values to CachedContent from GenerateContent request.")
 _ROLES = ("user", "model")
+#: Thinking tokens the fake reports for each ``thinkingLevel``.
+_LEVEL_THOUGHTS = {"minimal": 4, "low": 8, "medium": 64, "high": 192}
+
+
+def _thinking(model: str, config: Any) -> tuple[int, bool]:
+    """Thinking tokens to report and whether to include a thought summary, for a
+    ``thinkingConfig`` (refused as Google refuses it)."""
+    if config is None:
+        return 0, False
+    if not isinstance(config, dict):
+        raise GeminiApiError(400, "Invalid value at 'generation_config.thinking_config'")
+    level, budget = config.get("thinkingLevel"), config.get("thinkingBudget")
+    bare = model.removeprefix("models/")
+    if level is not None and budget is not None:
+        raise GeminiApiError(400, "You can only set only one of thinking budget and "
+                             "thinking level.")
+    thoughts = 0
+    if level is not None:
+        if bare.startswith("gemini-2"):
+            raise GeminiApiError(400, "Thinking level is not supported for this model.")
+        if level not in _LEVEL_THOUGHTS or (level == "minimal" and "-pro" in bare):
+            raise GeminiApiError(400, f"Invalid thinking level: {level}")
+        thoughts = _LEVEL_THOUGHTS[level]
+    elif budget is not None:
+        if not isinstance(budget, int) or budget < -1:
+            raise GeminiApiError(400, f"Invalid thinking budget: {budget}")
+        if budget == 0 and bare.startswith("gemini-2.5-pro"):
+            raise GeminiApiError(400, "Budget 0 is invalid. This model only works in "
+                                 "thinking mode.")
+        thoughts = 96 if budget == -1 else budget // 128
+    return thoughts, bool(config.get("includeThoughts")) and thoughts > 0
 
 
 def _dumps(doc: Any) -> bytes:
@@ -334,6 +370,7 @@ class FakeGemini:
         prompt_tokens = _prompt_tokens(cached_tokens, cached_system, system_tokens,
                                        self._tokens(texts))
         config = body.get("generationConfig") or {}
+        thoughts, summary = _thinking(model, config.get("thinkingConfig"))
         seed = hashlib.sha256(((cached_system or system_text) + "\x00" +
                                "\x00".join(texts)).encode()).digest()
         rng = random.Random(seed if config.get("temperature", 0) in (0, None)
@@ -356,7 +393,12 @@ class FakeGemini:
             parts = [{"text": "".join(pieces)}]
             out_tokens = len(pieces)
         usage["candidatesTokenCount"] = out_tokens
-        usage["totalTokenCount"] = prompt_tokens + out_tokens
+        if thoughts:
+            usage["thoughtsTokenCount"] = thoughts
+        usage["totalTokenCount"] = prompt_tokens + out_tokens + thoughts
+        thought = [{"text": f"Thinking about: {last[:40]}", "thought": True}] if summary \
+            else []
+        parts = thought + parts
         response_id = secrets.token_urlsafe(16)
         if method == "generateContent":
             resp.media = {"candidates": [{"content": {"role": "model", "parts": parts},
@@ -367,7 +409,8 @@ class FakeGemini:
         if req.get_param("alt") != "sse":
             raise GeminiApiError(400, "this fake streams only with alt=sse")
         resp.content_type = "text/event-stream"
-        resp.stream = _native_events(parts, pieces, finish, usage, model, response_id)
+        resp.stream = _native_events(parts, pieces, finish, usage, model, response_id,
+                                     thought)
 
     def _cache_use(self, ref: Any, model: str, conflicting: bool) -> tuple[int, str | None]:
         """(cached tokens, cached system text) of a request's cache reference, if any."""
@@ -471,15 +514,18 @@ class FakeGemini:
 
 
 def _native_events(parts: list[dict[str, Any]], pieces: list[str], finish: str,
-                   usage: dict[str, Any], model: str, response_id: str) -> Iterator[bytes]:
-    """``alt=sse`` records: one ``GenerateContentResponse`` per piece, the last with
-    ``finishReason`` and the full ``usageMetadata`` (records end in CRLF CRLF, as Google's)."""
+                   usage: dict[str, Any], model: str, response_id: str,
+                   thought: list[dict[str, Any]]) -> Iterator[bytes]:
+    """``alt=sse`` records: the thought summary's (if any), then one
+    ``GenerateContentResponse`` per piece, the last with ``finishReason`` and the full
+    ``usageMetadata`` (records end in CRLF CRLF, as Google's)."""
     version = model.split("/", 1)[1]
 
     def record(doc: dict[str, Any]) -> bytes:
         return b"data: " + _dumps(doc) + b"\r\n\r\n"
 
-    chunks = [[{"text": p}] for p in pieces] if pieces else [parts]
+    chunks: list[list[dict[str, Any]]] = [thought] if thought else []
+    chunks += [[{"text": p}] for p in pieces] if pieces else [parts[len(thought):]]
     partial = {"promptTokenCount": usage["promptTokenCount"]}
     for i, chunk in enumerate(chunks):
         candidate: dict[str, Any] = {"content": {"role": "model", "parts": chunk}, "index": 0}
