@@ -9,6 +9,10 @@ streamed); these functions translate both ways:
   developer messages → ``systemInstruction``;
 * sampling parameters → ``generationConfig``; ``tools`` → ``functionDeclarations``;
   ``tool_choice`` → ``toolConfig.functionCallingConfig``;
+* ``reasoning_effort`` → ``generationConfig.thinkingConfig`` (:func:`thinking_config`): a
+  ``thinkingBudget`` for Gemini 2.x models, a ``thinkingLevel`` for later ones; or, as on
+  Google's OpenAI-compatible surface, ``extra_body.google.thinking_config`` as it is given.
+  Thought summaries (``includeThoughts``) come back as the message's ``reasoning_content``;
 * a function call's ``thoughtSignature`` (Gemini 3 signs its calls and refuses a
   conversation that does not give the signatures back) ↔ the tool call's
   ``extra_content.google.thought_signature``, where Google's OpenAI-compatible surface
@@ -31,6 +35,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from continuum.errors import RequestError
 from continuum.prefix import content_text
 from continuum.wire.sse import SseParser
 
@@ -47,6 +52,14 @@ _GENERATION_KEYS = (
     ("seed", "seed"), ("logprobs", "responseLogprobs"), ("top_logprobs", "logprobs"),
 )
 _TOOL_MODES = {"none": "NONE", "auto": "AUTO", "required": "ANY"}
+#: ``reasoning_effort`` as a Gemini 2.x thinking budget: Google's OpenAI-compatible surface
+#: maps low, medium and high to 1K, 8K and 24K tokens, and none to 0 (thinking off).
+_BUDGETS = {"none": 0, "minimal": 1024, "low": 1024, "medium": 8192, "high": 24576,
+            "xhigh": 24576}
+#: ... and as a thinking level for later models (which cannot turn thinking off: ``none``
+#: asks for the least there is). Which levels a model takes is Google's to say.
+_LEVELS = {"none": "minimal", "minimal": "minimal", "low": "low", "medium": "medium",
+           "high": "high", "xhigh": "xhigh"}
 
 
 def system_prompt(body: dict[str, Any]) -> str | None:
@@ -191,6 +204,46 @@ def _generation_config(body: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def thinking_config(body: dict[str, Any], model: str) -> dict[str, Any] | None:
+    """The ``thinkingConfig`` for a chat ``body`` to ``model``, or None (the model's own
+    default).
+
+    ``extra_body.google.thinking_config`` (Google's OpenAI-compatible spelling) goes as it
+    is, its keys in the native API's camel case; otherwise ``reasoning_effort`` is mapped:
+    to a ``thinkingBudget`` for ``gemini-2…`` models, which think by budget, and to a
+    ``thinkingLevel`` for the rest.
+
+    Raises:
+        RequestError: ``reasoning_effort`` is not one of OpenAI's levels, or is given
+            together with a ``thinking_config`` (Google refuses the two together too).
+    """
+    effort = body.get("reasoning_effort")
+    extra = body.get("extra_body")
+    google = extra.get("google") if isinstance(extra, dict) else None
+    given = google.get("thinking_config") if isinstance(google, dict) else None
+    if given is not None:
+        if effort is not None:
+            raise RequestError("'reasoning_effort' and extra_body.google.thinking_config "
+                               "cannot be used together", param="reasoning_effort")
+        if not isinstance(given, dict):
+            raise RequestError("extra_body.google.thinking_config must be an object",
+                               param="extra_body.google.thinking_config")
+        return {_camel(key): value for key, value in given.items()}
+    if effort is None:
+        return None
+    if not isinstance(effort, str) or effort not in _LEVELS:
+        raise RequestError(f"'reasoning_effort' must be one of {', '.join(_LEVELS)}",
+                           param="reasoning_effort", code="invalid_value")
+    if model.removeprefix("models/").startswith("gemini-2"):
+        return {"thinkingBudget": _BUDGETS[effort]}
+    return {"thinkingLevel": _LEVELS[effort]}
+
+
+def _camel(key: str) -> str:
+    head, *rest = key.split("_")
+    return head + "".join(word.title() for word in rest)
+
+
 def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, dict[str, Any] | None]:
     declarations = []
     for tool in body.get("tools") or []:
@@ -218,9 +271,15 @@ def to_native(body: dict[str, Any], cached_content: str | None = None) -> dict[s
     With ``cached_content`` the request references that cache and carries no
     ``systemInstruction``, ``tools`` or ``toolConfig`` (Google refuses them together); the
     caller only passes a cache whose system prompt is the request's.
+
+    Raises:
+        RequestError: a ``reasoning_effort`` that cannot be mapped (:func:`thinking_config`).
     """
     native: dict[str, Any] = {"contents": _contents(body.get("messages") or [])}
     config = _generation_config(body)
+    thinking = thinking_config(body, str(body.get("model") or ""))
+    if thinking is not None:
+        config["thinkingConfig"] = thinking
     if config:
         native["generationConfig"] = config
     if cached_content is not None:
@@ -280,6 +339,14 @@ def _message(candidate: dict[str, Any], index_base: int = 0) -> tuple[str | None
     return ("".join(texts) if texts else None), calls
 
 
+def _thoughts(candidate: dict[str, Any]) -> str | None:
+    """The text of a candidate's thought summaries (parts marked ``thought``), or None."""
+    parts = (candidate.get("content") or {}).get("parts") or []
+    texts = [p["text"] for p in parts if isinstance(p, dict) and p.get("thought")
+             and isinstance(p.get("text"), str)]
+    return "".join(texts) if texts else None
+
+
 def finish_reason(candidate: dict[str, Any], has_calls: bool) -> str | None:
     """OpenAI's ``finish_reason`` for a candidate (None while it is not finished)."""
     reason = candidate.get("finishReason")
@@ -296,6 +363,9 @@ def from_native(doc: dict[str, Any], model: str) -> dict[str, Any]:
     for i, candidate in enumerate(doc.get("candidates") or []):
         text, calls = _message(candidate)
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        thoughts = _thoughts(candidate)
+        if thoughts is not None:
+            message["reasoning_content"] = thoughts
         if calls:
             message["tool_calls"] = calls
         choices.append({"index": candidate.get("index", i), "message": message,
@@ -396,6 +466,9 @@ class NativeStream:
         if index not in self._started:
             self._started.add(index)
             delta["role"] = "assistant"
+        thoughts = _thoughts(candidate)
+        if thoughts:
+            delta["reasoning_content"] = thoughts
         if text:
             delta["content"] = text
         if calls:

@@ -18,8 +18,9 @@ given. The context cache is not asked: it serves chat completions only.
     ``extra_content.google.thought_signature`` goes back as its ``thoughtSignature``.
   - ``max_output_tokens`` → ``max_completion_tokens``; ``temperature`` and ``top_p`` as
     they are; function ``tools`` and ``tool_choice`` in chat's shapes; ``text.format``
-    (``json_object``, ``json_schema``) → ``response_format``. Other fields (``store``,
-    ``metadata``, ``user``, ``include``, ``truncation``, ``reasoning``,
+    (``json_object``, ``json_schema``) → ``response_format``; ``reasoning.effort`` →
+    ``reasoning_effort`` (Gemini's thinking budget or level, as for chat). Other fields
+    (``store``, ``metadata``, ``user``, ``include``, ``truncation``, ``reasoning.summary``,
     ``parallel_tool_calls``…) are not sent; ``store`` is reported false.
   - What the translation cannot honour is a 400 naming the field: ``previous_response_id``
     and ``conversation`` (the router stores no responses), ``background``, tools other
@@ -208,6 +209,11 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     fmt = _response_format(body.get("text"))
     if fmt is not None:
         chat["response_format"] = fmt
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]
+    elif reasoning is not None and not isinstance(reasoning, dict):
+        raise RequestError("'reasoning' must be an object", param="reasoning")
     return chat
 
 

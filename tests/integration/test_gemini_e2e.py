@@ -495,3 +495,60 @@ def test_gemini_3_signatures_round_trip_through_chat_and_responses(
     added = next(e for e in events if e.type == "response.output_item.added")
     assert isinstance(_signature(added.item), str)
     assert _signature(events[-1].response.output[0]) == _signature(added.item)
+
+
+def test_reasoning_effort_and_thinking_config_reach_gemini_and_thoughts_come_back_apart(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    fake = gemini_factory()
+    cfg = _config(fake, prefer_native_api=True)
+    cfg["backends"][0]["models"] = [MODEL, G3]
+    router = router_factory(cfg)
+    client = _client(router)
+    messages = [{"role": "user", "content": "What is two and two?"}]
+
+    # Gemini 2.5 thinks by budget: low → 1,024 tokens (the fake reports budget ÷ 128)
+    low = client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                         reasoning_effort="low")
+    sent = _last_chat_body(fake, ":generateContent")["generationConfig"]
+    assert sent == {"thinkingConfig": {"thinkingBudget": 1024}}
+    assert low.usage is not None and low.usage.completion_tokens_details is not None
+    assert low.usage.completion_tokens_details.reasoning_tokens == 8
+    assert "reasoning_content" not in (low.choices[0].message.model_extra or {})
+
+    # Gemini 3 by level; Google's own spelling, with thought summaries
+    google = {"extra_body": {"google": {"thinking_config": {"thinking_level": "high",
+                                                            "include_thoughts": True}}}}
+    deep = client.chat.completions.create(model=G3, messages=messages,  # type: ignore[arg-type]
+                                          extra_body=google)
+    sent = _last_chat_body(fake, ":generateContent")["generationConfig"]
+    assert sent == {"thinkingConfig": {"thinkingLevel": "high", "includeThoughts": True}}
+    message = deep.choices[0].message
+    thought = (message.model_extra or {})["reasoning_content"]
+    assert thought.startswith("Thinking about:") and thought not in (message.content or "")
+    assert deep.usage is not None and deep.usage.completion_tokens_details is not None
+    assert deep.usage.completion_tokens_details.reasoning_tokens == 192
+    chunks = list(client.chat.completions.create(
+        model=G3, messages=messages, extra_body=google, stream=True))  # type: ignore[arg-type]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert (deltas[0].model_extra or {}).get("reasoning_content") == thought
+    assert "".join(d.content or "" for d in deltas) == message.content
+
+    # the Responses API: reasoning.effort the same way
+    answer = client.responses.create(model=G3, input="What is two and two?",
+                                     reasoning={"effort": "low"})
+    assert _last_chat_body(fake, ":generateContent")["generationConfig"] == {
+        "thinkingConfig": {"thinkingLevel": "low"}}
+    assert answer.usage is not None and answer.usage.output_tokens_details.reasoning_tokens == 8
+
+    # a level the model does not take is Google's 400, in OpenAI's shape; a value OpenAI
+    # does not define is the router's, and nothing is sent
+    with pytest.raises(openai.BadRequestError, match="Invalid thinking level: minimal"):
+        client.chat.completions.create(model=G3, messages=messages,  # type: ignore[arg-type]
+                                       reasoning_effort="minimal")
+    before = len(fake.received(":generateContent", "POST"))
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=G3, messages=messages,  # type: ignore[arg-type]
+                                       extra_body={"reasoning_effort": "extreme"})
+    assert caught.value.body["param"] == "reasoning_effort"  # type: ignore[index]
+    assert len(fake.received(":generateContent", "POST")) == before

@@ -39,7 +39,7 @@ def test_a_conversation_of_items_becomes_chat_messages() -> None:
              "output": [{"type": "input_text", "text": "twelve"}]},
         ]}
     assert chat_body(body) == {
-        "model": MODEL, "top_p": 0.5, "max_completion_tokens": 50,
+        "model": MODEL, "top_p": 0.5, "max_completion_tokens": 50, "reasoning_effort": "low",
         "response_format": {"type": "json_schema", "json_schema": {
             "name": "answer", "schema": {"type": "object"}, "strict": True}},
         "tools": [{"type": "function",
@@ -81,6 +81,7 @@ def test_a_string_input_is_one_user_message() -> None:
     ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
      "input[0].content[0]"),
     ({"input": [{"role": "system", "content": "only rules"}]}, "input"),
+    ({"reasoning": "high"}, "reasoning"),
 ])
 def test_what_cannot_be_translated_is_refused_naming_the_field(
         extra: dict[str, Any], param: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from continuum.config import parse_config
-from continuum.errors import ConfigError
+from continuum.errors import ConfigError, RequestError
 from continuum.routing import gemini
 from continuum.routing.gemini_dispatch import is_missing_cache
 
@@ -197,3 +197,67 @@ def test_config_defaults_are_the_seeds() -> None:
             settings.max_entries, settings.create_timeout_ms, settings.negative_ttl_seconds,
             settings.prefer_native_api) == (False, 16384, 600.0, False, 1000, 5000, 600, False)
     assert parse_config({"gemini_context_cache": {"ttl": "10m"}}).gemini_context_cache.ttl == 600
+
+
+@pytest.mark.parametrize(("model", "effort", "thinking"), [
+    ("gemini-2.5-flash", "none", {"thinkingBudget": 0}),
+    ("gemini-2.5-flash", "low", {"thinkingBudget": 1024}),
+    ("models/gemini-2.5-pro", "medium", {"thinkingBudget": 8192}),
+    ("gemini-2.5-pro", "high", {"thinkingBudget": 24576}),
+    ("gemini-3-pro-preview", "low", {"thinkingLevel": "low"}),
+    ("gemini-3-flash-preview", "none", {"thinkingLevel": "minimal"}),
+    ("gemini-3-flash-preview", "medium", {"thinkingLevel": "medium"}),
+])
+def test_reasoning_effort_becomes_a_budget_on_2x_models_and_a_level_after(
+        model: str, effort: str, thinking: dict[str, Any]) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}],
+            "reasoning_effort": effort, "max_tokens": 9}
+    assert gemini.to_native(body)["generationConfig"] == {"maxOutputTokens": 9,
+                                                          "thinkingConfig": thinking}
+
+
+def test_googles_thinking_config_goes_as_given_in_camel_case() -> None:
+    body = {"model": "gemini-2.5-flash", "messages": [{"role": "user", "content": "Hi"}],
+            "extra_body": {"google": {"thinking_config": {"thinking_budget": 300,
+                                                          "include_thoughts": True}}}}
+    assert gemini.to_native(body)["generationConfig"] == {
+        "thinkingConfig": {"thinkingBudget": 300, "includeThoughts": True}}
+    assert "generationConfig" not in gemini.to_native({"messages": body["messages"]})
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"reasoning_effort": 3}, "reasoning_effort"),
+    ({"reasoning_effort": "low",
+      "extra_body": {"google": {"thinking_config": {"thinking_budget": 1}}}},
+     "reasoning_effort"),
+    ({"extra_body": {"google": {"thinking_config": "high"}}},
+     "extra_body.google.thinking_config"),
+])
+def test_thinking_settings_that_cannot_be_sent_are_400s_naming_the_field(
+        extra: dict[str, Any], param: str) -> None:
+    body = {"model": "gemini-3-pro-preview", "messages": [{"role": "user", "content": "Hi"}],
+            **extra}
+    with pytest.raises(RequestError) as caught:
+        gemini.to_native(body)
+    assert caught.value.param == param and caught.value.status == 400
+
+
+def test_thought_summaries_are_reasoning_content_never_content() -> None:
+    parts = [{"text": "Let me think.", "thought": True}, {"text": "Four."}]
+    doc = {"candidates": [{"content": {"role": "model", "parts": parts},
+                           "finishReason": "STOP"}],
+           "usageMetadata": {"promptTokenCount": 5, "candidatesTokenCount": 2,
+                             "thoughtsTokenCount": 30, "totalTokenCount": 37}}
+    message = gemini.from_native(doc, "m")["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "Four.",
+                       "reasoning_content": "Let me think."}
+    assert gemini.from_native(doc, "m")["usage"]["completion_tokens"] == 32
+    stream = gemini.NativeStream("m")
+    first = {"candidates": [{"content": {"role": "model", "parts": parts[:1]}, "index": 0}]}
+    second = {"candidates": [{"content": {"role": "model", "parts": parts[1:]}, "index": 0,
+                              "finishReason": "STOP"}]}
+    deltas = [c["choices"][0]["delta"] for r in (first, second)
+              for c in stream.chunks(b"data: " + json.dumps(r).encode() + b"\r\n\r\n")]
+    assert deltas == [{"role": "assistant", "reasoning_content": "Let me think."},
+                      {"content": "Four."}]
