@@ -31,6 +31,7 @@ Everything else a client sends that has no native equivalent is dropped (``user`
 from __future__ import annotations
 
 import json
+import mimetypes
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -114,8 +115,19 @@ def _parts(content: Any) -> list[dict[str, Any]]:
                 mime, _, data = url[5:].partition(";base64,")
                 parts.append({"inlineData": {"mimeType": mime, "data": data}})
             elif isinstance(url, str):
-                parts.append({"fileData": {"fileUri": url}})
+                parts.append({"fileData": _file_data(url)})
     return parts
+
+
+def _file_data(url: str) -> dict[str, str]:
+    """A ``fileData`` part's body for an image URL: Google's ``FileData`` requires a
+    ``mimeType`` beside the ``fileUri``, read here off the URL's path (``image/jpeg`` when
+    its extension names no image type)."""
+    path = url.split("?", 1)[0].split("#", 1)[0]
+    mime = mimetypes.guess_type(path)[0]
+    if mime is None or not mime.startswith("image/"):
+        mime = "image/jpeg"
+    return {"mimeType": mime, "fileUri": url}
 
 
 def _arguments(raw: Any) -> Any:

@@ -22,6 +22,7 @@
   a Gemini 3 Pro), a budget of 0 not on a 2.5 Pro; a budget or a level makes the answer
   report ``thoughtsTokenCount`` (budget ÷ 128, or 4/8/64/192 by level), and
   ``includeThoughts`` puts a thought summary part (``thought: true``) before the answer;
+* an ``inlineData`` or ``fileData`` part without its ``mimeType`` is refused (400);
 * errors as ``{"error": {"code", "message", "status"}}``: a ``cachedContent`` together with
   ``systemInstruction``, ``tools`` or ``toolConfig`` is refused (400) as Google does, and so
   is a missing or expired cache (403, "CachedContent not found (or permission denied)");
@@ -142,6 +143,10 @@ def _texts(content: Any, where: str) -> list[str]:
         elif "functionCall" in part or "functionResponse" in part:
             out.append(json.dumps(part, sort_keys=True))
         elif "inlineData" in part or "fileData" in part:
+            media = part.get("inlineData") or part.get("fileData")
+            if not isinstance(media, dict) or not media.get("mimeType"):
+                raise GeminiApiError(400, f"* GenerateContentRequest.{where}.parts: "
+                                     "mime_type is required")
             out.append("<media>")
     return out
 

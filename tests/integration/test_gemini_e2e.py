@@ -552,3 +552,18 @@ def test_reasoning_effort_and_thinking_config_reach_gemini_and_thoughts_come_bac
                                        extra_body={"reasoning_effort": "extreme"})
     assert caught.value.body["param"] == "reasoning_effort"  # type: ignore[index]
     assert len(fake.received(":generateContent", "POST")) == before
+
+
+def test_an_image_by_url_reaches_the_native_api_with_its_mime_type(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    fake = gemini_factory()
+    router = router_factory(_config(fake, prefer_native_api=True))
+    client = _client(router)
+    url = "https://example.com/diagram.png"
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What does the diagram show?"},
+        {"type": "image_url", "image_url": {"url": url}}]}])
+    assert answer.choices[0].message.content  # the fake refuses a fileData without mimeType
+    assert _last_chat_body(fake, ":generateContent")["contents"][0]["parts"][1] == {
+        "fileData": {"mimeType": "image/png", "fileUri": url}}

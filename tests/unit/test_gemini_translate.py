@@ -261,3 +261,18 @@ def test_thought_summaries_are_reasoning_content_never_content() -> None:
               for c in stream.chunks(b"data: " + json.dumps(r).encode() + b"\r\n\r\n")]
     assert deltas == [{"role": "assistant", "reasoning_content": "Let me think."},
                       {"content": "Four."}]
+
+
+@pytest.mark.parametrize(("url", "mime"), [
+    ("https://example.com/cat.png?size=large#top", "image/png"),
+    ("https://example.com/photos/cat.JPG", "image/jpeg"),
+    ("https://example.com/render?id=7", "image/jpeg"),
+    ("https://example.com/readme.txt", "image/jpeg"),
+])
+def test_an_image_by_url_goes_as_file_data_with_the_mime_type_google_requires(
+        url: str, mime: str) -> None:
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": url}}]}]}
+    assert gemini.to_native(body)["contents"][0]["parts"][1] == {
+        "fileData": {"mimeType": mime, "fileUri": url}}
