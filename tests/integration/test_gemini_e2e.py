@@ -437,6 +437,17 @@ def test_what_a_gemini_backend_cannot_honour_is_a_400_naming_the_field(
 G3 = "gemini-3-pro-preview"  # signs its function calls and wants the signatures back
 
 
+def _native_with_gemini_3(gemini_factory: Callable[..., FakeGeminiProcess],
+                          router_factory: Callable[..., Any]) -> tuple[FakeGeminiProcess,
+                                                                      openai.OpenAI]:
+    """A fake Gemini API, and a client of a router sending chat to its native API, serving
+    ``MODEL`` and ``G3``."""
+    fake = gemini_factory()
+    cfg = _config(fake, prefer_native_api=True)
+    cfg["backends"][0]["models"] = [MODEL, G3]
+    return fake, _client(router_factory(cfg))
+
+
 def _signature(call: Any) -> Any:
     return (call.model_extra or {}).get("extra_content", {}).get("google", {}).get(
         "thought_signature")
@@ -445,11 +456,7 @@ def _signature(call: Any) -> Any:
 def test_gemini_3_signatures_round_trip_through_chat_and_responses(
     gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
 ) -> None:
-    fake = gemini_factory()
-    cfg = _config(fake, prefer_native_api=True)
-    cfg["backends"][0]["models"] = [MODEL, G3]
-    router = router_factory(cfg)
-    client = _client(router)
+    fake, client = _native_with_gemini_3(gemini_factory, router_factory)
     ask = "Please lookup the page on clearing"
     chat_tool = {"type": "function", "function": {
         k: TOOL[k] for k in ("name", "description", "parameters")}}
@@ -500,11 +507,7 @@ def test_gemini_3_signatures_round_trip_through_chat_and_responses(
 def test_reasoning_effort_and_thinking_config_reach_gemini_and_thoughts_come_back_apart(
     gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
 ) -> None:
-    fake = gemini_factory()
-    cfg = _config(fake, prefer_native_api=True)
-    cfg["backends"][0]["models"] = [MODEL, G3]
-    router = router_factory(cfg)
-    client = _client(router)
+    fake, client = _native_with_gemini_3(gemini_factory, router_factory)
     messages = [{"role": "user", "content": "What is two and two?"}]
 
     # Gemini 2.5 thinks by budget: low → 1,024 tokens (the fake reports budget ÷ 128)

@@ -29,10 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import requests
-
 from continuum.devtools.procs import Child, free_port
 from tools.bench import overhead as ob
+from tools.bench.instructions import router_env, wait_router
 
 #: Loaded by the router's interpreter from ``PYTHONPATH``; counts while switched on by
 #: SIGRTMIN, and writes ``[file, function, opcodes, calls]`` rows when switched off.
@@ -101,8 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=40, help="rows per table")
     parser.add_argument("--router-src", default=str(ob.ROOT))
     args = parser.parse_args(argv)
-    routing = ob.PREFIX_ROUTING if args.strategy == "PrefixAwareHash" else {
-        "selection_strategy": "RoundRobin"}
     tmp = Path(tempfile.mkdtemp(prefix="continuum-bytecodes-"))
     (tmp / "site").mkdir()
     (tmp / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -111,34 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         upstream, up_port = ob.start_upstream(tmp, 8, 0.0)
         children.append(upstream)
         port = free_port()
-        config = tmp / "router.yaml"
-        config.write_text(json.dumps({
-            "server": {"bind": f"127.0.0.1:{port}", "workers": 1, "log_level": "warning"},
-            "health_check": {"enabled": True, "interval_seconds": 3600},
-            "backends": [{"name": "bench", "url": f"http://127.0.0.1:{up_port}",
-                          "models": [ob.MODEL]}],
-            **routing}))
-        (tmp / "metrics").mkdir()
-        env = ob.pythonpath_env(args.router_src)
+        env = router_env(tmp, port, up_port, args.strategy, args.router_src)
         env["PYTHONPATH"] = f"{tmp / 'site'}{os.pathsep}{env.get('PYTHONPATH', '')}"
-        env["CONTINUUM_CONFIG"] = str(config)
-        env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp / "metrics")
         env["BYTECODES_OUT"] = str(tmp / "counts")
         router = Child([ob.PYTHON, "-m", "gunicorn", "-c", "python:continuum.gunicorn_conf",
                         "continuum.app:get_app()"], tmp / "router.log", name="router",
                        env=env, cwd=tmp)
         children.append(router)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=10).ok:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise ob.BenchError("the traced router did not come up:\n"
-                                    + router.log_tail())
-            time.sleep(0.5)
+        wait_router(port, router, 120)
         worker = ob.children_of(router.pid)[0]
         conns = [ob.Conn(port, timeout=120) for _ in range(args.concurrency)]
         payload = ob.build_request(port, False)

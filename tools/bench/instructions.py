@@ -37,6 +37,44 @@ from tools.bench import overhead as ob
 COUNTS = {"ns": 2000, "s": 500, "long": 10}
 
 
+def router_env(tmp: Path, port: int, up_port: int, strategy: str,
+               router_src: str) -> dict[str, str]:
+    """The environment of a one-worker router on ``port`` in front of the bench upstream on
+    ``up_port`` (its config and metrics directory made in ``tmp``): PrefixAwareHash with
+    prefix routing on, or RoundRobin without."""
+    routing = ob.PREFIX_ROUTING if strategy == "PrefixAwareHash" else {
+        "selection_strategy": "RoundRobin"}
+    config = tmp / "router.yaml"
+    config.write_text(json.dumps({
+        "server": {"bind": f"127.0.0.1:{port}", "workers": 1, "log_level": "warning"},
+        "health_check": {"enabled": True, "interval_seconds": 3600},
+        "backends": [{"name": "bench", "url": f"http://127.0.0.1:{up_port}",
+                      "models": [ob.MODEL]}],
+        **routing}))
+    (tmp / "metrics").mkdir(exist_ok=True)
+    env = ob.pythonpath_env(router_src)
+    env["CONTINUUM_CONFIG"] = str(config)
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp / "metrics")
+    return env
+
+
+def wait_router(port: int, router: Child, seconds: float) -> None:
+    """Wait until the router on ``port`` answers ``/health``.
+
+    Raises:
+        ob.BenchError: it did not within ``seconds`` (with the tail of its log).
+    """
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=30).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise ob.BenchError("the router did not come up:\n" + router.log_tail())
+
+
 def _total(files: list[str]) -> int:
     total = 0
     for path in files:
@@ -58,8 +96,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="copy each phase's callgrind file to DIR/<phase>.callgrind "
                         "(for callgrind_annotate --inclusive=yes)")
     args = parser.parse_args(argv)
-    routing = ob.PREFIX_ROUTING if args.strategy == "PrefixAwareHash" else {
-        "selection_strategy": "RoundRobin"}
     tmp = Path(tempfile.mkdtemp(prefix="continuum-instr-"))
     long = any(p.startswith("long") for p in args.phases)
     chunks = 200 if long else 8
@@ -68,33 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         upstream, up_port = ob.start_upstream(tmp, chunks, 1.0 if long else 0.0)
         children.append(upstream)
         port = free_port()
-        config = tmp / "router.yaml"
-        config.write_text(json.dumps({
-            "server": {"bind": f"127.0.0.1:{port}", "workers": 1, "log_level": "warning"},
-            "health_check": {"enabled": True, "interval_seconds": 3600},
-            "backends": [{"name": "bench", "url": f"http://127.0.0.1:{up_port}",
-                          "models": [ob.MODEL]}],
-            **routing}))
-        (tmp / "metrics").mkdir()
-        env = ob.pythonpath_env(args.router_src)
-        env["CONTINUUM_CONFIG"] = str(config)
-        env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp / "metrics")
+        env = router_env(tmp, port, up_port, args.strategy, args.router_src)
         argv_ = ["valgrind", "--tool=callgrind", "--trace-children=yes",
                  f"--callgrind-out-file={tmp}/cg.%p", ob.PYTHON, "-m", "gunicorn", "-c",
                  "python:continuum.gunicorn_conf", "continuum.app:get_app()"]
         router = Child(argv_, tmp / "router.log", name="router", env=env, cwd=tmp)
         children.append(router)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=30).ok:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        else:
-            raise ob.BenchError("the router under valgrind did not come up:\n"
-                                + router.log_tail())
+        wait_router(port, router, 300)
         worker = ob.children_of(router.pid)[0]
         for phase in args.phases:
             kind = phase.rstrip("0123456789")
