@@ -221,34 +221,35 @@ def thinking_config(body: dict[str, Any], model: str) -> dict[str, Any] | None:
     default).
 
     ``extra_body.google.thinking_config`` (Google's OpenAI-compatible spelling) goes as it
-    is, its keys in the native API's camel case; otherwise ``reasoning_effort`` is mapped:
-    to a ``thinkingBudget`` for ``gemini-2…`` models, which think by budget, and to a
-    ``thinkingLevel`` for the rest.
+    is, its keys in the native API's camel case; ``reasoning_effort`` is mapped to a
+    ``thinkingBudget`` for ``gemini-2…`` models, which think by budget, and to a
+    ``thinkingLevel`` for the rest (beside the config's ``includeThoughts``).
 
     Raises:
         RequestError: ``reasoning_effort`` is not one of OpenAI's levels, or is given
-            together with a ``thinking_config`` (Google refuses the two together too).
+            together with a ``thinking_config`` that sets a budget or a level (Google
+            refuses the two together too; ``include_thoughts`` goes with either).
     """
     effort = body.get("reasoning_effort")
     extra = body.get("extra_body")
     google = extra.get("google") if isinstance(extra, dict) else None
     given = google.get("thinking_config") if isinstance(google, dict) else None
-    if given is not None:
-        if effort is not None:
-            raise RequestError("'reasoning_effort' and extra_body.google.thinking_config "
-                               "cannot be used together", param="reasoning_effort")
-        if not isinstance(given, dict):
-            raise RequestError("extra_body.google.thinking_config must be an object",
-                               param="extra_body.google.thinking_config")
-        return {_camel(key): value for key, value in given.items()}
+    if given is not None and not isinstance(given, dict):
+        raise RequestError("extra_body.google.thinking_config must be an object",
+                           param="extra_body.google.thinking_config")
+    config = {_camel(key): value for key, value in (given or {}).items()}
     if effort is None:
-        return None
+        return config or None
+    if "thinkingBudget" in config or "thinkingLevel" in config:
+        raise RequestError("'reasoning_effort' and a thinking budget or level in "
+                           "extra_body.google.thinking_config cannot be used together",
+                           param="reasoning_effort")
     if not isinstance(effort, str) or effort not in _LEVELS:
         raise RequestError(f"'reasoning_effort' must be one of {', '.join(_LEVELS)}",
                            param="reasoning_effort", code="invalid_value")
     if model.removeprefix("models/").startswith("gemini-2"):
-        return {"thinkingBudget": _BUDGETS[effort]}
-    return {"thinkingLevel": _LEVELS[effort]}
+        return {"thinkingBudget": _BUDGETS[effort], **config}
+    return {"thinkingLevel": _LEVELS[effort], **config}
 
 
 def _camel(key: str) -> str:

@@ -19,15 +19,17 @@ given. The context cache is not asked: it serves chat completions only.
   - ``max_output_tokens`` → ``max_completion_tokens``; ``temperature`` and ``top_p`` as
     they are; function ``tools`` and ``tool_choice`` in chat's shapes; ``text.format``
     (``json_object``, ``json_schema``) → ``response_format``; ``reasoning.effort`` →
-    ``reasoning_effort`` (Gemini's thinking budget or level, as for chat). Other fields
-    (``store``, ``metadata``, ``user``, ``include``, ``truncation``, ``reasoning.summary``,
-    ``parallel_tool_calls``…) are not sent; ``store`` is reported false.
+    ``reasoning_effort`` (Gemini's thinking budget or level, as for chat);
+    ``reasoning.summary`` → Gemini's ``includeThoughts``. Other fields (``store``,
+    ``metadata``, ``user``, ``include``, ``truncation``, ``parallel_tool_calls``…) are not
+    sent; ``store`` is reported false.
   - What the translation cannot honour is a 400 naming the field: ``previous_response_id``
     and ``conversation`` (the router stores no responses), ``background``, tools other
     than functions, file inputs, other input items.
 
-* **The answer** becomes a ``response`` object (:func:`response_from_chat`): the text as
-  one ``message`` item, each tool call as a ``function_call`` item (with Gemini 3's
+* **The answer** becomes a ``response`` object (:func:`response_from_chat`): Gemini's
+  thought summary (when asked for) as a ``reasoning`` item first, the text as one
+  ``message`` item, each tool call as a ``function_call`` item (with Gemini 3's
   signature in ``extra_content.google.thought_signature``, as Google's OpenAI-compatible
   surface gives it, for the client to send back with the item); a ``length`` finish as
   status ``incomplete`` (``max_output_tokens``), ``content_filter`` likewise; ``usage`` as
@@ -37,7 +39,8 @@ given. The context cache is not asked: it serves chat completions only.
   the Responses API's too.
 
 * **A stream** becomes the typed events (:class:`EventTranslator`), from
-  ``response.created`` to ``response.completed`` or ``response.incomplete``; an error
+  ``response.created`` to ``response.completed`` or ``response.incomplete`` (a thought
+  summary as ``response.reasoning_summary_text.delta`` events in its reasoning item); an error
   record (Google's, or the router's when the upstream broke off) becomes an ``error``
   event, after which nothing is completed.
 """
@@ -61,6 +64,8 @@ _REFUSED = {
     "background": "background responses need a stored response to poll",
 }
 _PASSED = ("model", "temperature", "top_p")
+#: ``reasoning.summary`` values: each asks Gemini for its thought summaries.
+_SUMMARIES = ("auto", "concise", "detailed")
 #: Chat finish reasons that leave a response incomplete, with the Responses reason.
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
@@ -210,10 +215,17 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     if fmt is not None:
         chat["response_format"] = fmt
     reasoning = body.get("reasoning")
-    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
-        chat["reasoning_effort"] = reasoning["effort"]
-    elif reasoning is not None and not isinstance(reasoning, dict):
+    if reasoning is not None and not isinstance(reasoning, dict):
         raise RequestError("'reasoning' must be an object", param="reasoning")
+    reasoning = reasoning or {}
+    if reasoning.get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]
+    summary = reasoning.get("summary")
+    if summary is not None and summary not in _SUMMARIES:
+        raise RequestError(f"'reasoning.summary' must be one of {', '.join(_SUMMARIES)}",
+                           param="reasoning.summary", code="invalid_value")
+    if summary is not None:  # Gemini's thought summaries, as a reasoning item
+        chat["extra_body"] = {"google": {"thinking_config": {"include_thoughts": True}}}
     return chat
 
 
@@ -235,6 +247,10 @@ def response_from_chat(doc: dict[str, Any], shape: ResponseShape) -> dict[str, A
     choice = _dict(choices[0] if isinstance(choices, list) and choices else None)
     message = _dict(choice.get("message"))
     output: list[dict[str, Any]] = []
+    thoughts = message.get("reasoning_content")
+    if isinstance(thoughts, str) and thoughts:
+        output.append(responses_api.reasoning_item(
+            responses_api.new_id("rs"), [responses_api.summary_part(thoughts)]))
     text = message.get("content")
     calls = message.get("tool_calls")
     calls = calls if isinstance(calls, list) else []
@@ -289,6 +305,9 @@ class EventTranslator:
         self.text: list[str] | None = None
         self.text_id = ""
         self.text_index = 0
+        self.thoughts: list[str] | None = None
+        self.thoughts_id = ""
+        self.thoughts_index = 0
         self.calls: dict[int, _Call] = {}
         self.open_calls: list[_Call] = []
         self.finish_reason: str | None = None
@@ -328,6 +347,9 @@ class EventTranslator:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
             delta = _dict(choice.get("delta"))
+            thoughts = delta.get("reasoning_content")
+            if isinstance(thoughts, str) and thoughts:
+                self._thought_delta(thoughts, out)
             text = delta.get("content")
             if isinstance(text, str) and text:
                 self._text_delta(text, out)
@@ -337,8 +359,42 @@ class EventTranslator:
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
 
+    def _thought_delta(self, text: str, out: list[bytes]) -> None:
+        if self.thoughts is None:
+            self.thoughts = []
+            self.thoughts_id = responses_api.new_id("rs")
+            self.thoughts_index = len(self.items) + len(self.open_calls)
+            out.append(self.counter.record(
+                "response.output_item.added", output_index=self.thoughts_index,
+                item=responses_api.reasoning_item(self.thoughts_id, [])))
+            out.append(self.counter.record(
+                "response.reasoning_summary_part.added", item_id=self.thoughts_id,
+                output_index=self.thoughts_index, summary_index=0,
+                part=responses_api.summary_part("")))
+        self.thoughts.append(text)
+        out.append(self.counter.record(
+            "response.reasoning_summary_text.delta", item_id=self.thoughts_id,
+            output_index=self.thoughts_index, summary_index=0, delta=text))
+
+    def _close_thoughts(self, out: list[bytes]) -> None:
+        if self.thoughts is None:
+            return
+        text, self.thoughts = "".join(self.thoughts), None
+        where = {"item_id": self.thoughts_id, "output_index": self.thoughts_index,
+                 "summary_index": 0}
+        part = responses_api.summary_part(text)
+        out.append(self.counter.record("response.reasoning_summary_text.done", text=text,
+                                       **where))
+        out.append(self.counter.record("response.reasoning_summary_part.done", part=part,
+                                       **where))
+        item = responses_api.reasoning_item(self.thoughts_id, [part])
+        out.append(self.counter.record("response.output_item.done",
+                                       output_index=self.thoughts_index, item=item))
+        self.items.append(item)
+
     def _text_delta(self, text: str, out: list[bytes]) -> None:
         if self.text is None:
+            self._close_thoughts(out)
             self.text = []
             self.text_id = responses_api.new_id("msg")
             self.text_index = len(self.items) + len(self.open_calls)
@@ -359,6 +415,7 @@ class EventTranslator:
         function = _dict(delta.get("function"))
         call = self.calls.get(index)
         if call is None:
+            self._close_thoughts(out)
             self._close_text(out)
             call = _Call(len(self.items) + len(self.open_calls),
                          str(delta.get("id") or f"call_{index}"), str(function.get("name")
@@ -396,6 +453,7 @@ class EventTranslator:
         if self.failed:
             return out
         self._start(out)
+        self._close_thoughts(out)
         self._close_text(out)
         for call in self.open_calls:
             arguments = "".join(call.arguments) or "{}"

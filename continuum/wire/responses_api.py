@@ -60,6 +60,16 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str,
             "name": name, "arguments": arguments}
 
 
+def summary_part(text: str) -> dict[str, Any]:
+    """A ``summary_text`` part of a reasoning item's ``summary``."""
+    return {"type": "summary_text", "text": text}
+
+
+def reasoning_item(item_id: str, summary: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ``reasoning`` output item carrying the model's thought summary."""
+    return {"id": item_id, "type": "reasoning", "summary": summary}
+
+
 class ResponseShape:
     """The ``response`` object of one request: its id and creation time, and the request's
     settings it reports back (``instructions``, sampling, ``tools``, ``text``…)."""
@@ -83,13 +93,19 @@ class ResponseShape:
             "max_output_tokens": body.get("max_output_tokens"), "model": self.model,
             "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None}, "store": False,
+            "reasoning": _reasoning(body.get("reasoning")), "store": False,
             "temperature": body.get("temperature", 1.0),
             "text": body.get("text") or PLAIN_TEXT,
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
             "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": usage,
             "user": None, "metadata": body.get("metadata") or {},
         }
+
+
+def _reasoning(asked: Any) -> dict[str, Any]:
+    """The ``reasoning`` settings a response reports: the request's, where it gave them."""
+    asked = asked if isinstance(asked, dict) else {}
+    return {"effort": asked.get("effort"), "summary": asked.get("summary")}
 
 
 class EventCounter:

@@ -570,3 +570,30 @@ def test_an_image_by_url_reaches_the_native_api_with_its_mime_type(
     assert answer.choices[0].message.content  # the fake refuses a fileData without mimeType
     assert _last_chat_body(fake, ":generateContent")["contents"][0]["parts"][1] == {
         "fileData": {"mimeType": "image/png", "fileUri": url}}
+
+
+def test_responses_reasoning_summary_comes_back_as_a_reasoning_item_whole_and_streamed(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    fake, client = _native_with_gemini_3(gemini_factory, router_factory)
+    asked = {"effort": "high", "summary": "auto"}
+    answer = client.responses.create(model=G3, input="What is two and two?",
+                                     reasoning=asked)  # type: ignore[arg-type]
+    assert _last_chat_body(fake, ":generateContent")["generationConfig"] == {
+        "thinkingConfig": {"thinkingLevel": "high", "includeThoughts": True}}
+    thought, message = answer.output
+    assert thought.type == "reasoning" and message.type == "message"
+    assert thought.summary[0].text.startswith("Thinking about:")
+    assert thought.summary[0].text not in answer.output_text
+    assert answer.reasoning is not None and answer.reasoning.summary == "auto"
+
+    with client.responses.stream(model=G3, input="What is two and two?",
+                                 reasoning=asked) as stream:  # type: ignore[arg-type]
+        types = [event.type for event in stream]
+        final = stream.get_final_response()
+    deltas = [t for t in types if t == "response.reasoning_summary_text.delta"]
+    assert deltas and types.index("response.reasoning_summary_text.done") < types.index(
+        "response.output_text.delta")
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].summary[0].text == thought.summary[0].text  # type: ignore[union-attr]
+    assert final.output_text == answer.output_text

@@ -205,3 +205,49 @@ def test_an_error_record_ends_the_stream_without_completing_it() -> None:
     translator = EventTranslator(ResponseShape(MODEL, {"model": MODEL, "input": "x"}))
     events = _events(b"".join(translator.translate(iter(batches), lambda: True)))
     assert events[-1]["type"] == "error"
+
+
+def test_reasoning_settings_become_gemini_thinking_and_a_bad_summary_is_refused() -> None:
+    chat = chat_body({"model": MODEL, "input": "hi",
+                      "reasoning": {"effort": "high", "summary": "detailed"}})
+    assert chat["reasoning_effort"] == "high"
+    assert chat["extra_body"] == {"google": {"thinking_config": {"include_thoughts": True}}}
+    assert "extra_body" not in chat_body({"model": MODEL, "input": "hi",
+                                          "reasoning": {"effort": "low"}})
+    with pytest.raises(RequestError) as caught:
+        chat_body({"model": MODEL, "input": "hi", "reasoning": {"summary": "verbose"}})
+    assert caught.value.param == "reasoning.summary"
+
+
+def test_a_thought_summary_is_a_reasoning_item_before_the_message() -> None:
+    doc = _chat("Four.", "stop")
+    doc["choices"][0]["message"]["reasoning_content"] = "Adding two and two."
+    shape = ResponseShape(MODEL, {"model": MODEL, "input": "x",
+                                  "reasoning": {"effort": "low", "summary": "auto"}})
+    response = response_from_chat(doc, shape)
+    first, second = response["output"]
+    assert first["type"] == "reasoning" and first["id"].startswith("rs_")
+    assert first["summary"] == [{"type": "summary_text", "text": "Adding two and two."}]
+    assert second["type"] == "message"
+    assert response["reasoning"] == {"effort": "low", "summary": "auto"}
+
+
+def test_a_streamed_thought_summary_is_closed_before_the_text_starts() -> None:
+    batches = [[_chunk({"role": "assistant", "reasoning_content": "Adding "})],
+               [_chunk({"reasoning_content": "two and two."})],
+               [_chunk({"content": "Four."}, "stop")]]
+    translator = EventTranslator(ResponseShape(MODEL, {"model": MODEL, "input": "x"}))
+    events = _events(b"".join(translator.translate(iter(batches), lambda: True)))
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.reasoning_summary_part.added",
+        "response.reasoning_summary_text.delta", "response.reasoning_summary_text.delta",
+        "response.reasoning_summary_text.done", "response.reasoning_summary_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert events[6]["text"] == "Adding two and two." and events[6]["summary_index"] == 0
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] \
+        == [0, 1]
+    assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]

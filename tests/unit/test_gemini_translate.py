@@ -223,6 +223,12 @@ def test_googles_thinking_config_goes_as_given_in_camel_case() -> None:
     assert gemini.to_native(body)["generationConfig"] == {
         "thinkingConfig": {"thinkingBudget": 300, "includeThoughts": True}}
     assert "generationConfig" not in gemini.to_native({"messages": body["messages"]})
+    # thought summaries go with an effort; a budget does not
+    body = {"model": "gemini-3-pro-preview", "messages": body["messages"],
+            "reasoning_effort": "high",
+            "extra_body": {"google": {"thinking_config": {"include_thoughts": True}}}}
+    assert gemini.to_native(body)["generationConfig"] == {
+        "thinkingConfig": {"thinkingLevel": "high", "includeThoughts": True}}
 
 
 @pytest.mark.parametrize(("extra", "param"), [
