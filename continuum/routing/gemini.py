@@ -56,11 +56,12 @@ _TOOL_MODES = {"none": "NONE", "auto": "AUTO", "required": "ANY"}
 #: ``reasoning_effort`` as a Gemini 2.x thinking budget: Google's OpenAI-compatible surface
 #: maps low, medium and high to 1K, 8K and 24K tokens, and none to 0 (thinking off).
 _BUDGETS = {"none": 0, "minimal": 1024, "low": 1024, "medium": 8192, "high": 24576,
-            "xhigh": 24576}
-#: ... and as a thinking level for later models (which cannot turn thinking off: ``none``
-#: asks for the least there is). Which levels a model takes is Google's to say.
+            "xhigh": 24576, "max": 24576}
+#: ... and as a thinking level for later models, of the four Gemini 3 defines (they
+#: cannot turn thinking off: ``none`` asks for the least there is; OpenAI's levels above
+#: ``high`` ask for the most). Which levels a model takes is Google's to say.
 _LEVELS = {"none": "minimal", "minimal": "minimal", "low": "low", "medium": "medium",
-           "high": "high", "xhigh": "xhigh"}
+           "high": "high", "xhigh": "high", "max": "high"}
 
 
 def system_prompt(body: dict[str, Any]) -> str | None:

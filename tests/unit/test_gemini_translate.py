@@ -207,6 +207,8 @@ def test_config_defaults_are_the_seeds() -> None:
     ("gemini-3-pro-preview", "low", {"thinkingLevel": "low"}),
     ("gemini-3-flash-preview", "none", {"thinkingLevel": "minimal"}),
     ("gemini-3-flash-preview", "medium", {"thinkingLevel": "medium"}),
+    ("gemini-3-pro-preview", "max", {"thinkingLevel": "high"}),
+    ("gemini-2.5-flash", "xhigh", {"thinkingBudget": 24576}),
 ])
 def test_reasoning_effort_becomes_a_budget_on_2x_models_and_a_level_after(
         model: str, effort: str, thinking: dict[str, Any]) -> None:
