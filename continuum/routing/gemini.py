@@ -17,7 +17,9 @@ streamed); these functions translate both ways:
   conversation that does not give the signatures back) ↔ the tool call's
   ``extra_content.google.thought_signature``, where Google's OpenAI-compatible surface
   puts it, so a client written for that surface round-trips it unchanged;
-* ``candidates`` → ``choices`` with their finish reasons; ``usageMetadata`` → ``usage``, where
+* ``candidates`` → ``choices`` with their finish reasons and, asked for with ``logprobs``
+  and ``top_logprobs``, their ``logprobsResult`` as ``logprobs.content`` (each chosen
+  token with its step's top candidates); ``usageMetadata`` → ``usage``, where
   ``prompt_tokens`` stays the whole prompt (Google's ``promptTokenCount`` includes cached
   tokens) and ``prompt_tokens_details.cached_tokens`` is ``cachedContentTokenCount``, from a
   ``cachedContents`` hit or Gemini 2.5+'s implicit caching alike;
@@ -361,6 +363,33 @@ def _thoughts(candidate: dict[str, Any]) -> str | None:
     return "".join(texts) if texts else None
 
 
+def _token_logprob(candidate: dict[str, Any]) -> dict[str, Any]:
+    token = str(candidate.get("token", ""))
+    return {"token": token, "logprob": float(candidate.get("logProbability") or 0.0),
+            "bytes": list(token.encode())}
+
+
+def logprobs(candidate: dict[str, Any]) -> dict[str, Any] | None:
+    """OpenAI's ``logprobs`` of a choice from a candidate's ``logprobsResult`` (each chosen
+    token with the top candidates of its step), or None when it has none."""
+    result = candidate.get("logprobsResult")
+    if not isinstance(result, dict):
+        return None
+    chosen = result.get("chosenCandidates")
+    steps = result.get("topCandidates")
+    steps = steps if isinstance(steps, list) else []
+    content = []
+    for i, pick in enumerate(chosen if isinstance(chosen, list) else []):
+        if not isinstance(pick, dict):
+            continue
+        step = steps[i] if i < len(steps) and isinstance(steps[i], dict) else {}
+        top = step.get("candidates")
+        content.append({**_token_logprob(pick), "top_logprobs": [
+            _token_logprob(c) for c in (top if isinstance(top, list) else [])
+            if isinstance(c, dict)]})
+    return {"content": content, "refusal": None}
+
+
 def finish_reason(candidate: dict[str, Any], has_calls: bool) -> str | None:
     """OpenAI's ``finish_reason`` for a candidate (None while it is not finished)."""
     reason = candidate.get("finishReason")
@@ -383,6 +412,7 @@ def from_native(doc: dict[str, Any], model: str) -> dict[str, Any]:
         if calls:
             message["tool_calls"] = calls
         choices.append({"index": candidate.get("index", i), "message": message,
+                        "logprobs": logprobs(candidate),
                         "finish_reason": finish_reason(candidate, bool(calls)) or "stop"})
     return {"id": "chatcmpl-" + str(doc.get("responseId") or int(time.time() * 1e6)),
             "object": "chat.completion", "created": int(time.time()),
@@ -489,7 +519,11 @@ class NativeStream:
             delta["tool_calls"] = [{"index": base + k, **call} for k, call in enumerate(calls)]
             self._calls[index] = base + len(calls)
         reason = finish_reason(candidate, self._calls.get(index, 0) > 0)
-        return self._chunk([{"index": index, "delta": delta, "finish_reason": reason}])
+        choice = {"index": index, "delta": delta, "finish_reason": reason}
+        scored = logprobs(candidate)
+        if scored is not None:
+            choice["logprobs"] = scored
+        return self._chunk([choice])
 
     def finish(self) -> list[bytes]:
         """The usage chunk and the end marker."""

@@ -23,6 +23,8 @@
   report ``thoughtsTokenCount`` (budget ÷ 128, or 4/8/64/192 by level), and
   ``includeThoughts`` puts a thought summary part (``thought: true``) before the answer;
 * an ``inlineData`` or ``fileData`` part without its ``mimeType`` is refused (400);
+* ``responseLogprobs`` (with ``logprobs`` top candidates, 0-20) gives each candidate a
+  ``logprobsResult`` (per record when streamed) and ``avgLogprobs``;
 * errors as ``{"error": {"code", "message", "status"}}``: a ``cachedContent`` together with
   ``systemInstruction``, ``tools`` or ``toolConfig`` is refused (400) as Google does, and so
   is a missing or expired cache (403, "CachedContent not found (or permission denied)");
@@ -98,6 +100,36 @@ def _thinking(model: str, config: Any) -> tuple[int, bool]:
                                  "thinking mode.")
         thoughts = 96 if budget == -1 else budget // 128
     return thoughts, bool(config.get("includeThoughts")) and thoughts > 0
+
+
+def _logprobs_config(config: dict[str, Any]) -> int | None:
+    """How many top candidates per token ``generationConfig`` asks for (0: the chosen
+    token's only), or None when it asks for no log probabilities; refused as Google
+    refuses it."""
+    top = config.get("logprobs")
+    if top is not None and (not isinstance(top, int) or not 0 <= top <= 20):
+        raise GeminiApiError(400, f"logprobs must be between 0 and 20, got {top}")
+    if not config.get("responseLogprobs"):
+        if top is not None:
+            raise GeminiApiError(400, "logprobs can only be set when responseLogprobs is "
+                                 "true")
+        return None
+    return top or 0
+
+
+def _logprobs_result(pieces: Sequence[str], top: int) -> dict[str, Any]:
+    """A ``logprobsResult`` for the tokens ``pieces``: each chosen with log probability
+    -0.1 * (its position modulo 5, plus 1), and ``top`` candidates per step, the chosen one
+    first."""
+    chosen: list[dict[str, Any]] = [
+        {"token": piece, "tokenId": 1000 + i, "logProbability": -0.1 * (i % 5 + 1)}
+        for i, piece in enumerate(pieces)]
+    tops = [{"candidates": [pick, *({"token": f"alt{k}", "tokenId": k,
+                                     "logProbability": pick["logProbability"] - k}
+                                    for k in range(1, top))][:top]}
+            for pick in chosen]
+    return {"topCandidates": tops, "chosenCandidates": chosen,
+            "logProbabilitySum": sum(c["logProbability"] for c in chosen)}
 
 
 def _dumps(doc: Any) -> bytes:
@@ -376,6 +408,7 @@ class FakeGemini:
                                        self._tokens(texts))
         config = body.get("generationConfig") or {}
         thoughts, summary = _thinking(model, config.get("thinkingConfig"))
+        top = _logprobs_config(config)
         seed = hashlib.sha256(((cached_system or system_text) + "\x00" +
                                "\x00".join(texts)).encode()).digest()
         rng = random.Random(seed if config.get("temperature", 0) in (0, None)
@@ -405,9 +438,14 @@ class FakeGemini:
             else []
         parts = thought + parts
         response_id = secrets.token_urlsafe(16)
+        scored = None if top is None else _logprobs_result(pieces, top)
         if method == "generateContent":
-            resp.media = {"candidates": [{"content": {"role": "model", "parts": parts},
-                                          "finishReason": finish, "index": 0}],
+            candidate = {"content": {"role": "model", "parts": parts}, "finishReason": finish,
+                         "index": 0}
+            if scored is not None:
+                candidate["logprobsResult"] = scored
+                candidate["avgLogprobs"] = scored["logProbabilitySum"] / max(len(pieces), 1)
+            resp.media = {"candidates": [candidate],
                           "usageMetadata": usage, "modelVersion": model.split("/", 1)[1],
                           "responseId": response_id}
             return
@@ -415,7 +453,7 @@ class FakeGemini:
             raise GeminiApiError(400, "this fake streams only with alt=sse")
         resp.content_type = "text/event-stream"
         resp.stream = _native_events(parts, pieces, finish, usage, model, response_id,
-                                     thought)
+                                     thought, scored)
 
     def _cache_use(self, ref: Any, model: str, conflicting: bool) -> tuple[int, str | None]:
         """(cached tokens, cached system text) of a request's cache reference, if any."""
@@ -520,10 +558,12 @@ class FakeGemini:
 
 def _native_events(parts: list[dict[str, Any]], pieces: list[str], finish: str,
                    usage: dict[str, Any], model: str, response_id: str,
-                   thought: list[dict[str, Any]]) -> Iterator[bytes]:
+                   thought: list[dict[str, Any]],
+                   scored: dict[str, Any] | None) -> Iterator[bytes]:
     """``alt=sse`` records: the thought summary's (if any), then one
-    ``GenerateContentResponse`` per piece, the last with ``finishReason`` and the full
-    ``usageMetadata`` (records end in CRLF CRLF, as Google's)."""
+    ``GenerateContentResponse`` per piece (with that piece's ``logprobsResult`` when
+    ``scored``), the last with ``finishReason`` and the full ``usageMetadata`` (records end
+    in CRLF CRLF, as Google's)."""
     version = model.split("/", 1)[1]
 
     def record(doc: dict[str, Any]) -> bytes:
@@ -534,6 +574,11 @@ def _native_events(parts: list[dict[str, Any]], pieces: list[str], finish: str,
     partial = {"promptTokenCount": usage["promptTokenCount"]}
     for i, chunk in enumerate(chunks):
         candidate: dict[str, Any] = {"content": {"role": "model", "parts": chunk}, "index": 0}
+        step = i - len(chunks) + len(pieces)  # the piece's position, for text pieces
+        if scored is not None and pieces and step >= 0:
+            candidate["logprobsResult"] = {
+                "topCandidates": scored["topCandidates"][step:step + 1],
+                "chosenCandidates": scored["chosenCandidates"][step:step + 1]}
         last = i == len(chunks) - 1
         if last:
             candidate["finishReason"] = finish

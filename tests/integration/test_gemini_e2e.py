@@ -597,3 +597,33 @@ def test_responses_reasoning_summary_comes_back_as_a_reasoning_item_whole_and_st
     assert [item.type for item in final.output] == ["reasoning", "message"]
     assert final.output[0].summary[0].text == thought.summary[0].text  # type: ignore[union-attr]
     assert final.output_text == answer.output_text
+
+
+def test_logprobs_come_back_from_the_native_api_whole_and_streamed(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    fake = gemini_factory()
+    client = _client(router_factory(_config(fake, prefer_native_api=True)))
+    messages = [{"role": "user", "content": "Say something."}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                            logprobs=True, top_logprobs=2)
+    assert _last_chat_body(fake, ":generateContent")["generationConfig"] == {
+        "responseLogprobs": True, "logprobs": 2}
+    choice = answer.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content
+    assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token
+               and t.logprob < 0 for t in choice.logprobs.content)
+
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, logprobs=True, stream=True))  # type: ignore[arg-type]
+    tokens = [t.token for c in chunks if c.choices and c.choices[0].logprobs
+              for t in c.choices[0].logprobs.content or []]
+    assert "".join(tokens) == choice.message.content
+
+    # without logprobs, none come back; top_logprobs alone is Google's 400
+    plain = client.chat.completions.create(model=MODEL, messages=messages)  # type: ignore[arg-type]
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="responseLogprobs"):
+        client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                       top_logprobs=2)

@@ -284,3 +284,28 @@ def test_an_image_by_url_goes_as_file_data_with_the_mime_type_google_requires(
         {"type": "image_url", "image_url": {"url": url}}]}]}
     assert gemini.to_native(body)["contents"][0]["parts"][1] == {
         "fileData": {"mimeType": mime, "fileUri": url}}
+
+
+def test_log_probabilities_become_openai_logprobs_whole_and_streamed() -> None:
+    scored = {"chosenCandidates": [{"token": "Hi", "tokenId": 5, "logProbability": -0.25},
+                                   {"token": "é", "tokenId": 6, "logProbability": -1.5}],
+              "topCandidates": [{"candidates": [
+                  {"token": "Hi", "tokenId": 5, "logProbability": -0.25},
+                  {"token": "Hey", "tokenId": 7, "logProbability": -2.0}]}]}
+    doc = {"candidates": [{"content": {"role": "model", "parts": [{"text": "Hié"}]},
+                           "finishReason": "STOP", "logprobsResult": scored}]}
+    choice = gemini.from_native(doc, "m")["choices"][0]
+    assert choice["logprobs"] == {"refusal": None, "content": [
+        {"token": "Hi", "logprob": -0.25, "bytes": [72, 105], "top_logprobs": [
+            {"token": "Hi", "logprob": -0.25, "bytes": [72, 105]},
+            {"token": "Hey", "logprob": -2.0, "bytes": [72, 101, 121]}]},
+        {"token": "é", "logprob": -1.5, "bytes": [195, 169], "top_logprobs": []}]}
+    del doc["candidates"][0]["logprobsResult"]
+    assert gemini.from_native(doc, "m")["choices"][0]["logprobs"] is None
+    stream = gemini.NativeStream("m")
+    record = {"candidates": [{"content": {"role": "model", "parts": [{"text": "Hi"}]},
+                              "logprobsResult": {"chosenCandidates": scored[
+                                  "chosenCandidates"][:1]}}]}
+    [chunk] = stream.chunks(b"data: " + json.dumps(record).encode() + b"\r\n\r\n")
+    assert chunk["choices"][0]["logprobs"]["content"] == [
+        {"token": "Hi", "logprob": -0.25, "bytes": [72, 105], "top_logprobs": []}]
