@@ -17,7 +17,8 @@ streamed); these functions translate both ways:
   conversation that does not give the signatures back) ↔ the tool call's
   ``extra_content.google.thought_signature``, where Google's OpenAI-compatible surface
   puts it, so a client written for that surface round-trips it unchanged;
-* ``candidates`` → ``choices`` with their finish reasons and, asked for with ``logprobs``
+* ``candidates`` → ``choices`` with their finish reasons (a prompt Google blocked, which
+  has none, → one empty choice with ``content_filter``) and, asked for with ``logprobs``
   and ``top_logprobs``, their ``logprobsResult`` as ``logprobs.content`` (each chosen
   token with its step's top candidates); ``usageMetadata`` → ``usage``, where
   ``prompt_tokens`` stays the whole prompt (Google's ``promptTokenCount`` includes cached
@@ -400,10 +401,25 @@ def finish_reason(candidate: dict[str, Any], has_calls: bool) -> str | None:
     return FINISH_REASONS.get(reason, "stop")
 
 
+def _candidates(doc: dict[str, Any]) -> list[Any]:
+    """A response's candidates; for a prompt Google blocked (``promptFeedback.blockReason``,
+    and no candidate at all) one empty candidate finished for that reason, so that an
+    OpenAI client gets its one choice, ``finish_reason: content_filter``."""
+    candidates = doc.get("candidates")
+    if candidates:
+        return candidates if isinstance(candidates, list) else []
+    feedback = doc.get("promptFeedback")
+    reason = feedback.get("blockReason") if isinstance(feedback, dict) else None
+    if not reason:
+        return []
+    return [{"index": 0, "content": {"role": "model", "parts": []},
+             "finishReason": reason if reason in FINISH_REASONS else "SAFETY"}]
+
+
 def from_native(doc: dict[str, Any], model: str) -> dict[str, Any]:
     """A ``chat.completion`` for a ``GenerateContentResponse``."""
     choices = []
-    for i, candidate in enumerate(doc.get("candidates") or []):
+    for i, candidate in enumerate(_candidates(doc)):
         text, calls = _message(candidate)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         thoughts = _thoughts(candidate)
@@ -491,7 +507,7 @@ class NativeStream:
                 self.model = str(doc["modelVersion"])
             if doc.get("usageMetadata"):
                 self.usage = usage(doc["usageMetadata"])
-            for i, candidate in enumerate(doc.get("candidates") or []):
+            for i, candidate in enumerate(_candidates(doc)):
                 out.append(self._candidate_chunk(candidate.get("index", i), candidate))
         return out
 

@@ -23,6 +23,8 @@
   report ``thoughtsTokenCount`` (budget ÷ 128, or 4/8/64/192 by level), and
   ``includeThoughts`` puts a thought summary part (``thought: true``) before the answer;
 * an ``inlineData`` or ``fileData`` part without its ``mimeType`` is refused (400);
+* a prompt whose last text holds ``[blocked prompt]`` is blocked as Google blocks an unsafe
+  one: ``promptFeedback.blockReason: SAFETY`` and no candidate (streamed: one record);
 * ``responseLogprobs`` (with ``logprobs`` top candidates, 0-20) gives each candidate a
   ``logprobsResult`` (per record when streamed) and ``avgLogprobs``;
 * errors as ``{"error": {"code", "message", "status"}}``: a ``cachedContent`` together with
@@ -69,6 +71,8 @@ CACHE_CONFLICT = ("CachedContent can not be used with GenerateContent request se
                   "system_instruction, tools or tool_config.\n\nProposed fix: move those "
                   "values to CachedContent from GenerateContent request.")
 _ROLES = ("user", "model")
+#: A prompt whose last text holds this is blocked, as Google blocks an unsafe prompt.
+BLOCKED_MARKER = "[blocked prompt]"
 #: Thinking tokens the fake reports for each ``thinkingLevel``.
 _LEVEL_THOUGHTS = {"minimal": 4, "low": 8, "medium": 64, "high": 192}
 
@@ -418,6 +422,18 @@ class FakeGemini:
         usage: dict[str, Any] = {"promptTokenCount": prompt_tokens}
         if cached_tokens:
             usage["cachedContentTokenCount"] = cached_tokens
+        if BLOCKED_MARKER in last:  # Google blocks the prompt: no candidate at all
+            blocked = {"promptFeedback": {"blockReason": "SAFETY", "safetyRatings": [
+                {"category": "HARM_CATEGORY_DANGEROUS_CONTENT", "probability": "HIGH"}]},
+                "usageMetadata": {**usage, "totalTokenCount": prompt_tokens},
+                "modelVersion": model.split("/", 1)[1],
+                "responseId": secrets.token_urlsafe(16)}
+            if method == "generateContent":
+                resp.media = blocked
+            else:
+                resp.content_type = "text/event-stream"
+                resp.data = b"data: " + _dumps(blocked) + b"\r\n\r\n"
+            return
         if call is not None:
             function = {"name": call, "args": {"query": last[:40]}}
             parts: list[dict[str, Any]] = [{"functionCall": function}]

@@ -627,3 +627,21 @@ def test_logprobs_come_back_from_the_native_api_whole_and_streamed(
     with pytest.raises(openai.BadRequestError, match="responseLogprobs"):
         client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
                                        top_logprobs=2)
+
+
+def test_a_prompt_google_blocks_is_a_content_filter_finish_not_an_empty_answer(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    fake = gemini_factory()
+    client = _client(router_factory(_config(fake, prefer_native_api=True)))
+    messages = [{"role": "user", "content": "Tell me [blocked prompt] now."}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages)  # type: ignore[arg-type]
+    [choice] = answer.choices
+    assert choice.finish_reason == "content_filter" and choice.message.content is None
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                                 stream=True))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices] == ["content_filter"]
+    response = client.responses.create(model=MODEL, input="Tell me [blocked prompt] now.")
+    assert response.status == "incomplete"
+    assert response.incomplete_details is not None
+    assert response.incomplete_details.reason == "content_filter"

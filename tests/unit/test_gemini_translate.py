@@ -309,3 +309,19 @@ def test_log_probabilities_become_openai_logprobs_whole_and_streamed() -> None:
     [chunk] = stream.chunks(b"data: " + json.dumps(record).encode() + b"\r\n\r\n")
     assert chunk["choices"][0]["logprobs"]["content"] == [
         {"token": "Hi", "logprob": -0.25, "bytes": [72, 105], "top_logprobs": []}]
+
+
+def test_a_blocked_prompt_is_one_empty_choice_finished_by_the_content_filter() -> None:
+    blocked = {"promptFeedback": {"blockReason": "PROHIBITED_CONTENT"},
+               "usageMetadata": {"promptTokenCount": 9, "totalTokenCount": 9}}
+    answer = gemini.from_native(blocked, "m")
+    assert answer["choices"] == [{"index": 0, "logprobs": None,
+                                  "message": {"role": "assistant", "content": None},
+                                  "finish_reason": "content_filter"}]
+    assert answer["usage"]["prompt_tokens"] == 9
+    [chunk] = gemini.NativeStream("m").chunks(
+        b"data: " + json.dumps(blocked).encode() + b"\r\n\r\n")
+    assert chunk["choices"] == [{"index": 0, "delta": {"role": "assistant"},
+                                 "finish_reason": "content_filter"}]
+    # no candidates and no verdict: nothing to answer with
+    assert gemini.from_native({"usageMetadata": {}}, "m")["choices"] == []
