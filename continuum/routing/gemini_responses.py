@@ -40,8 +40,8 @@ given. The context cache is not asked: it serves chat completions only.
 
 * **A stream** becomes the typed events (:class:`EventTranslator`), from
   ``response.created`` to ``response.completed`` or ``response.incomplete`` (a thought
-  summary as ``response.reasoning_summary_text.delta`` events in its reasoning item); an error
-  record (Google's, or the router's when the upstream broke off) becomes an ``error``
+  summary as ``response.reasoning_summary_text.delta`` events in its reasoning item); an
+  error record (Google's, or the router's when the upstream broke off) becomes an ``error``
   event, after which nothing is completed.
 """
 
@@ -361,6 +361,7 @@ class EventTranslator:
 
     def _thought_delta(self, text: str, out: list[bytes]) -> None:
         if self.thoughts is None:
+            self._close_text(out)  # thoughts come first; should text precede, it ends
             self.thoughts = []
             self.thoughts_id = responses_api.new_id("rs")
             self.thoughts_index = len(self.items) + len(self.open_calls)

@@ -251,3 +251,13 @@ def test_a_streamed_thought_summary_is_closed_before_the_text_starts() -> None:
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] \
         == [0, 1]
     assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
+
+
+def test_a_thought_after_text_starts_its_own_item_after_the_text() -> None:
+    batches = [[_chunk({"role": "assistant", "content": "Four."})],
+               [_chunk({"reasoning_content": "Checked again."}, "stop")]]
+    translator = EventTranslator(ResponseShape(MODEL, {"model": MODEL, "input": "x"}))
+    events = _events(b"".join(translator.translate(iter(batches), lambda: True)))
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] \
+        == [0, 1]
+    assert [i["type"] for i in events[-1]["response"]["output"]] == ["message", "reasoning"]
