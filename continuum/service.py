@@ -415,8 +415,9 @@ class RouterService:
             stream = self.forwarder.relay(upstream, error_event)
             if adapter is not None:
                 stream = adapter.stream(stream, upstream)
-            # a translating adapter (Gemini native) makes its own final usage chunk: kept
-            stream = iter(UsageStream(stream, record, strip=stream_usage and adapter is None))
+            # the usage-only chunk goes to a client that asked for it, as OpenAI sends it:
+            # the one the router asked for, or a translating adapter's (Gemini native)
+            stream = iter(UsageStream(stream, record, strip=stream_usage))
             if cache is not None:
                 done = None if probe is None or self.semantic is None else \
                     self.semantic.stream_done(probe, content_type)

@@ -24,11 +24,12 @@ streamed); these functions translate both ways:
   ``prompt_tokens`` stays the whole prompt (Google's ``promptTokenCount`` includes cached
   tokens) and ``prompt_tokens_details.cached_tokens`` is ``cachedContentTokenCount``, from a
   ``cachedContents`` hit or Gemini 2.5+'s implicit caching alike;
-* ``alt=sse`` records → ``chat.completion.chunk`` events, then one usage chunk and
-  ``[DONE]``; Google's error bodies → OpenAI's.
+* ``alt=sse`` records → ``chat.completion.chunk`` events, then one usage chunk (which the
+  service passes on only to a client that asked for it with
+  ``stream_options.include_usage``) and ``[DONE]``; Google's error bodies → OpenAI's.
 
 Everything else a client sends that has no native equivalent is dropped (``user``,
-``store``, ``metadata``…); ``logit_bias`` and ``stream_options`` have no meaning here.
+``store``, ``metadata``…); ``logit_bias`` has no meaning here.
 """
 
 from __future__ import annotations

@@ -152,7 +152,8 @@ def test_native_surface_whole_and_streamed(
     assert cached is not None and cached > 0
     assert hit.usage.prompt_tokens == first.usage.prompt_tokens  # type: ignore[union-attr]
 
-    chunks = list(_ask(client, stream=True, max_tokens=64, temperature=0.0))
+    chunks = list(_ask(client, stream=True, max_tokens=64, temperature=0.0,
+                       stream_options={"include_usage": True}))
     received = fake.received(":streamGenerateContent", "POST")[-1]
     assert received["query"] == "alt=sse" and "cachedContent" in received["body"]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -162,6 +163,13 @@ def test_native_surface_whole_and_streamed(
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.prompt_tokens_details is not None
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    # unasked, the usage chunk is not sent (as OpenAI's), yet the metrics count the stream
+    before = metric_sum(router.metrics(), "continuum_prompt_tokens_total")
+    unasked = list(_ask(client, stream=True, max_tokens=64, temperature=0.0))
+    assert all(c.choices for c in unasked) and all(c.usage is None for c in unasked)
+    assert "".join(c.choices[0].delta.content or "" for c in unasked) == text
+    after = metric_sum(router.metrics(), "continuum_prompt_tokens_total")
+    assert after - before == hit.usage.prompt_tokens
 
 
 def test_refusal_is_negative_cached(
