@@ -160,18 +160,43 @@ def signed(signature: Any) -> dict[str, Any]:
     return {"extra_content": {"google": {"thought_signature": signature}}}
 
 
+def _calls(message: dict[str, Any], where: str) -> list[tuple[dict[str, Any],
+                                                               dict[str, Any]]]:
+    """An assistant message's tool calls with their functions.
+
+    Raises:
+        RequestError: ``tool_calls`` is not an array of calls with a ``function`` object.
+    """
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise RequestError(f"'{where}.tool_calls' must be an array", param=f"{where}.tool_calls",
+                           code="invalid_type")
+    out = []
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise RequestError(f"'{where}.tool_calls[{k}]' must be a tool call with a "
+                               "'function' object", param=f"{where}.tool_calls[{k}]",
+                               code="invalid_type")
+        out.append((call, function))
+    return out
+
+
 def _contents(messages: list[Any]) -> list[dict[str, Any]]:
-    """The conversation as ``contents``; consecutive turns of one role are merged."""
+    """The conversation as ``contents``; consecutive turns of one role are merged.
+
+    Raises:
+        RequestError: an assistant message's ``tool_calls`` cannot be read (:func:`_calls`).
+    """
     names: dict[str, str] = {}
     out: list[dict[str, Any]] = []
-    for message in messages:
+    for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") in _SYSTEM_ROLES:
             continue
         role = message.get("role")
         if role == "assistant":
             turn, parts = "model", _parts(message.get("content"))
-            for call in message.get("tool_calls") or []:
-                function = call.get("function") or {} if isinstance(call, dict) else {}
+            for call, function in _calls(message, f"messages[{i}]"):
                 name = str(function.get("name", ""))
                 names[str(call.get("id", ""))] = name
                 part: dict[str, Any] = {"functionCall": {
@@ -215,7 +240,11 @@ def _generation_config(body: dict[str, Any]) -> dict[str, Any]:
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
         config["responseMimeType"] = "application/json"
-        schema = (fmt.get("json_schema") or {}).get("schema")
+        described = fmt.get("json_schema") or {}
+        if not isinstance(described, dict):
+            raise RequestError("'response_format.json_schema' must be an object",
+                               param="response_format.json_schema", code="invalid_type")
+        schema = described.get("schema")
         if schema is not None:
             config["responseJsonSchema"] = schema
     return config
@@ -263,8 +292,16 @@ def _camel(key: str) -> str:
 
 
 def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, dict[str, Any] | None]:
+    """``functionDeclarations`` and ``toolConfig`` for a chat body's tools.
+
+    Raises:
+        RequestError: ``tools`` is not an array.
+    """
     declarations = []
-    for tool in body.get("tools") or []:
+    tools_given = body.get("tools") or []
+    if not isinstance(tools_given, list):
+        raise RequestError("'tools' must be an array", param="tools", code="invalid_type")
+    for tool in tools_given:
         function = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(function, dict) and function.get("name"):
             decl = {"name": function["name"]}
@@ -291,7 +328,10 @@ def to_native(body: dict[str, Any], cached_content: str | None = None) -> dict[s
     caller only passes a cache whose system prompt is the request's.
 
     Raises:
-        RequestError: a ``reasoning_effort`` that cannot be mapped (:func:`thinking_config`).
+        RequestError: what cannot be translated, named by ``param``: a ``reasoning_effort``
+            that cannot be mapped (:func:`thinking_config`), ``tools`` or an assistant
+            message's ``tool_calls`` that are not arrays of objects, a ``json_schema`` that
+            is not one.
     """
     native: dict[str, Any] = {"contents": _contents(body.get("messages") or [])}
     config = _generation_config(body)

@@ -653,3 +653,19 @@ def test_a_prompt_google_blocks_is_a_content_filter_finish_not_an_empty_answer(
     assert response.status == "incomplete"
     assert response.incomplete_details is not None
     assert response.incomplete_details.reason == "content_filter"
+
+
+def test_a_body_the_native_api_cannot_take_is_a_400_naming_the_field_and_nothing_is_sent(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    fake = gemini_factory()
+    router = router_factory(_config(fake, prefer_native_api=True))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"},
+                                         {"role": "assistant", "tool_calls": ["x"]},
+                                         {"role": "user", "content": "and?"}]}
+    answer = requests.post(router.url + "/v1/chat/completions", json=body, timeout=10)
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["param"] == "messages[1].tool_calls[0]"
+    assert error["type"] == "invalid_request_error"
+    assert fake.received(":generateContent", "POST") == []
