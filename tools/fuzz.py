@@ -39,21 +39,29 @@ from typing import Any
 import falcon.testing
 
 from continuum.config import parse_config
+from continuum.devtools.gemini_fake import FakeGeminiProcess
 from continuum.registry import PluginRegistry
 from continuum.request import DEFAULT_MAX_JSON_DEPTH
 from continuum.web.app import create_app
 from tools.bench.overhead import MODEL, start_upstream
-from tools.fuzz_inputs import PATHS, Case, HostileInputs
+from tools.fuzz_inputs import GEMINI_MODEL, PATHS, Case, HostileInputs
 
 
-def fuzz_config(upstream_url: str, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> dict[str, Any]:
-    """A router config with every tier that reads the request body switched on."""
+def fuzz_config(upstream_url: str, max_depth: int = DEFAULT_MAX_JSON_DEPTH,
+                gemini_url: str | None = None) -> dict[str, Any]:
+    """A router config with every tier that reads the request body switched on; with
+    ``gemini_url``, a ``type: gemini`` backend answering on its native API (the
+    translation both ways reads the body too)."""
+    gemini = [{"name": "gem", "url": gemini_url, "type": "gemini", "api_key": "fuzz",
+               "models": [GEMINI_MODEL]}] if gemini_url else []
     return {
         "backends": [
             {"name": "up", "url": upstream_url, "models": [MODEL]},
             {"name": "anth", "url": upstream_url, "type": "anthropic", "models": [MODEL],
              "api_key": "fuzz"},
+            *gemini,
         ],
+        "gemini_context_cache": {"prefer_native_api": True},
         "selection_strategy": "PrefixAwareHash",
         "prefix_routing": {"enabled": True},
         "response_cache": {"enabled": True},
@@ -100,6 +108,7 @@ class Report:
     stopped_by_time: bool = False
     by_status: Counter[int] = field(default_factory=Counter)
     by_kind: dict[str, Counter[int]] = field(default_factory=dict)
+    by_endpoint: dict[str, Counter[int]] = field(default_factory=dict)
     server_errors: int = 0
     crashes: int = 0
     bad_error_bodies: int = 0
@@ -119,6 +128,8 @@ class Report:
                 "stopped_by_time": self.stopped_by_time,
                 "by_status": dict(sorted(self.by_status.items())),
                 "by_kind": {k: dict(sorted(v.items())) for k, v in sorted(self.by_kind.items())},
+                "by_endpoint": {k: dict(sorted(v.items()))
+                                for k, v in sorted(self.by_endpoint.items())},
                 "server_errors": self.server_errors, "crashes": self.crashes,
                 "bad_error_bodies": self.bad_error_bodies,
                 "missing_request_id": self.missing_request_id, "guarded": self.guarded,
@@ -150,6 +161,7 @@ def check(report: Report, case: Case, result: falcon.testing.Result) -> None:
     status = result.status_code
     report.by_status[status] += 1
     report.by_kind.setdefault(case.kind, Counter())[status] += 1
+    report.by_endpoint.setdefault(case.endpoint, Counter())[status] += 1
     from_router = "X-Continuum-Backend" not in result.headers
     if status >= 500:
         report.server_errors += 1
@@ -195,9 +207,12 @@ def run(count: int, seed: int, max_seconds: float,
     try:
         with tempfile.TemporaryDirectory(prefix="continuum-fuzz-") as tmp:
             upstream, port = start_upstream(Path(tmp), chunks=3, chunk_delay_ms=0)
+            gemini: FakeGeminiProcess | None = None
             app = None
             try:
-                config = parse_config(fuzz_config(f"http://127.0.0.1:{port}", max_depth))
+                gemini = FakeGeminiProcess(Path(tmp))
+                config = parse_config(fuzz_config(f"http://127.0.0.1:{port}", max_depth,
+                                                  gemini.url))
                 app = create_app(config, registry=PluginRegistry())
                 client = falcon.testing.TestClient(app)
                 started = time.monotonic()
@@ -209,6 +224,8 @@ def run(count: int, seed: int, max_seconds: float,
             finally:
                 if app is not None:
                     app.service.stop()
+                if gemini is not None:
+                    gemini.stop()
                 upstream.stop()
     finally:
         app_log.removeHandler(tally)
@@ -227,6 +244,10 @@ def print_report(report: Report) -> None:
         f"{status}: {n}" for status, n in sorted(report.by_status.items())))
     for kind, statuses in sorted(report.by_kind.items()):
         print(f"    {kind:12} " + ", ".join(f"{s}: {n}" for s, n in sorted(statuses.items())))
+    print("  answers by endpoint (gemini*: a type: gemini backend on its native API):")
+    for endpoint, statuses in sorted(report.by_endpoint.items()):
+        print(f"    {endpoint:16} " + ", ".join(
+            f"{s}: {n}" for s, n in sorted(statuses.items())))
     print(f"  5xx: {report.server_errors}")
     print(f"  exceptions out of the app: {report.crashes}")
     print(f"  router error bodies not in the client's shape: {report.bad_error_bodies}")

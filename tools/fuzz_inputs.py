@@ -17,12 +17,18 @@ from continuum.request import DEFAULT_MAX_JSON_DEPTH, NUMBER_FIELDS
 from tools.bench.overhead import MODEL
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
-         "anthropic": "/anthropic/v1/messages"}
+         "anthropic": "/anthropic/v1/messages",
+         # the same OpenAI endpoints for a model a Gemini backend serves on its native API
+         # (the router translates both ways): chat, and the Responses API
+         "gemini": "/v1/chat/completions", "gemini_responses": "/v1/responses"}
+#: The model the fuzz config's ``type: gemini`` backend serves.
+GEMINI_MODEL = "gemini-3-pro-preview"
 #: Top-level fields some stage of the router reads, or that are commonly sent.
 KNOWN_FIELDS = (*NUMBER_FIELDS, "model", "messages", "stream", "prompt", "input", "system",
                 "stop", "stop_sequences", "logprobs", "tools", "tool_choice",
                 "response_format", "cache_salt", "stream_options", "user", "metadata",
-                "cache_control")
+                "cache_control", "reasoning_effort", "reasoning", "instructions", "text",
+                "extra_body", "top_logprobs")
 _TEXT_ALPHABET = ('abc xyz"\\[]{}:,/\n\t\x00\x1f\x7f' "é漢\u2028\U0001f600\ud800\udfff")
 #: Literals json.dumps cannot write, or writes only one way.
 _LITERALS = ("NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1e-400", "-0", "0.0",
@@ -134,9 +140,12 @@ class HostileInputs:
         if rng.random() < 0.5:
             messages.insert(0, {"role": "system", "content": rng.choice(
                 ("You are terse.", "You are a pirate.", self.text(60)))})
-        body: dict[str, Any] = {"model": MODEL if rng.random() < 0.95 else self.text(6)}
+        model = GEMINI_MODEL if endpoint.startswith("gemini") else MODEL
+        body: dict[str, Any] = {"model": model if rng.random() < 0.95 else self.text(6)}
         if endpoint == "completions":
             body["prompt"] = self.text(40)
+        elif endpoint == "gemini_responses":
+            body["input"] = messages if rng.random() < 0.5 else messages[-1]["content"]
         else:
             body["messages"] = messages[-1:] if endpoint == "anthropic" else messages
         if endpoint == "anthropic":
@@ -158,7 +167,7 @@ class HostileInputs:
         return body
 
     def message(self) -> Any:
-        """A message (or system block) of some wrong shape."""
+        """A message (or system block, or Responses input item) of some wrong shape."""
         value = self.value
         return self.rng.choice((
             lambda: value(2),
@@ -166,11 +175,24 @@ class HostileInputs:
             lambda: {"role": "system", "content": [value(3), {"type": "text", "text": value(3)}]},
             lambda: {"role": "user", "content": [{"type": value(3), "text": "x",
                                                   "cache_control": value(3)}]},
+            lambda: {"role": "assistant", "content": value(2), "tool_calls": self.rng.choice((
+                value(3), [value(2)], [{"id": value(1), "function": value(2)}],
+                [{"id": "c", "function": {"name": value(1), "arguments": value(2)},
+                  "extra_content": value(3)}]))},
+            lambda: {"role": "tool", "tool_call_id": value(1), "content": value(2)},
+            lambda: {"role": "user", "content": [{"type": "image_url", "image_url": value(2)}]},
+            lambda: {"type": self.rng.choice(("function_call", "function_call_output",
+                                              "reasoning", "message", "input_image")),
+                     "call_id": value(1), "name": value(1), "arguments": value(1),
+                     "output": value(2), "content": value(2), "role": value(1)},
         ))()
 
     def hostile_messages(self, endpoint: str) -> dict[str, Any]:
         rng = self.rng
         body = self.valid(endpoint)
+        if endpoint == "gemini_responses":
+            body["input"] = [self.message() for _ in range(rng.randint(1, 4))]
+            return body
         body["messages"] = [self.message() for _ in range(rng.randint(1, 4))]
         if endpoint == "anthropic" and rng.random() < 0.5:
             body["system"] = [self.message() for _ in range(rng.randint(0, 3))]

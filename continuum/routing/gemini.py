@@ -454,7 +454,8 @@ def _candidates(doc: dict[str, Any]) -> list[Any]:
     if not reason:
         return []
     return [{"index": 0, "content": {"role": "model", "parts": []},
-             "finishReason": reason if reason in FINISH_REASONS else "SAFETY"}]
+             "finishReason": reason if isinstance(reason, str) and reason in FINISH_REASONS
+             else "SAFETY"}]
 
 
 def from_native(doc: dict[str, Any], model: str) -> dict[str, Any]:

@@ -232,6 +232,11 @@ class FakeGemini:
         self._authorize(req)
         if not isinstance(body, dict):
             raise GeminiApiError(400, "Invalid JSON payload received. Expected an object.")
+        try:  # a lone surrogate (\ud800) is valid JSON but no Unicode text: Google refuses it
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise GeminiApiError(400, "Invalid JSON payload received. Invalid \\u escape "
+                                 "(a lone surrogate).") from None
         return body
 
     def _authorize(self, req: falcon.Request, *, bearer: bool = False) -> None:

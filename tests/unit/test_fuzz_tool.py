@@ -9,7 +9,7 @@ import pytest
 from continuum.request import RequestContext
 from continuum.service import ProxyResult, RouterService
 from tools.fuzz import main, run
-from tools.fuzz_inputs import HostileInputs
+from tools.fuzz_inputs import PATHS, HostileInputs
 
 
 def _bodies(seed: int, n: int) -> list[bytes]:
@@ -21,8 +21,9 @@ def test_the_generator_is_seeded_and_covers_every_kind() -> None:
     assert _bodies(3, 200) == _bodies(3, 200)
     assert _bodies(3, 200) != _bodies(4, 200)
     inputs = HostileInputs(5)
-    kinds = {inputs.case().kind for _ in range(500)}
-    assert kinds == {kind for kind, _ in inputs.kinds}
+    cases = [inputs.case() for _ in range(500)]
+    assert {case.kind for case in cases} == {kind for kind, _ in inputs.kinds}
+    assert {case.endpoint for case in cases} == set(PATHS)  # the Gemini native ones too
 
 
 def test_a_run_is_clean_and_bounded() -> None:
@@ -32,6 +33,9 @@ def test_a_run_is_clean_and_bounded() -> None:
     assert report.by_status[400] > 0 and report.by_status[200] > 0  # refused and forwarded
     assert report.server_errors == report.crashes == report.guarded == 0
     assert report.final_status == 200 and not report.failed
+    # inputs went through the Gemini translation to the fake Gemini API and back
+    assert report.by_endpoint["gemini"][200] > 0
+    assert report.by_endpoint["gemini_responses"][200] > 0
     cut = run(10**9, seed=7, max_seconds=0.5)
     assert cut.stopped_by_time and 0 < cut.inputs < 10**9
 

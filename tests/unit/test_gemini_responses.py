@@ -261,3 +261,9 @@ def test_a_thought_after_text_starts_its_own_item_after_the_text() -> None:
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] \
         == [0, 1]
     assert [i["type"] for i in events[-1]["response"]["output"]] == ["message", "reasoning"]
+
+
+def test_an_input_item_whose_role_is_not_a_string_is_refused_naming_it() -> None:
+    with pytest.raises(RequestError) as caught:
+        chat_body({"model": MODEL, "input": [{"role": {"user": 1}, "content": "hi"}]})
+    assert caught.value.param == "input[0]"
