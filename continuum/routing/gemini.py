@@ -363,26 +363,37 @@ def native_path(model: str, stream: bool) -> str:
         f"/v1beta/models/{name}:generateContent"
 
 
+def _tokens(value: Any) -> int:
+    """A token count Google reported: a non-negative integer, anything else 0 (the
+    answer's other fields still reach the client)."""
+    return value if type(value) is int and value >= 0 else 0
+
+
 def usage(metadata: Any) -> dict[str, Any]:
     """OpenAI ``usage`` from ``usageMetadata`` (thinking tokens count as completion)."""
     meta = metadata if isinstance(metadata, dict) else {}
-    prompt = int(meta.get("promptTokenCount") or 0)
-    thoughts = int(meta.get("thoughtsTokenCount") or 0)
-    completion = int(meta.get("candidatesTokenCount") or 0) + thoughts
+    prompt = _tokens(meta.get("promptTokenCount"))
+    thoughts = _tokens(meta.get("thoughtsTokenCount"))
+    completion = _tokens(meta.get("candidatesTokenCount")) + thoughts
     doc: dict[str, Any] = {
         "prompt_tokens": prompt, "completion_tokens": completion,
-        "total_tokens": int(meta.get("totalTokenCount") or prompt + completion),
-        "prompt_tokens_details": {"cached_tokens": int(meta.get("cachedContentTokenCount")
-                                                       or 0)},
+        "total_tokens": _tokens(meta.get("totalTokenCount")) or prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": _tokens(meta.get("cachedContentTokenCount"))},
     }
     if thoughts:
         doc["completion_tokens_details"] = {"reasoning_tokens": thoughts}
     return doc
 
 
+def _parts_of(candidate: dict[str, Any]) -> list[Any]:
+    content = candidate.get("content")
+    parts = content.get("parts") if isinstance(content, dict) else None
+    return parts if isinstance(parts, list) else []
+
+
 def _message(candidate: dict[str, Any], index_base: int = 0) -> tuple[str | None,
                                                                       list[dict[str, Any]]]:
-    parts = (candidate.get("content") or {}).get("parts") or []
+    parts = _parts_of(candidate)
     texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
              and not p.get("thought")]
     calls: list[dict[str, Any]] = []
@@ -399,16 +410,21 @@ def _message(candidate: dict[str, Any], index_base: int = 0) -> tuple[str | None
 
 def _thoughts(candidate: dict[str, Any]) -> str | None:
     """The text of a candidate's thought summaries (parts marked ``thought``), or None."""
-    parts = (candidate.get("content") or {}).get("parts") or []
+    parts = _parts_of(candidate)
     texts = [p["text"] for p in parts if isinstance(p, dict) and p.get("thought")
              and isinstance(p.get("text"), str)]
     return "".join(texts) if texts else None
 
 
 def _token_logprob(candidate: dict[str, Any]) -> dict[str, Any]:
-    token = str(candidate.get("token", ""))
-    return {"token": token, "logprob": float(candidate.get("logProbability") or 0.0),
-            "bytes": list(token.encode())}
+    token = candidate.get("token")
+    token = token if isinstance(token, str) else ""
+    try:
+        logprob = float(candidate.get("logProbability") or 0.0)
+    except (TypeError, ValueError, OverflowError):  # not a number Google would send
+        logprob = 0.0
+    return {"token": token, "logprob": logprob,
+            "bytes": list(token.encode("utf-8", "replace"))}
 
 
 def logprobs(candidate: dict[str, Any]) -> dict[str, Any] | None:
@@ -439,29 +455,32 @@ def finish_reason(candidate: dict[str, Any], has_calls: bool) -> str | None:
         return None
     if has_calls and reason == "STOP":
         return "tool_calls"
-    return FINISH_REASONS.get(reason, "stop")
+    return FINISH_REASONS.get(reason, "stop") if isinstance(reason, str) else "stop"
 
 
-def _candidates(doc: dict[str, Any]) -> list[Any]:
-    """A response's candidates; for a prompt Google blocked (``promptFeedback.blockReason``,
-    and no candidate at all) one empty candidate finished for that reason, so that an
-    OpenAI client gets its one choice, ``finish_reason: content_filter``."""
+def _candidates(doc: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+    """A response's candidates with their indexes (each one's ``index``, else its
+    position); for a prompt Google blocked (``promptFeedback.blockReason``, and no candidate
+    at all) one empty candidate finished for that reason, so that an OpenAI client gets its
+    one choice, ``finish_reason: content_filter``. What is not a candidate is left out."""
     candidates = doc.get("candidates")
     if candidates:
-        return candidates if isinstance(candidates, list) else []
+        return [(c["index"] if type(c.get("index")) is int else i, c)
+                for i, c in enumerate(candidates if isinstance(candidates, list) else [])
+                if isinstance(c, dict)]
     feedback = doc.get("promptFeedback")
     reason = feedback.get("blockReason") if isinstance(feedback, dict) else None
     if not reason:
         return []
-    return [{"index": 0, "content": {"role": "model", "parts": []},
-             "finishReason": reason if isinstance(reason, str) and reason in FINISH_REASONS
-             else "SAFETY"}]
+    return [(0, {"content": {"role": "model", "parts": []},
+                 "finishReason": reason if isinstance(reason, str) and reason in FINISH_REASONS
+                 else "SAFETY"})]
 
 
 def from_native(doc: dict[str, Any], model: str) -> dict[str, Any]:
     """A ``chat.completion`` for a ``GenerateContentResponse``."""
     choices = []
-    for i, candidate in enumerate(_candidates(doc)):
+    for index, candidate in _candidates(doc):
         text, calls = _message(candidate)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         thoughts = _thoughts(candidate)
@@ -469,7 +488,7 @@ def from_native(doc: dict[str, Any], model: str) -> dict[str, Any]:
             message["reasoning_content"] = thoughts
         if calls:
             message["tool_calls"] = calls
-        choices.append({"index": candidate.get("index", i), "message": message,
+        choices.append({"index": index, "message": message,
                         "logprobs": logprobs(candidate),
                         "finish_reason": finish_reason(candidate, bool(calls)) or "stop"})
     return {"id": "chatcmpl-" + str(doc.get("responseId") or int(time.time() * 1e6)),
@@ -549,8 +568,8 @@ class NativeStream:
                 self.model = str(doc["modelVersion"])
             if doc.get("usageMetadata"):
                 self.usage = usage(doc["usageMetadata"])
-            for i, candidate in enumerate(_candidates(doc)):
-                out.append(self._candidate_chunk(candidate.get("index", i), candidate))
+            for index, candidate in _candidates(doc):
+                out.append(self._candidate_chunk(index, candidate))
         return out
 
     def final_chunks(self) -> list[dict[str, Any]]:
