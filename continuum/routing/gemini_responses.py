@@ -20,9 +20,11 @@ given. The context cache is not asked: it serves chat completions only.
     they are; function ``tools`` and ``tool_choice`` in chat's shapes; ``text.format``
     (``json_object``, ``json_schema``) → ``response_format``; ``reasoning.effort`` →
     ``reasoning_effort`` (Gemini's thinking budget or level, as for chat);
-    ``reasoning.summary`` → Gemini's ``includeThoughts``. Other fields (``store``,
-    ``metadata``, ``user``, ``include``, ``truncation``, ``parallel_tool_calls``…) are not
-    sent; ``store`` is reported false.
+    ``reasoning.summary`` → Gemini's ``includeThoughts``; ``include`` of
+    ``message.output_text.logprobs`` (with ``top_logprobs``) → chat's ``logprobs``, which
+    come back on the output text. Other fields (``store``, ``metadata``, ``user``, the rest
+    of ``include``, ``truncation``, ``parallel_tool_calls``…) are not sent; ``store`` is
+    reported false.
   - What the translation cannot honour is a 400 naming the field: ``previous_response_id``
     and ``conversation`` (the router stores no responses), ``background``, tools other
     than functions, file inputs, other input items.
@@ -64,6 +66,8 @@ _REFUSED = {
     "background": "background responses need a stored response to poll",
 }
 _PASSED = ("model", "temperature", "top_p")
+#: The ``include`` value asking for the output text's log probabilities.
+LOGPROBS = "message.output_text.logprobs"
 #: ``reasoning.summary`` values: each asks Gemini for its thought summaries.
 _SUMMARIES = ("auto", "concise", "detailed")
 #: Chat finish reasons that leave a response incomplete, with the Responses reason.
@@ -227,6 +231,11 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
                            param="reasoning.summary", code="invalid_value")
     if summary is not None:  # Gemini's thought summaries, as a reasoning item
         chat["extra_body"] = {"google": {"thinking_config": {"include_thoughts": True}}}
+    include = body.get("include")
+    if isinstance(include, list) and LOGPROBS in include:
+        chat["logprobs"] = True
+        if body.get("top_logprobs") is not None:
+            chat["top_logprobs"] = body["top_logprobs"]
     return chat
 
 
@@ -240,6 +249,15 @@ def _usage(usage: Any) -> dict[str, Any] | None:
     return responses_api.usage_doc(int(usage.get("prompt_tokens") or 0), int(cached or 0),
                                    int(usage.get("completion_tokens") or 0),
                                    int(reasoning or 0))
+
+
+def _logprobs(choice: dict[str, Any]) -> list[Any]:
+    """A chat choice's (or chunk choice's) token log probabilities, in the shape the
+    Responses API's output text takes them (the same entries: token, logprob, bytes,
+    top_logprobs)."""
+    scored = choice.get("logprobs")
+    content = scored.get("content") if isinstance(scored, dict) else None
+    return content if isinstance(content, list) else []
 
 
 def response_from_chat(doc: dict[str, Any], shape: ResponseShape) -> dict[str, Any]:
@@ -258,7 +276,8 @@ def response_from_chat(doc: dict[str, Any], shape: ResponseShape) -> dict[str, A
     if (isinstance(text, str) and text) or not calls:
         output.append(responses_api.message_item(
             responses_api.new_id("msg"), "completed",
-            [responses_api.text_part(text if isinstance(text, str) else "")]))
+            [responses_api.text_part(text if isinstance(text, str) else "",
+                                     _logprobs(choice))]))
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict):
@@ -304,6 +323,7 @@ class EventTranslator:
         self.failed = False
         self.items: list[dict[str, Any]] = []
         self.text: list[str] | None = None
+        self.text_logprobs: list[Any] = []
         self.text_id = ""
         self.text_index = 0
         self.thoughts: list[str] | None = None
@@ -353,7 +373,7 @@ class EventTranslator:
                 self._thought_delta(thoughts, out)
             text = delta.get("content")
             if isinstance(text, str) and text:
-                self._text_delta(text, out)
+                self._text_delta(text, _logprobs(choice), out)
             for call in delta.get("tool_calls") or []:
                 if isinstance(call, dict):
                     self._call_delta(call, out)
@@ -394,7 +414,7 @@ class EventTranslator:
                                        output_index=self.thoughts_index, item=item))
         self.items.append(item)
 
-    def _text_delta(self, text: str, out: list[bytes]) -> None:
+    def _text_delta(self, text: str, logprobs: list[Any], out: list[bytes]) -> None:
         if self.text is None:
             self._close_thoughts(out)
             self.text = []
@@ -408,9 +428,10 @@ class EventTranslator:
                 output_index=self.text_index, content_index=0,
                 part=responses_api.text_part("")))
         self.text.append(text)
+        self.text_logprobs += logprobs
         out.append(self.counter.record(
             "response.output_text.delta", item_id=self.text_id, output_index=self.text_index,
-            content_index=0, delta=text, logprobs=[]))
+            content_index=0, delta=text, logprobs=logprobs))
 
     def _call_delta(self, delta: dict[str, Any], out: list[bytes]) -> None:
         index = delta.get("index", 0)
@@ -439,10 +460,11 @@ class EventTranslator:
         if self.text is None:
             return
         text, self.text = "".join(self.text), None
+        logprobs, self.text_logprobs = self.text_logprobs, []
         where = {"item_id": self.text_id, "output_index": self.text_index, "content_index": 0}
-        part = responses_api.text_part(text)
-        out.append(self.counter.record("response.output_text.done", text=text, logprobs=[],
-                                       **where))
+        part = responses_api.text_part(text, logprobs)
+        out.append(self.counter.record("response.output_text.done", text=text,
+                                       logprobs=logprobs, **where))
         out.append(self.counter.record("response.content_part.done", part=part, **where))
         item = responses_api.message_item(self.text_id, "completed", [part])
         out.append(self.counter.record("response.output_item.done",

@@ -42,9 +42,10 @@ def usage_doc(input_tokens: int, cached_tokens: int, output_tokens: int,
             "total_tokens": input_tokens + output_tokens}
 
 
-def text_part(text: str) -> dict[str, Any]:
-    """An ``output_text`` content part."""
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    """An ``output_text`` content part (with its tokens' log probabilities, when asked)."""
+    return {"type": "output_text", "text": text, "annotations": [],
+            "logprobs": logprobs or []}
 
 
 def message_item(item_id: str, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:

@@ -669,3 +669,22 @@ def test_a_body_the_native_api_cannot_take_is_a_400_naming_the_field_and_nothing
     assert error["param"] == "messages[1].tool_calls[0]"
     assert error["type"] == "invalid_request_error"
     assert fake.received(":generateContent", "POST") == []
+
+
+def test_responses_output_text_logprobs_from_the_native_api(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    fake = gemini_factory()
+    client = _client(router_factory(_config(fake)))
+    answer = client.responses.create(model=MODEL, input="Say something.", top_logprobs=2,
+                                     include=["message.output_text.logprobs"])
+    assert _last_chat_body(fake, ":generateContent")["generationConfig"] == {
+        "responseLogprobs": True, "logprobs": 2}
+    text = answer.output[0].content[0]  # type: ignore[union-attr]
+    assert text.logprobs and "".join(t.token for t in text.logprobs) == answer.output_text
+    assert all(len(t.top_logprobs) == 2 for t in text.logprobs)
+    events = list(client.responses.create(model=MODEL, input="Say something.", stream=True,
+                                          include=["message.output_text.logprobs"]))
+    tokens = [t.token for e in events if e.type == "response.output_text.delta"
+              for t in e.logprobs]
+    assert "".join(tokens) == answer.output_text

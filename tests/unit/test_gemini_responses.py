@@ -267,3 +267,26 @@ def test_an_input_item_whose_role_is_not_a_string_is_refused_naming_it() -> None
     with pytest.raises(RequestError) as caught:
         chat_body({"model": MODEL, "input": [{"role": {"user": 1}, "content": "hi"}]})
     assert caught.value.param == "input[0]"
+
+
+def test_output_text_logprobs_are_asked_for_and_come_back_whole_and_streamed() -> None:
+    chat = chat_body({"model": MODEL, "input": "hi", "top_logprobs": 2,
+                      "include": ["message.output_text.logprobs"]})
+    assert chat["logprobs"] is True and chat["top_logprobs"] == 2
+    assert "logprobs" not in chat_body({"model": MODEL, "input": "hi", "top_logprobs": 2})
+    scored = [{"token": "Fo", "logprob": -0.1, "bytes": [70, 111], "top_logprobs": []},
+              {"token": "ur.", "logprob": -0.2, "bytes": [117, 114, 46], "top_logprobs": []}]
+    doc = _chat("Four.", "stop")
+    doc["choices"][0]["logprobs"] = {"content": scored, "refusal": None}
+    [message] = response_from_chat(doc, ResponseShape(MODEL, {"model": MODEL}))["output"]
+    assert message["content"][0]["logprobs"] == scored
+    first, second = _chunk({"content": "Fo"}), _chunk({"content": "ur."}, "stop")
+    first["choices"][0]["logprobs"] = {"content": scored[:1]}
+    second["choices"][0]["logprobs"] = {"content": scored[1:]}
+    translator = EventTranslator(ResponseShape(MODEL, {"model": MODEL, "input": "x"}))
+    events = _events(b"".join(translator.translate(iter([[first], [second]]), lambda: True)))
+    deltas = [e["logprobs"] for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas == [scored[:1], scored[1:]]
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert done["logprobs"] == scored
+    assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == scored
