@@ -385,35 +385,29 @@ def usage(metadata: Any) -> dict[str, Any]:
     return doc
 
 
-def _parts_of(candidate: dict[str, Any]) -> list[Any]:
+def _message(candidate: dict[str, Any], index_base: int = 0) -> tuple[
+        str | None, str | None, list[dict[str, Any]]]:
+    """A candidate's text, thought summaries (parts marked ``thought``; None for either
+    without a part of it) and tool calls, read in one pass over its parts."""
     content = candidate.get("content")
     parts = content.get("parts") if isinstance(content, dict) else None
-    return parts if isinstance(parts, list) else []
-
-
-def _message(candidate: dict[str, Any], index_base: int = 0) -> tuple[str | None,
-                                                                      list[dict[str, Any]]]:
-    parts = _parts_of(candidate)
-    texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
-             and not p.get("thought")]
+    texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
-    for part in parts:
-        call = part.get("functionCall") if isinstance(part, dict) else None
+    for part in parts if isinstance(parts, list) else []:
+        if not isinstance(part, dict):
+            continue
+        if isinstance(part.get("text"), str):
+            (thoughts if part.get("thought") else texts).append(part["text"])
+        call = part.get("functionCall")
         if isinstance(call, dict):
             calls.append({"id": call.get("id") or f"call_{index_base + len(calls)}",
                           "type": "function",
                           "function": {"name": call.get("name", ""),
                                        "arguments": json.dumps(call.get("args") or {})},
                           **signed(part.get("thoughtSignature"))})
-    return ("".join(texts) if texts else None), calls
-
-
-def _thoughts(candidate: dict[str, Any]) -> str | None:
-    """The text of a candidate's thought summaries (parts marked ``thought``), or None."""
-    parts = _parts_of(candidate)
-    texts = [p["text"] for p in parts if isinstance(p, dict) and p.get("thought")
-             and isinstance(p.get("text"), str)]
-    return "".join(texts) if texts else None
+    return ("".join(texts) if texts else None), ("".join(thoughts) if thoughts else None), \
+        calls
 
 
 def _token_logprob(candidate: dict[str, Any]) -> dict[str, Any]:
@@ -481,9 +475,8 @@ def from_native(doc: dict[str, Any], model: str) -> dict[str, Any]:
     """A ``chat.completion`` for a ``GenerateContentResponse``."""
     choices = []
     for index, candidate in _candidates(doc):
-        text, calls = _message(candidate)
+        text, thoughts, calls = _message(candidate)
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        thoughts = _thoughts(candidate)
         if thoughts is not None:
             message["reasoning_content"] = thoughts
         if calls:
@@ -582,12 +575,11 @@ class NativeStream:
 
     def _candidate_chunk(self, index: int, candidate: dict[str, Any]) -> dict[str, Any]:
         base = self._calls.get(index, 0)
-        text, calls = _message(candidate, base)
+        text, thoughts, calls = _message(candidate, base)
         delta: dict[str, Any] = {}
         if index not in self._started:
             self._started.add(index)
             delta["role"] = "assistant"
-        thoughts = _thoughts(candidate)
         if thoughts:
             delta["reasoning_content"] = thoughts
         if text:
