@@ -121,9 +121,9 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     for i, item in enumerate(given if isinstance(given, list) else []):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
-        role = item.get("role") if isinstance(item, dict) else None
-        if kind == "message" and isinstance(role, str) and role in responses_api.INPUT_ROLES:
-            messages.append({"role": responses_api.INPUT_ROLES[role],
+        role = responses_api.input_role(item)
+        if kind == "message" and role is not None:
+            messages.append({"role": role,
                              "content": _content(item.get("content"), where + ".content")})
         elif kind == "function_call" and isinstance(item.get("name"), str):
             arguments = item.get("arguments")

@@ -57,12 +57,12 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         messages.append({"role": "user", "content": given})
     elif isinstance(given, list) and given:
         for i, item in enumerate(given):
-            if not isinstance(item, dict) or item.get("type", "message") != "message" or \
-                    item.get("role") not in responses_api.INPUT_ROLES:
+            role = responses_api.input_role(item)
+            if role is None or item.get("type", "message") != "message":
                 raise RequestError(f"'input[{i}]' must be a message item with a role of "
                                    "user, assistant, system or developer",
                                    param=f"input[{i}]")
-            messages.append({"role": responses_api.INPUT_ROLES[item["role"]],
+            messages.append({"role": role,
                              "content": _text(item.get("content"), f"input[{i}].content")})
     else:
         raise RequestError("'input' is required: a string or a non-empty array",

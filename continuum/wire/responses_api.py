@@ -27,6 +27,13 @@ TEXT_PART_TYPES = ("input_text", "output_text", "text")
 PLAIN_TEXT = {"format": {"type": "text"}}
 
 
+def input_role(item: Any) -> str | None:
+    """The chat role an input message item's ``role`` stands for, or None when it names
+    none (an unknown role, or one that is not a string)."""
+    role = item.get("role") if isinstance(item, dict) else None
+    return INPUT_ROLES.get(role) if isinstance(role, str) else None
+
+
 def new_id(prefix: str) -> str:
     """A fresh id such as ``resp_…``, ``msg_…`` or ``fc_…``."""
     return prefix + "_" + uuid.uuid4().hex
