@@ -16,7 +16,12 @@ streamed); these functions translate both ways:
 * a function call's ``thoughtSignature`` (Gemini 3 signs its calls and refuses a
   conversation that does not give the signatures back) ↔ the tool call's
   ``extra_content.google.thought_signature``, where Google's OpenAI-compatible surface
-  puts it, so a client written for that surface round-trips it unchanged;
+  puts it, so a client written for that surface round-trips it unchanged; and, for the
+  many clients that keep only a tool call's ``id`` (LangChain's ``ChatOpenAI`` rebuilds
+  its calls from its own fields), inside the id itself (:func:`tool_call_id`). A function
+  call that comes back with neither, one another model made say, goes to a model that
+  checks signatures with the value Google documents for calls it did not make
+  (:data:`UNSIGNED`), instead of failing the conversation;
 * ``candidates`` → ``choices`` with their finish reasons (a prompt Google blocked, which
   has none, → one empty choice with ``content_filter``) and, asked for with ``logprobs``
   and ``top_logprobs``, their ``logprobsResult`` as ``logprobs.content`` (each chosen
@@ -36,6 +41,8 @@ from __future__ import annotations
 
 import json
 import mimetypes
+import re
+import secrets
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -153,6 +160,47 @@ def thought_signature(call: Any) -> str | None:
     return signature if isinstance(signature, str) else None
 
 
+#: What follows this in a tool call's id is Gemini's signature of the call, in base64's
+#: URL-safe alphabet without padding, so that the id stays ``[A-Za-z0-9_-]``.
+_SIGNATURE_MARK = "__sig_"
+#: Canonical base64 (padded, standard alphabet): what Google sends and what the id can
+#: carry and give back unchanged.
+_BASE64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?")
+_URLSAFE_TAIL = re.compile(r"[A-Za-z0-9_-]+")
+#: The signature Google documents for a function call the model did not make (history
+#: from another model, or a client that kept neither the signature nor the id): Gemini 3
+#: then skips its check of that call instead of refusing the conversation.
+UNSIGNED = "skip_thought_signature_validator"
+
+
+def tool_call_id(given: Any, signature: Any) -> str:
+    """The OpenAI id of a Gemini function call: Gemini's own ``id`` when it gave one, else a
+    new unique one, with the call's ``signature`` inside when it has a canonical one
+    (:func:`id_signature` reads it back)."""
+    base = given if isinstance(given, str) and given else "call_" + secrets.token_hex(12)
+    if isinstance(signature, str) and signature and _BASE64.fullmatch(signature):
+        base += _SIGNATURE_MARK + signature.rstrip("=").replace("+", "-").replace("/", "_")
+    return base
+
+
+def id_signature(call_id: Any) -> str | None:
+    """The signature :func:`tool_call_id` put in ``call_id``, or None."""
+    if not isinstance(call_id, str):
+        return None
+    tail = call_id.partition(_SIGNATURE_MARK)[2]
+    if not tail or len(tail) % 4 == 1 or _URLSAFE_TAIL.fullmatch(tail) is None:
+        return None
+    signature = tail.replace("-", "+").replace("_", "/")
+    return signature + "=" * (-len(signature) % 4)
+
+
+def checks_signatures(model: str) -> bool:
+    """Whether ``model`` refuses a function call without its signature: Gemini models
+    after 2.x."""
+    name = model.removeprefix("models/")
+    return name.startswith("gemini-") and not name.startswith(("gemini-1", "gemini-2"))
+
+
 def signed(signature: Any) -> dict[str, Any]:
     """The ``extra_content`` carrying a Gemini signature (empty without one)."""
     if not isinstance(signature, str):
@@ -182,8 +230,11 @@ def _calls(message: dict[str, Any], where: str) -> list[tuple[dict[str, Any],
     return out
 
 
-def _contents(messages: list[Any]) -> list[dict[str, Any]]:
-    """The conversation as ``contents``; consecutive turns of one role are merged.
+def _contents(messages: list[Any], model: str = "") -> list[dict[str, Any]]:
+    """The conversation as ``contents``; consecutive turns of one role are merged. A
+    function call's signature is the one its ``extra_content`` carries, else the one in its
+    id; for a ``model`` that checks signatures, the first call of a model turn that has
+    neither (the one Gemini checks) is sent as :data:`UNSIGNED`.
 
     Raises:
         RequestError: an assistant message's ``tool_calls`` cannot be read (:func:`_calls`).
@@ -201,7 +252,7 @@ def _contents(messages: list[Any]) -> list[dict[str, Any]]:
                 names[str(call.get("id", ""))] = name
                 part: dict[str, Any] = {"functionCall": {
                     "name": name, "args": _arguments(function.get("arguments"))}}
-                signature = thought_signature(call)
+                signature = thought_signature(call) or id_signature(call.get("id"))
                 if signature is not None:
                     part["thoughtSignature"] = signature
                 parts.append(part)
@@ -223,6 +274,11 @@ def _contents(messages: list[Any]) -> list[dict[str, Any]]:
             out[-1]["parts"].extend(parts)
         else:
             out.append({"role": turn, "parts": parts})
+    if checks_signatures(model):
+        for content in out:
+            first = next((part for part in content["parts"] if "functionCall" in part), None)
+            if first is not None and "thoughtSignature" not in first:
+                first["thoughtSignature"] = UNSIGNED
     return out
 
 
@@ -333,9 +389,10 @@ def to_native(body: dict[str, Any], cached_content: str | None = None) -> dict[s
             message's ``tool_calls`` that are not arrays of objects, a ``json_schema`` that
             is not one.
     """
-    native: dict[str, Any] = {"contents": _contents(body.get("messages") or [])}
+    model = str(body.get("model") or "")
+    native: dict[str, Any] = {"contents": _contents(body.get("messages") or [], model)}
     config = _generation_config(body)
-    thinking = thinking_config(body, str(body.get("model") or ""))
+    thinking = thinking_config(body, model)
     if thinking is not None:
         config["thinkingConfig"] = thinking
     if config:
@@ -385,7 +442,7 @@ def usage(metadata: Any) -> dict[str, Any]:
     return doc
 
 
-def _message(candidate: dict[str, Any], index_base: int = 0) -> tuple[
+def _message(candidate: dict[str, Any]) -> tuple[
         str | None, str | None, list[dict[str, Any]]]:
     """A candidate's text, thought summaries (parts marked ``thought``; None for either
     without a part of it) and tool calls, read in one pass over its parts."""
@@ -401,7 +458,7 @@ def _message(candidate: dict[str, Any], index_base: int = 0) -> tuple[
             (thoughts if part.get("thought") else texts).append(part["text"])
         call = part.get("functionCall")
         if isinstance(call, dict):
-            calls.append({"id": call.get("id") or f"call_{index_base + len(calls)}",
+            calls.append({"id": tool_call_id(call.get("id"), part.get("thoughtSignature")),
                           "type": "function",
                           "function": {"name": call.get("name", ""),
                                        "arguments": json.dumps(call.get("args") or {})},
@@ -575,7 +632,7 @@ class NativeStream:
 
     def _candidate_chunk(self, index: int, candidate: dict[str, Any]) -> dict[str, Any]:
         base = self._calls.get(index, 0)
-        text, thoughts, calls = _message(candidate, base)
+        text, thoughts, calls = _message(candidate)
         delta: dict[str, Any] = {}
         if index not in self._started:
             self._started.add(index)

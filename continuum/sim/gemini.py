@@ -71,6 +71,10 @@ CACHE_CONFLICT = ("CachedContent can not be used with GenerateContent request se
                   "system_instruction, tools or tool_config.\n\nProposed fix: move those "
                   "values to CachedContent from GenerateContent request.")
 _ROLES = ("user", "model")
+#: The signatures Google documents for a function call the model did not make: it skips
+#: checking that call.
+_UNCHECKED = frozenset(("skip_thought_signature_validator",
+                        "context_engineering_is_the_way_to_go"))
 #: A prompt whose last text holds this is blocked, as Google blocks an unsafe prompt.
 BLOCKED_MARKER = "[blocked prompt]"
 #: Thinking tokens the fake reports for each ``thinkingLevel``.
@@ -267,7 +271,8 @@ class FakeGemini:
 
     def _check_signatures(self, contents: list[Any]) -> None:
         """Gemini 3's rule: in the current turn (after the last user text), each model
-        content's first function call carries the signature it was answered with."""
+        content's first function call carries the signature it was answered with, or one of
+        the values Google documents for calls the model did not make."""
         start = 0
         for i, content in enumerate(contents):
             if content.get("role", "user") == "user" and any(
@@ -288,6 +293,8 @@ class FakeGemini:
                     f"parts. function call `{part['functionCall'].get('name')}`, position "
                     f"{position + 1}. Please refer to "
                     "https://ai.google.dev/gemini-api/docs/thought-signatures")
+            if isinstance(signature, str) and signature in _UNCHECKED:
+                continue  # a call the model did not make, as Google lets a client say
             if not isinstance(signature, str) or not hmac.compare_digest(
                     signature, self._signature(part["functionCall"])):
                 raise GeminiApiError(400, "Corrupted thought signature.")

@@ -19,6 +19,7 @@ from continuum.devtools.fleet import metric_sum
 from continuum.devtools.gemini_fake import FakeGeminiProcess
 from continuum.devtools.procs import wait_until
 from continuum.devtools.redis_server import unique_prefix
+from continuum.routing import gemini
 
 pytestmark = pytest.mark.e2e
 
@@ -483,12 +484,28 @@ def test_gemini_3_signatures_round_trip_through_chat_and_responses(
     assert answer.choices[0].finish_reason in ("stop", "tool_calls")  # accepted
     sent = _last_chat_body(fake, ":generateContent")["contents"][1]["parts"][0]
     assert sent["thoughtSignature"] == signature
-    # without it Gemini 3 refuses the conversation, and the client hears why
-    stripped = {**history[1], "tool_calls": [{k: v for k, v in call.model_dump().items()
-                                              if k != "extra_content"}]}
-    with pytest.raises(openai.BadRequestError, match="thought_signature"):
-        client.chat.completions.create(model=G3, tools=[chat_tool],
-                                       messages=[history[0], stripped, history[2]])
+    # a client that kept only the call's id, name and arguments (as LangChain's ChatOpenAI
+    # does): the signature comes back out of the id
+    bare = {k: v for k, v in call.model_dump().items() if k != "extra_content"}
+    answer = client.chat.completions.create(model=G3, tools=[chat_tool], messages=[
+        history[0], {**history[1], "tool_calls": [bare]}, history[2]])
+    assert answer.choices[0].finish_reason in ("stop", "tool_calls")
+    assert _last_chat_body(fake, ":generateContent")["contents"][1]["parts"][0][
+        "thoughtSignature"] == signature
+    # a call Gemini never made (history another model began) goes as one Google lets
+    # through unchecked, instead of failing the conversation
+    foreign = {**bare, "id": "toolu_01A09q90qw90lq917835lq9"}
+    answer = client.chat.completions.create(model=G3, tools=[chat_tool], messages=[
+        history[0], {**history[1], "tool_calls": [foreign]},
+        {**history[2], "tool_call_id": foreign["id"]}])
+    assert answer.choices[0].finish_reason in ("stop", "tool_calls")
+    assert _last_chat_body(fake, ":generateContent")["contents"][1]["parts"][0][
+        "thoughtSignature"] == gemini.UNSIGNED
+    # a signature that is not Gemini's is still Gemini's to refuse, and the client hears why
+    forged = {**bare, "extra_content": {"google": {"thought_signature": "Zm9yZ2Vk"}}}
+    with pytest.raises(openai.BadRequestError, match="Corrupted thought signature"):
+        client.chat.completions.create(model=G3, tools=[chat_tool], messages=[
+            history[0], {**history[1], "tool_calls": [forged]}, history[2]])
 
     # the Responses API: the function_call item carries it; sent back with the item
     called = client.responses.create(model=G3, input=ask, tools=[TOOL])
@@ -500,11 +517,14 @@ def test_gemini_3_signatures_round_trip_through_chat_and_responses(
     assert answer.status == "completed"  # accepted
     assert _last_chat_body(fake, ":generateContent")["contents"][1]["parts"][0][
         "thoughtSignature"] == _signature(item)
-    with pytest.raises(openai.BadRequestError, match="thought_signature"):
-        client.responses.create(model=G3, tools=[TOOL], input=[
-            {"role": "user", "content": ask},
-            {"type": "function_call", "call_id": item.call_id, "name": item.name,
-             "arguments": item.arguments}, output])
+    # the item rebuilt from its call_id, name and arguments: the signature is in the call_id
+    answer = client.responses.create(model=G3, tools=[TOOL], input=[
+        {"role": "user", "content": ask},
+        {"type": "function_call", "call_id": item.call_id, "name": item.name,
+         "arguments": item.arguments}, output])
+    assert answer.status == "completed"
+    assert _last_chat_body(fake, ":generateContent")["contents"][1]["parts"][0][
+        "thoughtSignature"] == _signature(item)
     # streamed, the item's signature comes in its events too
     events = list(client.responses.create(model=G3, input=ask, tools=[TOOL], stream=True))
     added = next(e for e in events if e.type == "response.output_item.added")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -87,8 +88,13 @@ def test_answer_translation_with_cached_tokens_and_tool_calls() -> None:
     assert answer["id"] == "chatcmpl-r1" and answer["object"] == "chat.completion"
     choice = answer["choices"][0]
     assert choice["message"]["content"] == "Hello" and choice["finish_reason"] == "tool_calls"
-    assert choice["message"]["tool_calls"] == [{"id": "call_0", "type": "function", "function": {
-        "name": "lookup", "arguments": "{\"q\": 1}"}}]
+    [call] = choice["message"]["tool_calls"]
+    assert call == {"id": call["id"], "type": "function", "function": {
+        "name": "lookup", "arguments": "{\"q\": 1}"}}
+    # a fresh id per call, never one an earlier turn of the conversation used
+    assert re.fullmatch(r"call_[0-9a-f]{24}", call["id"])
+    again = gemini.from_native(doc, "gemini-2.5-flash")["choices"][0]["message"]["tool_calls"]
+    assert again[0]["id"] != call["id"]
     assert answer["usage"] == {"prompt_tokens": 5000, "completion_tokens": 10,
                                "total_tokens": 5010,
                                "prompt_tokens_details": {"cached_tokens": 4000},
@@ -119,6 +125,67 @@ def test_gemini_3_signatures_go_both_ways_as_googles_compatible_surface_carries_
                           b'"thoughtSignature": "c2ln"}]}}]}\r\n\r\n')
     delta = json.loads(chunk.removeprefix(b"data: "))["choices"][0]["delta"]
     assert delta["tool_calls"][0]["extra_content"]["google"]["thought_signature"] == "c2ln"
+
+
+SIGNATURE = "ab+/Zm9v/+8="  # standard base64 with both of its URL-unsafe letters
+
+
+def _history(call: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": "go"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "1"}]
+
+
+def test_a_signature_rides_in_the_tool_call_id_for_clients_that_keep_only_the_id() -> None:
+    answer = gemini.from_native({"candidates": [{"content": {"parts": [
+        {"functionCall": {"name": "f", "args": {}}, "thoughtSignature": SIGNATURE},
+        {"functionCall": {"name": "g", "args": {}}}]}}]}, "gemini-3-pro-preview")
+    first, second = answer["choices"][0]["message"]["tool_calls"]
+    # the id stays in the letters any tool-call id may use, and gives the signature back
+    assert re.fullmatch(r"[A-Za-z0-9_-]+", first["id"])
+    assert gemini.id_signature(first["id"]) == SIGNATURE
+    assert gemini.id_signature(second["id"]) is None
+    # a client that rebuilt the call from its id, name and arguments (no extra_content)
+    bare = {k: first[k] for k in ("id", "type", "function")}
+    native = gemini.to_native({"model": "gemini-3-pro-preview", "messages": _history(bare)})
+    assert native["contents"][1]["parts"][0]["thoughtSignature"] == SIGNATURE
+    # extra_content, when the client kept it, is what goes
+    kept = {**bare, "extra_content": {"google": {"thought_signature": "b3du"}}}
+    native = gemini.to_native({"model": "gemini-3-pro-preview", "messages": _history(kept)})
+    assert native["contents"][1]["parts"][0]["thoughtSignature"] == "b3du"
+
+
+@pytest.mark.parametrize("signature", [SIGNATURE, "QQ==", "QUI=", "QUJD", "", "not base64!",
+                                       "QQ=", "QUJD====", 7])
+def test_only_a_signature_the_id_can_give_back_unchanged_goes_into_it(signature: Any) -> None:
+    call_id = gemini.tool_call_id(None, signature)
+    carried = gemini.id_signature(call_id)
+    canonical = isinstance(signature, str) and signature in (SIGNATURE, "QQ==", "QUI=", "QUJD")
+    assert carried == (signature if canonical else None)
+    assert ("__sig_" in call_id) == canonical
+    assert gemini.tool_call_id("fc-7", None) == "fc-7"  # Gemini's own id, when it gives one
+
+
+@pytest.mark.parametrize("call_id", ["call_1", "call_x__sig_", "call_x__sig_Q", "call_x__sig_Q=",
+                                     "call_x__sig_a+b", None, 3])
+def test_an_id_without_a_readable_signature_carries_none(call_id: Any) -> None:
+    assert gemini.id_signature(call_id) is None
+
+
+def test_a_call_without_any_signature_goes_unchecked_only_to_models_that_check() -> None:
+    # a conversation another model began: its tool calls carry no signature at all
+    call = {"id": "toolu_01", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    second = {"id": "toolu_02", "type": "function", "function": {"name": "g", "arguments": "{}"}}
+    messages = [*_history(call), {"role": "assistant", "content": None,
+                                  "tool_calls": [call, second]}]
+    native = gemini.to_native({"model": "gemini-3-flash-preview", "messages": messages})
+    assert [part.get("thoughtSignature") for content in native["contents"]
+            for part in content["parts"] if "functionCall" in part] == [
+        gemini.UNSIGNED, gemini.UNSIGNED, None]  # the first call of each model turn
+    for model in ("gemini-2.5-flash", "models/gemini-2.0-flash", "gemma-3-27b-it", ""):
+        native = gemini.to_native({"model": model, "messages": messages})
+        assert all("thoughtSignature" not in part for content in native["contents"]
+                   for part in content["parts"]), model
 
 
 def test_stream_translation_ends_with_usage_and_done() -> None:
