@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from continuum.devtools.fleet import (
     MODEL,
+    RIVAL_ROUTERS,
     RUN_ENV,
     Fleet,
     FleetShape,
@@ -52,9 +53,11 @@ from continuum.devtools.fleet import (
     merge,
     metric_sum,
     reset_engines,
+    rival_executable,
     signals_to_main,
     slug,
     start_fleet,
+    start_rival,
     start_router,
     wait_listener_clear,
     wait_router_index_ready,
@@ -104,6 +107,9 @@ class Scenario:
     overrides: dict[str, Any] = field(default_factory=dict)
     direct: bool = False
     kv_events: bool = False
+    #: Not this router but another one (a key of :data:`RIVAL_ROUTERS`), in front of the
+    #: same engines, so the table compares them on one workload.
+    rival: str | None = None
 
 
 #: All four tiers with the KV index's defaults (``match: chain``, approximate entries,
@@ -158,8 +164,11 @@ LOAD_SCENARIOS: list[Scenario] = [
     KV_DEFAULT,
 ]
 
+#: ``--rivals-bin``: the routers people run today, each in front of the same engines.
+RIVAL_SCENARIOS: list[Scenario] = [Scenario(name, rival=name) for name in RIVAL_ROUTERS]
+
 #: Every row any scenario has, by name (``--strategies`` picks among them).
-ALL_SCENARIOS: list[Scenario] = [*SCENARIOS, LOAD_SCENARIOS[4]]
+ALL_SCENARIOS: list[Scenario] = [*SCENARIOS, LOAD_SCENARIOS[4], *RIVAL_SCENARIOS]
 
 
 def demo_workload(seed: int, quick: bool, rate: float | None = None) -> Workload:
@@ -289,16 +298,23 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def check_scenarios(scenarios: Sequence[Scenario]) -> list[str]:
+def check_scenarios(scenarios: Sequence[Scenario], rivals_bin: str | None = None) -> list[str]:
     """Every config error of the scenarios' router configs (unknown strategy, bad key …),
-    found before anything is started."""
+    and every rival router that is not installed, found before anything is started."""
     from continuum.config import check_config
     from continuum.registry import PluginRegistry
 
     registry = PluginRegistry()
     problems = []
     for scenario in scenarios:
-        if not scenario.direct:
+        if scenario.rival is not None:
+            if rival_executable(scenario.rival, rivals_bin) is None:
+                problems.append(
+                    f"{scenario.name}: {RIVAL_ROUTERS[scenario.rival][0]} is not installed "
+                    + (f"in {rivals_bin}" if rivals_bin else "on PATH")
+                    + " (pip install sglang-router vllm-router, in a venv of their own, "
+                    "and give its bin directory as --rivals-bin)")
+        elif not scenario.direct:
             config = router_config(scenario, ["http://127.0.0.1:8000"], "http://127.0.0.1:1")
             result = check_config(config, f"scenario {scenario.name!r}", registry)
             problems += [issue.render(result.source) for issue in result.errors]
@@ -357,6 +373,7 @@ def run_scenario(
     kv: dict[str, Any] | None = None
     start: dict[str, Any] = {}
     token = ""
+    rival: Any = None  # a rival router's process: stopped like the routers, no /metrics
     if scenario.kv_events and fleet.listener is None:
         raise RuntimeError(f"scenario {scenario.name!r} needs the KV listener")
     try:
@@ -365,6 +382,12 @@ def run_scenario(
             wait_listener_clear(http, fleet.listener, backend_names(len(fleet.engines)))
         if scenario.direct:
             target = fleet.single[0]
+        elif scenario.rival is not None:
+            executable = rival_executable(scenario.rival, getattr(args, "rivals_bin", None))
+            if executable is None:
+                raise RuntimeError(f"{scenario.name}: {RIVAL_ROUTERS[scenario.rival][0]} "
+                                   "is not installed")
+            rival, target = start_rival(children, scenario.rival, executable, fleet.engines)
         else:
             told = getattr(args, "slots", "given")
             config = router_config(scenario, fleet.engines, fleet.listener,
@@ -411,7 +434,7 @@ def run_scenario(
         trips_before = redis_round_trips(texts_before)
         decisions_before = kv_decisions(texts_before)
         redis_before = redis_command_calls(redis_url)
-        cpu_before = router_cpu_seconds(routers)
+        cpu_before = router_cpu_seconds([rival] if rival is not None else routers)
         result = replay(targets or target, workload, concurrency=args.concurrency,
                         max_seconds=args.duration, timeout=args.request_timeout)
         after = engine_stats(http, engines)
@@ -419,6 +442,16 @@ def run_scenario(
             write_records(Path(args.records), run_name, result.to_dicts())
         texts = [http.get(t + "/metrics", timeout=5).text for t in targets]
         metrics = texts[0] if texts else ""
+        if rival is not None:
+            requests_done = max(result.summary()["ok"] + result.summary()["errors"], 1)
+            scale = {"workers": None, "routers": 1, "response_cache_hits": None,
+                     "response_cache_hit_rate": None, "listener_connections": None,
+                     "redis_ops_per_request": None, "redis_round_trips_per_request": None,
+                     "redis_ops_by_command": None,
+                     "router_memory_mib": router_memory_mib([rival]),
+                     "router_cpu_ms_per_request": round(
+                         (router_cpu_seconds([rival]) - cpu_before) * 1000 / requests_done,
+                         2)}
         if routers:
             cpu = router_cpu_seconds(routers) - cpu_before
             redis_after = redis_command_calls(redis_url)
@@ -457,7 +490,7 @@ def run_scenario(
                                       for k, v in kv_decisions(texts).items()},
             }
     finally:
-        for proc in routers:
+        for proc in [*routers, *([rival] if rival is not None else [])]:
             children.stop(proc)
     pairs = list(zip(after, before, strict=True))
     prompt = sum(a["prompt_tokens"] - b["prompt_tokens"] for a, b in pairs)
@@ -473,7 +506,7 @@ def run_scenario(
         "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
         "engine_requests": [a["requests"] - b["requests"] for a, b in pairs],
         "router_cache_hits": scale["response_cache_hits"] if scale else
-        int(metric_sum(metrics, CACHE_HIT_METRIC, result="hit")),
+        None if rival is not None else int(metric_sum(metrics, CACHE_HIT_METRIC, result="hit")),
         "scale_out": scale,
         "kv_aware_share": round(decisions["kv_aware"] / decisions["total"], 4)
         if decisions.get("total") else None,
@@ -624,6 +657,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay every row N times, the rows taking turns (round 1 of every "
                    "row, then round 2, ...), and print each row's median of every number; "
                    "--json keeps every round's row under 'rounds'")
+    p.add_argument("--rivals-bin", metavar="DIR",
+                   help="the bin directory of a venv with sglang-router and vllm-router "
+                   "(pip install sglang-router vllm-router): their cache_aware rows join "
+                   "the table, each in front of the same engines (--strategies can also "
+                   "name them, found then on PATH without --rivals-bin)")
     p.add_argument("--records", metavar="DIR",
                    help="write every measured request of each row (session, turn, start, "
                    "TTFT, prompt and cached tokens, backend) to DIR/<row>.jsonl")
@@ -697,7 +735,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         workload = workload.limit(args.requests)
     warmup = warmup_workload(workload) if load else None
     scenarios = select_scenarios(args.strategies, rows_of_scenario)
-    problems = check_scenarios(scenarios)
+    if args.rivals_bin is not None and not args.strategies:
+        scenarios += RIVAL_SCENARIOS
+    problems = check_scenarios(scenarios, args.rivals_bin)
     if problems:
         print("\n".join(f"continuum-router demo: {p}" for p in problems), file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import re
 import shutil
 import signal
@@ -340,6 +341,50 @@ def start_router(
 
 def _answers(url: str) -> bool:
     return http_status(url) == 200
+
+
+# -- the routers people run today -------------------------------------------------------------
+
+#: The Rust routers in front of vLLM and SGLang fleets that the demo can run beside the
+#: router on the same engines and workload (they are not dependencies: ``pip install
+#: sglang-router vllm-router``, in a venv of their own). Row name -> (executable, its
+#: arguments before the common ones, the policy). Each runs its prefix-aware default,
+#: ``cache_aware``: an approximate radix tree of the text each worker was sent, and load
+#: balancing once the workers' loads differ by enough.
+RIVAL_ROUTERS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "sglang-router cache_aware": ("sglang-router", ("launch",), ("--policy", "cache_aware")),
+    "vllm-router cache_aware": ("vllm-router", (), ("--policy", "cache_aware")),
+}
+
+
+def rival_executable(row: str, bin_dir: str | None) -> str | None:
+    """The path of ``row``'s router executable, in ``bin_dir`` or else on ``PATH``; None
+    when it is not installed."""
+    name = RIVAL_ROUTERS[row][0]
+    if bin_dir is not None:
+        path = Path(bin_dir) / name
+        return str(path) if path.is_file() and os.access(path, os.X_OK) else None
+    return shutil.which(name)
+
+
+def start_rival(children: Children, row: str, executable: str, engines: Sequence[str],
+                timeout: float = 30.0) -> tuple[Child, str]:
+    """Start rival router ``row`` on 127.0.0.1 in front of ``engines`` (its Prometheus
+    exporter on another free port of 127.0.0.1); return it once ``/health`` is 200."""
+    _, before, policy = RIVAL_ROUTERS[row]
+    port = free_port()
+    argv = [executable, *before, "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *engines, *policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    proc = children.spawn(argv, f"router-{slug(row)}.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(functools.partial(_answers, url + "/health"), f"the router ({row})",
+                   timeout, children=[proc], interval=0.1)
+    except BaseException:
+        children.stop(proc)
+        raise
+    return proc, url
 
 
 def kv_index_stats(http: requests.Session, url: str, token: str) -> dict[str, Any]:

@@ -121,6 +121,25 @@ def test_demo_quick_prints_ordered_hit_rates_and_cleans_up() -> None:
 
 @pytest.mark.slow
 @pytest.mark.e2e
+def test_demo_runs_sglang_router_in_front_of_the_same_engines() -> None:
+    # sglang-router (a test dependency) is installed beside this interpreter
+    bin_dir = str(Path(sys.executable).parent)
+    doc = _run_demo("--quick", "--rate", "12", "--strategies", "RoundRobin",
+                    "sglang-router cache_aware", "--rivals-bin", bin_dir, timeout=180)
+    rows = {row["name"]: row for row in doc["scenarios"]}
+    rival = rows["sglang-router cache_aware"]
+    # every request went through it to the fleet (none answered from a cache of its own)
+    assert sum(rival["engine_requests"]) == doc["workload"]["requests"]
+    assert len(rival["engine_requests"]) == doc["engines"]
+    assert rival["router_cache_hits"] is None and rival["kv_index"] is None
+    # its cache-aware routing keeps sessions where their prefixes are, as RoundRobin cannot
+    assert rival["prefix_hit_rate"] > rows["RoundRobin"]["prefix_hit_rate"] + 0.1, rows
+    # its CPU is read from /proc like the router's
+    assert rival["scale_out"]["router_cpu_ms_per_request"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_demo_push_mode_routes_like_pull() -> None:
     """``--push``: engines -> listener -> TLS event bus -> router. The KV row routes with
     the index as in pull mode (pull measured 86.3-86.9 % hit, 85.7 % KV-aware on seed 0;

@@ -117,3 +117,33 @@ def test_demo_slots_option() -> None:
     assert parser.parse_args(["--slots", "learned"]).slots == "learned"
     with pytest.raises(SystemExit):
         parser.parse_args(["--slots", "sometimes"])
+
+
+def test_a_rival_router_not_installed_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "continuum.cli", "demo", "--rivals-bin",
+                           str(tmp_path)], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 2, proc.stderr
+    for name in ("sglang-router", "vllm-router"):
+        assert f"{name} is not installed in {tmp_path}" in proc.stderr
+    assert "pip install sglang-router vllm-router" in proc.stderr
+    assert "replaying" not in proc.stderr
+
+
+def test_a_rival_router_is_found_in_the_bin_directory_given(tmp_path: Path) -> None:
+    from continuum.devtools.demo import RIVAL_SCENARIOS, check_scenarios, select_scenarios
+    from continuum.devtools.fleet import rival_executable
+
+    exe = tmp_path / "vllm-router"
+    exe.write_text("#!/bin/sh\n")
+    assert rival_executable("vllm-router cache_aware", str(tmp_path)) is None  # not executable
+    exe.chmod(0o755)
+    assert rival_executable("vllm-router cache_aware", str(tmp_path)) == str(exe)
+    assert rival_executable("sglang-router cache_aware", str(tmp_path)) is None
+    assert check_scenarios(RIVAL_SCENARIOS, str(tmp_path)) == [
+        "sglang-router cache_aware: sglang-router is not installed in " + str(tmp_path)
+        + " (pip install sglang-router vllm-router, in a venv of their own, and give its "
+        "bin directory as --rivals-bin)"]
+    # --strategies names them like the other rows
+    [row] = select_scenarios(["vllm-router-cache_aware"])
+    assert row.rival == "vllm-router cache_aware" and not row.direct
