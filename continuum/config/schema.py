@@ -387,9 +387,11 @@ class LoadGuardConfig:
         "request to the strategy); shorter mean TTFT under load, about a point less prefix "
         "hit rate on the load demo", restart=True)
     slot_wait: bool = setting(
-        True, doc="adaptive: a holder beyond its slots (backends[].slots or learn_slots) "
-        "is priced at least at its wait for a slot, the requests beyond its slots times its "
-        "latency EWMA / its in-flight count, beyond the least-waiting candidate's; and the "
+        True, doc="adaptive: a holder at or beyond its slots (backends[].slots or "
+        "learn_slots) is priced at its wait for a slot, the requests beyond its slots "
+        "(counting this one) times its latency EWMA / its in-flight count, beyond the "
+        "least-waiting candidate's, instead of its queue beyond the mean at that latency; "
+        "and the "
         "strategy passes over backends whose slots are full (PrefixAwareHash to the next on "
         "its ring with a free slot, any other chooses among those with one). Load demo, "
         "four two-slot engines: p99 TTFT about 40% lower for 1-2 points of prefix hit rate",

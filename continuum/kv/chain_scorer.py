@@ -54,10 +54,18 @@ Load guard (``scoring.load_guard``):
   ``load`` demo's hit rate fell to 87% and its p99 TTFT to seconds.)
 
   With ``slot_wait`` (on by default) and a holder's slots known (``backends[].slots`` or
-  ``learn_slots``), ``extra`` is at least its wait for a slot beyond the least-waiting
-  candidate's: the requests beyond its slots, counting this one, times its latency EWMA /
-  its in-flight count (at least ``queue_ms_per_request``), where a backend with a free
-  slot waits 0. The request a full holder is turned down for then goes to the strategy
+  ``learn_slots``), ``extra`` is ``queue_ms_per_request`` for each request beyond the
+  mean, and at least its wait for a slot beyond the least-waiting candidate's: the
+  requests beyond its slots, counting this one, times its latency EWMA / its in-flight
+  count (at least ``queue_ms_per_request``), where a backend with a free slot waits 0.
+  Its latency does not price its queue beyond the mean at its slots then: a holder that is
+  merely full in an idle fleet makes the request wait for one slot, not for every request
+  it runs beyond the mean (four slots busy with a mean of 1.25 once cost 2.75 shares of its
+  latency and sent sessions of the light ``default`` demo away from their prompt for no
+  shorter TTFT: 1.5-3.6 points of prefix hits there). Placement, which moves a session for
+  good, takes the lesser of this price and the one beyond the mean at its latency, so a
+  new session stays with a full holder when every engine is as busy. The request a full
+  holder is turned down for then goes to the strategy
   with :attr:`RequestContext.spill_at_slots <continuum.request.RequestContext.spill_at_slots>`
   set, and PrefixAwareHash passes over owners whose slots are full to the next backend on
   the ring with a free one (any other strategy chooses among the backends with a free
@@ -339,7 +347,7 @@ class ChainOverlapScorer(KvOverlapScorer):
 
     def _place(self, credits: dict[str, _Credit], chain: PrefixChain,
                candidates: Sequence[Backend], mean_in_flight: float, bound: int,
-               now: float) -> Placed | None:
+               now: float, least_slot_wait: float = 0.0) -> Placed | None:
         """Placement (``kv_cache_index.placement``): when the best match covers the
         request's first message at most and is worth scoring (``min_overlap_threshold``),
         the candidate whose lost prefill + pressure + queue costs least, and every
@@ -366,10 +374,18 @@ class ChainOverlapScorer(KvOverlapScorer):
         for backend in candidates:
             credit = credits.get(backend.name)
             saved = credit.saved_tokens if credit is not None else 0.0
+            queue = self._queue_ms(backend, mean_in_flight, bound)
+            if self.slot_wait and backend.slots is not None:
+                # A session placed away from its prompt's holders stays away for good: it
+                # leaves only when both prices of the queue say so (the one beyond the
+                # mean is small when every engine is as busy; the wait for a slot, when
+                # the holder is merely full in an idle fleet).
+                queue = min(queue, self._slots_queue_ms(backend, mean_in_flight,
+                                                        least_slot_wait))
             costs[backend.name] = (
                 (best.saved_tokens - saved) * per_token,
                 self.pressure_weight * (pressures[backend.name] - least) * per_token,
-                self._queue_ms(backend, mean_in_flight, bound),
+                queue,
             )
         chosen = min(costs, key=lambda name: sum(costs[name]))
         half = best.saved_tokens * per_token / 2.0
@@ -396,6 +412,19 @@ class ChainOverlapScorer(KvOverlapScorer):
         if in_flight + 1 > _queue_bound(backend, bound):
             per_request = _held_ms(backend, in_flight, per_request)
         return max(0.0, in_flight - reference) * per_request
+
+    def _slots_queue_ms(self, backend: Backend, reference: float,
+                        least_slot_wait: float) -> float:
+        """With ``slot_wait``, the price of the queue of a ``backend`` whose slots are known:
+        ``queue_ms_per_request`` for each request beyond ``reference`` (the candidates'
+        mean), and at least its wait for a slot beyond the least-waiting candidate's. Its
+        latency does not price the queue beyond the mean at its slots, as
+        :meth:`_queue_ms` does without known slots: a holder that is full while the fleet
+        is idle makes a request wait for one slot, one request's share of its latency,
+        not for every request it runs beyond the mean (four slots full, a mean of 1.25:
+        about 1 share, where that price said 2.75)."""
+        queue = max(0.0, backend.in_flight - reference) * self.queue_ms
+        return max(queue, _slot_wait_ms(backend, self.queue_ms) - least_slot_wait)
 
     def prepare(self, ctx: RequestContext, candidates: Sequence[Backend]) -> None:
         """Query the index for the request's chain (cached 100 ms per chain) and work out
@@ -439,7 +468,7 @@ class ChainOverlapScorer(KvOverlapScorer):
             ctx.spill_at_slots = True
         if self.placement:
             snapshot.placed = self._place(credits, chain, candidates, mean_in_flight, bound,
-                                          now)
+                                          now, snapshot.least_slot_wait)
         ctx.kv_snapshot = snapshot
 
     def observe(self, ctx: RequestContext, chosen: Backend | None, score: float,
@@ -515,16 +544,20 @@ class ChainOverlapScorer(KvOverlapScorer):
         # nothing: a bonus would move a growing session off the engine holding its
         # history to one holding a little less of it (5 points of hit rate on `agent`).
         extra = max(0.0, in_flight - snapshot.mean_in_flight)
-        extra_ms = self._queue_ms(backend, snapshot.mean_in_flight, snapshot.bound)
         queue = f"its queue ({extra:.1f} in flight over the mean, load bound {snapshot.bound}"
-        limit = _queue_bound(backend, snapshot.bound)
-        queue += f", {limit} slots)" if limit < snapshot.bound else ")"
         if self.slot_wait and backend.slots is not None:
-            wait_ms = _slot_wait_ms(backend, self.queue_ms) - snapshot.least_slot_wait
+            extra_ms = max(0.0, in_flight - snapshot.mean_in_flight) * self.queue_ms
+            queue += ")"
+            wait_ms = self._slots_queue_ms(backend, snapshot.mean_in_flight,
+                                           snapshot.least_slot_wait)
             if wait_ms > extra_ms:
                 extra_ms = wait_ms
                 queue = (f"its wait for a slot ({backend.in_flight} in flight, "
                          f"{backend.slots} slots) beyond the least-waiting candidate's")
+        else:
+            extra_ms = self._queue_ms(backend, snapshot.mean_in_flight, snapshot.bound)
+            limit = _queue_bound(backend, snapshot.bound)
+            queue += f", {limit} slots)" if limit < snapshot.bound else ")"
         if self.learned_wait:
             # An engine batches up to its slots and queues beyond them, wherever the
             # CHWBL bound is: the learned wait here beyond the least-waiting

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from continuum.config import BackendConfig, parse_config
 from continuum.interfaces import CACHE_CREATED, TIER_GPU_HOT
 from continuum.kv.chain_scorer import ChainOverlapScorer
@@ -152,7 +154,8 @@ def test_under_the_load_bound_latency_does_not_price_the_queue_and_ties_go_to_th
 def test_a_holder_at_its_slots_is_priced_at_its_latency_under_the_load_bound() -> None:
     """``backends[].slots``: an engine queues the request beyond its slots however far
     under the CHWBL bound (never under 4) it is, so from its slots on its latency prices
-    the queue. Unset, or above the bound, it changes nothing."""
+    the queue: its wait for a slot (``slot_wait``, the default), or without it its queue
+    beyond the mean. Unset, or above the bound, it changes nothing."""
     index = InMemoryKvIndex()
     ctx = request(HISTORY + "Next?")
     hold(index, "b1", ctx, len(ctx.chain.keys))  # ~690 tokens: ~69 ms of prefill saved
@@ -165,18 +168,96 @@ def test_a_holder_at_its_slots_is_priced_at_its_latency_under_the_load_bound() -
         backends[1].in_flight = 2  # full with two slots; the bound is 4
         return backends
 
-    scorer = scorer_for(index)
-    assert pick(scorer, fleet(None), request(HISTORY + "Next?")) == ("b1", "scorer")
-    assert pick(scorer, fleet(8), request(HISTORY + "Next?")) == ("b1", "scorer")
+    for scorer in (scorer_for(index), scorer_for(index, scoring={"load_guard": {
+            "slot_wait": False}})):
+        assert pick(scorer, fleet(None), request(HISTORY + "Next?")) == ("b1", "scorer")
+        assert pick(scorer, fleet(8), request(HISTORY + "Next?")) == ("b1", "scorer")
+        two = fleet(2)
+        assert pick(scorer, two, request(HISTORY + "Next?"))[1] == "scorer_fallback"
+        two[1].in_flight = 1  # a free slot: 10 ms a request over the mean, as without slots
+        assert pick(scorer, two, request(HISTORY + "Next?")) == ("b1", "scorer")
     two = fleet(2)
-    assert pick(scorer, two, request(HISTORY + "Next?"))[1] == "scorer_fallback"
-    probe = request(HISTORY + "Next?")
-    scorer.prepare(probe, two)
-    row = {r["backend"]: r for r in scorer.explain(probe, two)}["b1"]
-    # 300 ms / 2 in flight, for the 1.33 requests over the mean
-    assert row["score"] == 0.0 and "bound 4, 2 slots) costs ~200 ms" in row["why"], row
-    two[1].in_flight = 1  # a free slot: 10 ms a request over the mean, as without slots
-    assert pick(scorer, two, request(HISTORY + "Next?")) == ("b1", "scorer")
+    for scorer, says in (
+            # its wait for one slot: 300 ms / 2 in flight
+            (scorer_for(index), "its wait for a slot (2 in flight, 2 slots) beyond the "
+             "least-waiting candidate's costs ~150 ms"),
+            # 300 ms / 2 in flight, for the 1.33 requests over the mean
+            (scorer_for(index, scoring={"load_guard": {"slot_wait": False}}),
+             "bound 4, 2 slots) costs ~200 ms")):
+        probe = request(HISTORY + "Next?")
+        scorer.prepare(probe, two)
+        row = {r["backend"]: r for r in scorer.explain(probe, two)}["b1"]
+        assert row["score"] == 0.0 and says in row["why"], row
+
+
+def test_a_holder_merely_full_in_an_idle_fleet_costs_one_slots_wait_not_its_queue() -> None:
+    """Four slots, all busy, the rest of the fleet idle: the request waits for one of the
+    four to finish (400 ms / 4 = 100 ms), less than the 110-130 ms of prefill the holder
+    saves, so it stays, whether it continues a conversation (the guard) or starts one
+    (placement). Priced as its queue beyond the candidates' mean at its latency (without
+    ``slot_wait``), 2.75 requests cost ~275 ms and sent it away."""
+    def fleet() -> list[Backend]:
+        backends = [Backend(BackendConfig(name=f"b{i}", url="http://127.0.0.1:9", slots=4))
+                    for i in range(4)]
+        for backend, in_flight in zip(backends, (1, 4, 0, 0), strict=True):
+            backend.latency_ewma = 0.4
+            backend.in_flight = in_flight
+        return backends
+
+    # a conversation's next turn: b1 holds all of it (~1,100 tokens)
+    index = InMemoryKvIndex()
+    ctx = request(HISTORY * 2 + "Next?")
+    hold(index, "b1", ctx, len(ctx.chain.keys))
+    assert pick(scorer_for(index), fleet(), request(HISTORY * 2 + "Next?")) == ("b1", "scorer")
+    off = scorer_for(index, scoring={"load_guard": {"slot_wait": False}})
+    assert pick(off, fleet(), request(HISTORY * 2 + "Next?"))[1] == "scorer_fallback"
+
+    # a new session: b1 holds its system prompt, which is all it shares with the others
+    first = HISTORY * 3  # a long system prompt (~1,320 tokens), its prefill worth the wait
+    index = InMemoryKvIndex()
+
+    def new_session() -> Any:
+        body = {"model": "m", "messages": [{"role": "system", "content": first},
+                                           {"role": "user", "content": "Hello?"}]}
+        ctx = make_context()
+        ctx.body, ctx.chain = body, request_chain(body, "m")
+        ctx.prefix_key = request_prefix_key(body, "m")
+        return ctx
+
+    probe = new_session()
+    hold(index, "b1", probe, len(probe.chain.keys) - 1)  # the system prompt
+    placer = scorer_for(index)
+    backends = fleet()
+    placer.prepare(probe, backends)
+    assert probe.kv_snapshot.placed is not None and probe.kv_snapshot.placed[0] == "b1"
+    off = scorer_for(index, scoring={"load_guard": {"slot_wait": False}})
+    off.prepare(probe, backends)
+    assert probe.kv_snapshot.placed[0] != "b1"
+
+
+def test_a_new_session_stays_with_a_full_holder_when_every_engine_is_as_busy() -> None:
+    """Placement moves a session for good, so it leaves a holder of its prompt only when
+    both prices of its queue say so: beside engines as busy as it is (in flight 2 on two
+    slots each, one with a slot free), the queue beyond the mean costs ~38 ms, under the
+    prefill it saves, though its wait for a slot (150 ms) is more."""
+    first = HISTORY * 2
+    body = {"model": "m", "messages": [{"role": "system", "content": first},
+                                       {"role": "user", "content": "Hello?"}]}
+    probe = make_context()
+    probe.body, probe.chain = body, request_chain(body, "m")
+    probe.prefix_key = request_prefix_key(body, "m")
+    index = InMemoryKvIndex()
+    hold(index, "b1", probe, len(probe.chain.keys) - 1)
+    backends = [Backend(BackendConfig(name=f"b{i}", url="http://127.0.0.1:9", slots=2))
+                for i in range(4)]
+    for backend, in_flight in zip(backends, (2, 2, 2, 1), strict=True):
+        backend.latency_ewma = 0.3
+        backend.in_flight = in_flight
+    placer = scorer_for(index)
+    placer.prepare(probe, backends)
+    chosen, costs = probe.kv_snapshot.placed
+    assert chosen == "b1", costs
+    assert costs["b1"][2] == pytest.approx((2 - 7 / 4) * 150)
 
 
 def test_slot_wait_turns_down_a_full_holder_and_the_ring_sends_it_to_a_free_slot() -> None:
