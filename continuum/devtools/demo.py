@@ -62,7 +62,7 @@ from continuum.devtools.fleet import (
     wait_listener_clear,
     wait_router_index_ready,
 )
-from continuum.devtools.procs import ChildExited, Children, wait_until
+from continuum.devtools.procs import Child, ChildExited, Children, wait_until
 from continuum.devtools.push import PushSetup
 from continuum.devtools.scaleout import (
     cache_counts,
@@ -373,7 +373,7 @@ def run_scenario(
     kv: dict[str, Any] | None = None
     start: dict[str, Any] = {}
     token = ""
-    rival: Any = None  # a rival router's process: stopped like the routers, no /metrics
+    rival: Child | None = None  # a rival router: stopped like the routers, no /metrics
     if scenario.kv_events and fleet.listener is None:
         raise RuntimeError(f"scenario {scenario.name!r} needs the KV listener")
     try:

@@ -347,7 +347,7 @@ class ChainOverlapScorer(KvOverlapScorer):
 
     def _place(self, credits: dict[str, _Credit], chain: PrefixChain,
                candidates: Sequence[Backend], mean_in_flight: float, bound: int,
-               now: float, least_slot_wait: float = 0.0) -> Placed | None:
+               now: float, least_slot_wait: float) -> Placed | None:
         """Placement (``kv_cache_index.placement``): when the best match covers the
         request's first message at most and is worth scoring (``min_overlap_threshold``),
         the candidate whose lost prefill + pressure + queue costs least, and every
