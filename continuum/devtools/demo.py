@@ -490,7 +490,7 @@ def run_scenario(
                                       for k, v in kv_decisions(texts).items()},
             }
     finally:
-        for proc in [*routers, *([rival] if rival is not None else [])]:
+        for proc in routers if rival is None else [rival]:
             children.stop(proc)
     pairs = list(zip(after, before, strict=True))
     prompt = sum(a["prompt_tokens"] - b["prompt_tokens"] for a, b in pairs)

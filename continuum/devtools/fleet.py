@@ -357,25 +357,37 @@ RIVAL_ROUTERS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
-def rival_executable(row: str, bin_dir: str | None) -> str | None:
-    """The path of ``row``'s router executable, in ``bin_dir`` or else on ``PATH``; None
-    when it is not installed."""
-    name = RIVAL_ROUTERS[row][0]
+def find_executable(name: str, bin_dir: str | None) -> str | None:
+    """The path of executable ``name``, in ``bin_dir`` or else on ``PATH``; None when it is
+    not installed there."""
     if bin_dir is not None:
         path = Path(bin_dir) / name
         return str(path) if path.is_file() and os.access(path, os.X_OK) else None
     return shutil.which(name)
 
 
+def rival_executable(row: str, bin_dir: str | None) -> str | None:
+    """The path of ``row``'s router executable (:func:`find_executable`)."""
+    return find_executable(RIVAL_ROUTERS[row][0], bin_dir)
+
+
+def rival_argv(spec: tuple[str, tuple[str, ...], tuple[str, ...]], executable: str,
+               port: int, worker_urls: Sequence[str], metrics_port: int) -> list[str]:
+    """The command line of a Rust router (``spec`` as in :data:`RIVAL_ROUTERS`) on
+    127.0.0.1 in front of ``worker_urls``, its Prometheus exporter on ``metrics_port`` of
+    127.0.0.1."""
+    _, before, policy = spec
+    return [executable, *before, "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *worker_urls, *policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+
+
 def start_rival(children: Children, row: str, executable: str, engines: Sequence[str],
                 timeout: float = 30.0) -> tuple[Child, str]:
     """Start rival router ``row`` on 127.0.0.1 in front of ``engines`` (its Prometheus
     exporter on another free port of 127.0.0.1); return it once ``/health`` is 200."""
-    _, before, policy = RIVAL_ROUTERS[row]
     port = free_port()
-    argv = [executable, *before, "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *engines, *policy,
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    argv = rival_argv(RIVAL_ROUTERS[row], executable, port, engines, free_port())
     proc = children.spawn(argv, f"router-{slug(row)}.log")
     url = f"http://127.0.0.1:{port}"
     try:

@@ -546,14 +546,13 @@ class ChainOverlapScorer(KvOverlapScorer):
         extra = max(0.0, in_flight - snapshot.mean_in_flight)
         queue = f"its queue ({extra:.1f} in flight over the mean, load bound {snapshot.bound}"
         if self.slot_wait and backend.slots is not None:
-            extra_ms = max(0.0, in_flight - snapshot.mean_in_flight) * self.queue_ms
-            queue += ")"
-            wait_ms = self._slots_queue_ms(backend, snapshot.mean_in_flight,
-                                           snapshot.least_slot_wait)
-            if wait_ms > extra_ms:
-                extra_ms = wait_ms
+            extra_ms = self._slots_queue_ms(backend, snapshot.mean_in_flight,
+                                            snapshot.least_slot_wait)
+            if extra_ms > extra * self.queue_ms:  # the wait for a slot sets the price
                 queue = (f"its wait for a slot ({backend.in_flight} in flight, "
                          f"{backend.slots} slots) beyond the least-waiting candidate's")
+            else:
+                queue += ")"
         else:
             extra_ms = self._queue_ms(backend, snapshot.mean_in_flight, snapshot.bound)
             limit = _queue_bound(backend, snapshot.bound)

@@ -230,7 +230,7 @@ def _calls(message: dict[str, Any], where: str) -> list[tuple[dict[str, Any],
     return out
 
 
-def _contents(messages: list[Any], model: str = "") -> list[dict[str, Any]]:
+def _contents(messages: list[Any], model: str) -> list[dict[str, Any]]:
     """The conversation as ``contents``; consecutive turns of one role are merged. A
     function call's signature is the one its ``extra_content`` carries, else the one in its
     id; for a ``model`` that checks signatures, the first call of a model turn that has

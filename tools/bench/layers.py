@@ -56,13 +56,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from continuum.devtools.fleet import find_executable
+from continuum.devtools.fleet import rival_argv as fleet_rival_argv
 from continuum.devtools.procs import Child, free_port, wait_http, wait_until
 from continuum.gunicorn_worker import WORKER_CLASS
 from tools.bench.overhead import (
@@ -101,21 +102,15 @@ PAIRS = (("router-rr", "vllm-router-rr"), ("router-rr", "sglang-router-rr"),
 
 def rival_executable(layer: str, bin_dir: str | None) -> str | None:
     """The path of ``layer``'s executable, in ``bin_dir`` or on ``PATH``; None when absent."""
-    name = RIVALS[layer][0]
-    if bin_dir is not None:
-        path = Path(bin_dir) / name
-        return str(path) if os.access(path, os.X_OK) else None
-    return shutil.which(name)
+    return find_executable(RIVALS[layer][0], bin_dir)
 
 
 def rival_argv(layer: str, executable: str, port: int, upstream_port: int,
                metrics_port: int) -> list[str]:
     """The command line of rival ``layer``: on 127.0.0.1, one worker (the upstream), its
     Prometheus exporter on a free port of 127.0.0.1."""
-    _, before, policy = RIVALS[layer]
-    return [executable, *before, "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", f"http://127.0.0.1:{upstream_port}", *policy,
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+    return fleet_rival_argv(RIVALS[layer], executable, port,
+                            [f"http://127.0.0.1:{upstream_port}"], metrics_port)
 
 
 @dataclass
