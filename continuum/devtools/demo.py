@@ -503,6 +503,7 @@ def run_scenario(
         **result.summary(),
         "engine_prompt_tokens": prompt,
         "engine_cached_prompt_tokens": cached,
+        "engine_prefill_tokens": prompt - cached,
         "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
         "engine_requests": [a["requests"] - b["requests"] for a, b in pairs],
         "router_cache_hits": scale["response_cache_hits"] if scale else
@@ -521,6 +522,7 @@ COLUMNS = (
     ("TTFT mean ms", "ttft_ms_mean", "{:.1f}"),
     ("TTFT p99 ms", "ttft_ms_p99", "{:.1f}"),
     ("prefix hit %", "prefix_hit_rate", "{:.1%}"),
+    ("prefill tokens", "engine_prefill_tokens", "{:.0f}"),
     ("router cache hits", "router_cache_hits", "{}"),
     ("KV-aware %", "kv_aware_share", "{:.1%}"),
     ("errors", "errors", "{}"),
@@ -694,8 +696,11 @@ def _print_results(doc: dict[str, Any], args: argparse.Namespace) -> None:
               + ("; shared tiers on Redis" if doc.get("redis") else "") + "\n")
     print(render_table(doc["scenarios"], scale_out))
     print("\nprefix hit % = cached prompt tokens / prompt tokens, from the engines' "
-          "/sim/stats; KV-aware % = requests the KV scorer routed (the rest fell back to "
-          f"the strategy); finished in {doc['wall_seconds']:.1f}s")
+          "/sim/stats; prefill tokens = prompt tokens the engines computed, not served from "
+          "their KV cache: their prefill work (a request the router's response cache "
+          "answers does none, and is not in the hit rate either); KV-aware % = requests "
+          "the KV scorer routed (the rest fell back to the strategy); finished in "
+          f"{doc['wall_seconds']:.1f}s")
     if getattr(args, "rounds", 1) > 1:
         print(f"each number is the median of {args.rounds} rounds (errors: their sum; "
               "requests per engine: the first round's); --json has every round")

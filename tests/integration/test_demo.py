@@ -49,6 +49,8 @@ def _run_demo(*args: str, timeout: float) -> dict[str, Any]:
         # turns not started by --duration are skipped (an overloaded row under load)
         assert row["ok"] + row["skipped"] == doc["workload"]["requests"], row
         assert row["engine_prompt_tokens"] > 0
+        assert row["engine_prefill_tokens"] == \
+            row["engine_prompt_tokens"] - row["engine_cached_prompt_tokens"], row
     _assert_no_leftovers(doc)
     return doc
 
@@ -102,6 +104,9 @@ def test_demo_quick_prints_ordered_hit_rates_and_cleans_up() -> None:
     # two between runs, more on a loaded machine), so this is a floor for CI, 3 points
     # below the seed key; the README's table (full runs) is where the margin is measured.
     assert kv_index >= prefix_aware, rows
+    # the engines' prefill work follows: what the KV index routes, they compute less of
+    prefill = {name: rows[name]["engine_prefill_tokens"] for name in rows}
+    assert prefill["KV index"] < prefill["PrefixAwareHash"] < prefill["RoundRobin"], prefill
     assert kv_index >= rows["KV index (seed key)"]["prefix_hit_rate"] - 0.03, rows
     for name in ("KV index", "KV index (seed key)"):
         _assert_kv_row(rows[name])

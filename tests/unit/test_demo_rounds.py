@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from continuum.devtools.demo import median_row, parse_sets, write_records
+from continuum.devtools.demo import median_row, parse_sets, render_table, write_records
 
 
 def row(p99: float, hit: float, errors: int = 0, **more: Any) -> dict[str, Any]:
@@ -39,6 +39,19 @@ def test_numbers_are_medians_errors_are_summed_and_the_rest_is_the_first_rounds(
     # a number some round lacks is not a median of the others: the first round's stays
     runs[1]["ttft_ms_p99"] = None
     assert median_row(runs)["ttft_ms_p99"] == 300.0
+
+
+def test_the_table_shows_the_engines_prefill_work_beside_the_hit_rate() -> None:
+    rows = [row(180.0, 0.934, engine_prefill_tokens=25632, requests_per_second=4.1,
+                ttft_ms_mean=25.1, router_cache_hits=28),
+            row(177.0, 0.944, name="sglang-router cache_aware", engine_prefill_tokens=23924,
+                requests_per_second=4.1, ttft_ms_mean=27.7, router_cache_hits=None)]
+    head, _rule, ours, theirs = render_table(rows).splitlines()
+    titles = [t for t in head.split("  ") if t]
+    assert titles[titles.index("prefix hit %") + 1].strip() == "prefill tokens"
+    assert ours.split()[-5:-3] == ["93.4", "25632"]
+    assert theirs.split()[-5:-3] == ["94.4", "23924"]
+    assert theirs.split()[-3] == "-"  # a rival has no response cache
 
 
 def test_records_are_one_json_line_per_request(tmp_path: Path) -> None:
