@@ -53,6 +53,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: The sockets :func:`refused_port` holds: bound, never listening, kept until exit.
+_REFUSING: list[socket.socket] = []
+
+
+def refused_port() -> int:
+    """A TCP port on 127.0.0.1 that refuses connections for as long as this process lives:
+    bound and never listening, so no other server can take it meanwhile (a bare
+    :func:`free_port` for a dead backend could be picked up by another test's server and
+    come alive)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    _REFUSING.append(sock)
+    return int(sock.getsockname()[1])
+
+
 def free_port_block(count: int, attempts: int = 200) -> int:
     """The first of ``count`` consecutive ports on 127.0.0.1 that were all free a moment
     ago (a fleet's member ``i`` publishes on ``port + i``). Drawn below the usual ephemeral

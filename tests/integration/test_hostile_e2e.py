@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import requests
 
-from continuum.devtools.procs import free_port
+from continuum.devtools.procs import refused_port
 from continuum.devtools.servers import FakeUpstream, RouterProcess
 
 pytestmark = pytest.mark.e2e
@@ -69,7 +69,7 @@ def test_the_deepest_configurable_nesting_is_served_by_a_real_worker(
     """server.max_json_depth at its maximum: json.loads, the cache key and the salted body
     (json.dumps) all handle that depth inside a gevent worker."""
     up = upstreams("up")
-    dead = f"http://127.0.0.1:{free_port()}"  # the KV stream is never served
+    dead = f"http://127.0.0.1:{refused_port()}"  # the KV stream is never served
     router = router_factory({
         "backends": [{"name": "up", "url": up.url, "models": ["m"]}],
         "server": {"max_json_depth": 512},

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import requests
 
-from continuum.devtools.procs import free_port
+from continuum.devtools.procs import refused_port
 from listener.config import DetokenizeConfig, LimitsConfig, SourceConfig
 from listener.processor import DefaultSourceProcessor
 from listener.recovery import EngineClient, PromptRecovery
@@ -134,7 +134,7 @@ def test_reply_within_the_cap_is_used(engines: Any) -> None:
 def test_proxy_variables_are_ignored_for_the_engine(engines: Any,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     engine = engines(5)
-    dead_proxy = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    dead_proxy = f"http://127.0.0.1:{refused_port()}"  # nothing listens there
     for name in ("NO_PROXY", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
     for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY"):

@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from continuum.devtools.fleet import metric_sum
-from continuum.devtools.procs import Child, free_port, wait_http, wait_until
+from continuum.devtools.procs import Child, free_port, refused_port, wait_http, wait_until
 from continuum.devtools.servers import RouterProcess
 from continuum.web.observe import tenant_hash
 
@@ -50,7 +50,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
 
 
 def _config(ups: dict[str, str], **extra: Any) -> dict[str, Any]:
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{refused_port()}"
     return {
         "backends": [
             {"name": "e", "url": ups["sim"], "models": [MODEL]},
@@ -207,7 +207,7 @@ def test_every_request_counted_once_router_answers_and_retries_included(
 def test_a_retried_request_is_one_request_and_two_attempts(
         engines: dict[str, str], tmp_path: Path,
         router_factory: Callable[..., RouterProcess]) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{refused_port()}"
     router = router_factory({
         "backends": [{"name": "dead", "url": dead, "models": [MODEL]},
                      {"name": "e", "url": engines["sim"], "models": [MODEL]}],

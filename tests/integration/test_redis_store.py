@@ -11,7 +11,7 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from continuum.config import RouterConfig, parse_config
-from continuum.devtools.procs import free_port, wait_until
+from continuum.devtools.procs import refused_port, wait_until
 from continuum.devtools.redis_server import RedisServer, unique_prefix
 from continuum.errors import StoreError
 from continuum.interfaces import CACHE_CREATED, CacheStore
@@ -60,7 +60,7 @@ class TestRedisContract(CacheStoreContract):
     def make_broken_store(self) -> CacheStore:
         # Nothing listens there: every command is refused; without a memory fallback the
         # store degrades to misses and no-ops.
-        dead = self.links.link(f"redis://127.0.0.1:{free_port()}/0")
+        dead = self.links.link(f"redis://127.0.0.1:{refused_port()}/0")
         return store_on(dead, fallback_to_memory=False)
 
 
@@ -387,7 +387,7 @@ def test_empty_prefix_is_refused(links: Any) -> None:
 
 
 def test_stats_never_talk_to_redis(links: Any) -> None:
-    link = links.link(f"redis://127.0.0.1:{free_port()}/0")
+    link = links.link(f"redis://127.0.0.1:{refused_port()}/0")
     stats = store_on(link).stats()
     assert stats.backend == "redis"
     assert stats.entries == -1

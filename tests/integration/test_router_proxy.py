@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from continuum.devtools.fleet import metric_sum
-from continuum.devtools.procs import free_port, wait_until
+from continuum.devtools.procs import refused_port, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -126,7 +126,7 @@ def test_error_classes(upstreams, router_factory) -> None:
 
 def test_connect_failure_retries_then_502(upstreams, router_factory) -> None:
     a = upstreams("a")
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{refused_port()}"
     cfg = {"backends": [{"name": "dead", "url": dead, "models": ["m"]},
                         {"name": "a", "url": a.url, "models": ["m"]}],
            "health_check": {"enabled": False}, "pool": {"retry_connect_errors": True}}

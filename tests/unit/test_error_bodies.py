@@ -12,7 +12,7 @@ import falcon.testing
 import pytest
 
 from continuum.config import parse_config
-from continuum.devtools.procs import free_port
+from continuum.devtools.procs import free_port, refused_port
 from continuum.devtools.servers import FakeUpstream
 from continuum.registry import PluginRegistry
 from continuum.web.app import RouterApp, create_app
@@ -63,7 +63,7 @@ def test_502_names_the_request_id_and_logs_the_address(
     path: str, type_: str, client_for: Callable[..., falcon.testing.TestClient],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    port = free_port()  # nothing listens there
+    port = refused_port()  # nothing listens there
     client = client_for(f"http://127.0.0.1:{port}", type_)
     with caplog.at_level(logging.WARNING):
         resp = client.simulate_post(path, json=BODY, headers={"X-Request-Id": "client-id.42"})

@@ -25,6 +25,7 @@ from continuum.devtools.procs import (
     child_env,
     free_port_block,
     http_status,
+    refused_port,
     wait_http,
     wait_until,
 )
@@ -168,3 +169,16 @@ def test_child_env_drops_proxies_and_adds_what_is_asked() -> None:
     env = child_env({"EXTRA": "1"}, base={"HTTP_PROXY": "http://proxy:3128",
                                           "https_proxy": "x", "PATH": "/bin"})
     assert env == {"PATH": "/bin", "NO_PROXY": "127.0.0.1,localhost", "EXTRA": "1"}
+
+
+def test_a_refused_port_refuses_and_cannot_be_taken_by_another_server() -> None:
+    port = refused_port()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2)
+    other = socket.socket()
+    try:
+        with pytest.raises(OSError):  # still held: no server comes alive there
+            other.bind(("127.0.0.1", port))
+    finally:
+        other.close()
+    assert refused_port() != port
