@@ -17,6 +17,7 @@ patching (``time.sleep`` and ``http.client`` then yield to other greenlets).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import http.client
 import os
@@ -64,8 +65,16 @@ def refused_port() -> int:
     come alive)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
+    if not _REFUSING:
+        atexit.register(_release_refused_ports)
     _REFUSING.append(sock)
     return int(sock.getsockname()[1])
+
+
+def _release_refused_ports() -> None:
+    """At exit: close what :func:`refused_port` held (no unclosed-socket warnings)."""
+    while _REFUSING:
+        _REFUSING.pop().close()
 
 
 def free_port_block(count: int, attempts: int = 200) -> int:
