@@ -192,14 +192,9 @@ class FakeAnthropic:
         n = req.get_param_as_int("n", min_value=1) or len(self.received)
         resp.media = {"received": list(self.received)[-n:] if self.received else []}
 
-    def on_post_reset(self, req: falcon.Request, resp: falcon.Response) -> None:
-        """``POST /_sim/reset``: forget recorded requests and the prompt cache."""
-        self.received.clear()
-        self.cache.clear()
-        resp.media = {"reset": True}
-
-    def on_post_messages(self, req: falcon.Request, resp: falcon.Response) -> None:
-        """``POST /v1/messages``: record, check, account the prompt cache, answer."""
+    def _received_object(self, req: falcon.Request) -> dict[str, Any]:
+        """The request's JSON object body, once it is recorded (as text when it is not
+        JSON) and the caller authorized; the API's 400 when it is not an object."""
         raw = req.bounded_stream.read()
         try:
             body: Any = json.loads(raw)
@@ -212,6 +207,17 @@ class FakeAnthropic:
         if not isinstance(body, dict):
             raise RequestError("There was an issue with the format or content of your "
                                "request: the body is not a JSON object")
+        return body
+
+    def on_post_reset(self, req: falcon.Request, resp: falcon.Response) -> None:
+        """``POST /_sim/reset``: forget recorded requests and the prompt cache."""
+        self.received.clear()
+        self.cache.clear()
+        resp.media = {"reset": True}
+
+    def on_post_messages(self, req: falcon.Request, resp: falcon.Response) -> None:
+        """``POST /v1/messages``: record, check, account the prompt cache, answer."""
+        body = self._received_object(req)
         validate(body, self.models)
         blocks = prompt_blocks(body, self.tokenizer)
         model = body["model"]
@@ -238,18 +244,7 @@ class FakeAnthropic:
         """``POST /v1/messages/count_tokens``: the request's input tokens, as the API
         answers them (``{"input_tokens": N}``); nothing is generated or cached. The body
         is a Messages request without ``max_tokens`` (which the API refuses here)."""
-        raw = req.bounded_stream.read()
-        try:
-            body: Any = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            body = None
-        headers = {name.lower(): value for name, value in req.headers.items()}
-        self.received.append({"path": req.path, "headers": headers,
-                              "body": body if body is not None else raw.decode("utf-8", "replace")})
-        self._authorize(req)
-        if not isinstance(body, dict):
-            raise RequestError("There was an issue with the format or content of your "
-                               "request: the body is not a JSON object")
+        body = self._received_object(req)
         for extra in ("max_tokens", "stream", "stop_sequences", "temperature"):
             _check(extra not in body, f"{extra}: Extra inputs are not permitted")
         validate({**body, "max_tokens": 1}, self.models)
