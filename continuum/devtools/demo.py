@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from continuum.devtools.fleet import (
+    KV_EVENT_RIVALS,
     MODEL,
     RIVAL_ROUTERS,
     RUN_ENV,
@@ -387,7 +388,8 @@ def run_scenario(
             if executable is None:
                 raise RuntimeError(f"{scenario.name}: {RIVAL_ROUTERS[scenario.rival][0]} "
                                    "is not installed")
-            rival, target = start_rival(children, scenario.rival, executable, fleet.engines)
+            rival, target = start_rival(children, scenario.rival, executable, fleet.engines,
+                                        kv_endpoints=fleet.kv_endpoints)
         else:
             told = getattr(args, "slots", "given")
             config = router_config(scenario, fleet.engines, fleet.listener,
@@ -763,9 +765,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with signals_to_main(), requests.Session() as http:
             http.trust_env = False
             args.push_setup = PushSetup.create(workdir) if args.push else None
-            fleet = start_fleet(children, http, shape, any(s.kv_events for s in scenarios),
+            kv_rival = any(s.rival in KV_EVENT_RIVALS for s in scenarios)
+            fleet = start_fleet(children, http, shape,
+                                kv_rival or any(s.kv_events for s in scenarios),
                                 progress, event_bus=args.push_setup.listener_section()
-                                if args.push_setup else None)
+                                if args.push_setup else None, engines_bind=kv_rival)
             progress(f"workload {workload.name!r} seed {args.seed}: "
                      f"{len(workload.sessions)} sessions, {workload.requests} requests")
             rounds: list[list[dict[str, Any]]] = [[] for _ in scenarios]

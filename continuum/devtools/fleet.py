@@ -27,6 +27,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -73,6 +74,9 @@ class Fleet:
     engines: list[str]
     single: list[str]
     listener: str | None = None
+    #: Each engine's KV-event PUB endpoint when the engines bind it (``start_fleet``'s
+    #: ``engines_bind``: a second subscriber, a rival router, can connect there too).
+    kv_endpoints: list[str] | None = None
 
 
 def backend_names(count: int) -> list[str]:
@@ -131,12 +135,13 @@ def demo_children(workdir: Path, run_id: str) -> Children:
 
 def start_engines(
     children: Children, name: str, count: int, blocks: int, slots: int, scale: float,
-    zmq_endpoint: str | None = None, timeout: float = 20.0,
+    zmq_endpoint: str | None = None, timeout: float = 20.0, zmq_bind: bool = False,
 ) -> tuple[Child, list[str]]:
     """Start ``continuum-sim --fleet count`` on free ports; return it and its URLs.
 
     With ``zmq_endpoint`` (``tcp://127.0.0.1:P``) member ``i`` connects its KV-event PUB
-    socket to port ``P + i``.
+    socket to port ``P + i``, or binds it there with ``zmq_bind`` (vLLM's own default,
+    which lets several subscribers connect).
     """
     argv = [
         sys.executable, "-m", "continuum.sim.cli", "--fleet", str(count), "--port", "0",
@@ -144,7 +149,8 @@ def start_engines(
         "--latency-scale", str(scale), "--model", MODEL,
     ]
     if zmq_endpoint:
-        argv += ["--zmq-endpoint", zmq_endpoint, "--zmq-connect", "--kv-format", KV_FORMAT]
+        argv += ["--zmq-endpoint", zmq_endpoint, "--zmq-bind" if zmq_bind else "--zmq-connect",
+                 "--kv-format", KV_FORMAT]
     log = f"{name}.log"
     proc = children.spawn(argv, log)
     urls: list[str] = []
@@ -181,10 +187,11 @@ def _resets(http: requests.Session, url: str) -> bool:
 
 def listener_config(
     backends: Sequence[str], engines: Sequence[str], zmq_base: int,
-    event_bus: dict[str, Any] | None = None,
+    event_bus: dict[str, Any] | None = None, connect: bool = False,
 ) -> dict[str, Any]:
-    """The listener config: one vLLM source per engine, bound at ``zmq_base + i``, blocks
-    attributed through the engine's ``/detokenize``; HTTP on a free port (logged)."""
+    """The listener config: one vLLM source per engine, bound at ``zmq_base + i`` (or
+    connecting there with ``connect``, the engines binding), blocks attributed through the
+    engine's ``/detokenize``; HTTP on a free port (logged)."""
     return {
         "listen": "127.0.0.1:0",
         "log_level": "info",
@@ -195,7 +202,7 @@ def listener_config(
                 "engine": "vllm",
                 "model": MODEL,
                 "zmq_endpoint": f"tcp://127.0.0.1:{zmq_base + i}",
-                "zmq_mode": "bind",
+                "zmq_mode": "connect" if connect else "bind",
                 "detokenize_endpoint": f"{url}/detokenize",
                 "allowed_publishers": ["127.0.0.1"],
             }
@@ -207,15 +214,15 @@ def listener_config(
 def start_listener(
     children: Children, http: requests.Session, backends: Sequence[str],
     engines: Sequence[str], zmq_base: int, timeout: float = 30.0,
-    event_bus: dict[str, Any] | None = None,
+    event_bus: dict[str, Any] | None = None, connect: bool = False,
 ) -> tuple[Child, str]:
     """Start ``continuum-kv-listener`` for ``engines``; return it and its URL once every
     source has an engine connected and has applied one of its batches (a PUB socket drops
     what it publishes before the subscription arrives, so the engines' caches are reset
     until each source counts a batch)."""
     path = children.workdir / "kv-listener.yaml"
-    path.write_text(yaml.safe_dump(listener_config(backends, engines, zmq_base, event_bus),
-                                   sort_keys=False))
+    path.write_text(yaml.safe_dump(listener_config(backends, engines, zmq_base, event_bus,
+                                                   connect), sort_keys=False))
     log = "kv-listener.log"
     proc = children.spawn([sys.executable, "-m", "listener.cli", "--config", str(path)], log)
     found: list[str] = []
@@ -354,7 +361,12 @@ def _answers(url: str) -> bool:
 RIVAL_ROUTERS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "sglang-router cache_aware": ("sglang-router", ("launch",), ("--policy", "cache_aware")),
     "vllm-router cache_aware": ("vllm-router", (), ("--policy", "cache_aware")),
+    "vllm-router kv_aware": ("vllm-router", (), ("--policy", "kv_aware")),
 }
+
+#: The rival rows that subscribe to the engines' KV events themselves (the engines must
+#: bind their PUB sockets: ``start_fleet``'s ``engines_bind``).
+KV_EVENT_RIVALS = frozenset({"vllm-router kv_aware"})
 
 
 def find_executable(name: str, bin_dir: str | None) -> str | None:
@@ -372,27 +384,46 @@ def rival_executable(row: str, bin_dir: str | None) -> str | None:
 
 
 def rival_argv(spec: tuple[str, tuple[str, ...], tuple[str, ...]], executable: str,
-               port: int, worker_urls: Sequence[str], metrics_port: int) -> list[str]:
+               port: int, worker_urls: Sequence[str], metrics_port: int,
+               kv_endpoints: Sequence[str] = ()) -> list[str]:
     """The command line of a Rust router (``spec`` as in :data:`RIVAL_ROUTERS`) on
     127.0.0.1 in front of ``worker_urls``, its Prometheus exporter on ``metrics_port`` of
-    127.0.0.1."""
+    127.0.0.1; with ``kv_endpoints`` (one per worker), vllm-router's static KV event
+    sources, the workers serving :data:`MODEL`."""
     _, before, policy = spec
+    sources = [arg for url, endpoint in zip(worker_urls, kv_endpoints, strict=True)
+               for arg in ("--kv-event-source", f"{url}={endpoint}")] if kv_endpoints else []
     return [executable, *before, "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *worker_urls, *policy,
+            "--worker-urls", *worker_urls, *policy, *sources,
+            *(("--kv-event-model", MODEL) if kv_endpoints else ()),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
 
 
 def start_rival(children: Children, row: str, executable: str, engines: Sequence[str],
-                timeout: float = 30.0) -> tuple[Child, str]:
+                timeout: float = 30.0, kv_endpoints: Sequence[str] | None = None,
+                ) -> tuple[Child, str]:
     """Start rival router ``row`` on 127.0.0.1 in front of ``engines`` (its Prometheus
-    exporter on another free port of 127.0.0.1); return it once ``/health`` is 200."""
+    exporter on another free port of 127.0.0.1); return it once ``/health`` is 200 and,
+    for a row of :data:`KV_EVENT_RIVALS`, once it has subscribed to every engine's
+    ``kv_endpoints``."""
+    kv = row in KV_EVENT_RIVALS
+    if kv and not kv_endpoints:
+        raise ValueError(f"{row} reads the engines' KV events: it needs their endpoints")
     port = free_port()
-    argv = rival_argv(RIVAL_ROUTERS[row], executable, port, engines, free_port())
+    argv = rival_argv(RIVAL_ROUTERS[row], executable, port, engines, free_port(),
+                      kv_endpoints if kv and kv_endpoints else ())
     proc = children.spawn(argv, f"router-{slug(row)}.log")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(functools.partial(_answers, url + "/health"), f"the router ({row})",
                    timeout, children=[proc], interval=0.1)
+        if kv:
+            # vllm-router logs each subscriber it starts; its /health does not wait for them
+            # (a PUB socket drops what it publishes before the subscription arrives).
+            wait_until(lambda: proc.log_text().count("kv_index subscriber for") >= len(engines),
+                       f"the router ({row}) to subscribe to the engines' KV events", timeout,
+                       children=[proc], interval=0.1)
+            time.sleep(0.5)  # the subscription's own handshake, which it does not log
     except BaseException:
         children.stop(proc)
         raise
@@ -437,19 +468,27 @@ def wait_router_index_ready(
 def start_fleet(
     children: Children, http: requests.Session, shape: FleetShape, kv_events: bool,
     progress: Callable[[str], None], event_bus: dict[str, Any] | None = None,
+    engines_bind: bool = False,
 ) -> Fleet:
-    """The engines, the single big engine and, with ``kv_events``, the KV listener."""
+    """The engines, the single big engine and, with ``kv_events``, the KV listener; with
+    ``engines_bind`` the engines bind their KV-event PUB sockets and the listener connects
+    (so that another subscriber can connect too: :data:`KV_EVENT_RIVALS`)."""
     zmq_base = free_port_block(shape.engines) if kv_events else None
     progress(f"starting {shape.engines} simulated engines and one with "
              f"{shape.engines}x their KV capacity")
     _, engines = start_engines(
         children, "fleet", shape.engines, shape.num_blocks, shape.max_num_seqs,
-        shape.latency_scale, zmq_endpoint=f"tcp://127.0.0.1:{zmq_base}" if zmq_base else None)
+        shape.latency_scale, zmq_endpoint=f"tcp://127.0.0.1:{zmq_base}" if zmq_base else None,
+        zmq_bind=engines_bind)
     _, single = start_engines(children, "single", 1, shape.num_blocks * shape.engines,
                               shape.max_num_seqs * shape.engines, shape.latency_scale)
     fleet = Fleet(engines, single)
     if zmq_base is not None:
+        if engines_bind:
+            fleet.kv_endpoints = [f"tcp://127.0.0.1:{zmq_base + i}"
+                                  for i in range(shape.engines)]
         progress("starting the KV listener (engines publish KV events over ZMQ)")
         _, fleet.listener = start_listener(children, http, backend_names(shape.engines),
-                                           engines, zmq_base, event_bus=event_bus)
+                                           engines, zmq_base, event_bus=event_bus,
+                                           connect=engines_bind)
     return fleet

@@ -145,6 +145,27 @@ def test_demo_runs_sglang_router_in_front_of_the_same_engines() -> None:
 
 @pytest.mark.slow
 @pytest.mark.e2e
+def test_demo_runs_vllm_routers_kv_aware_policy_on_the_engines_kv_events() -> None:
+    """``vllm-router kv_aware`` (a test dependency) subscribes to the engines' KV events
+    itself: the engines then bind their PUB sockets, and the KV listener connects to them
+    as vllm-router does, so the KV index row runs beside it on the same events."""
+    bin_dir = str(Path(sys.executable).parent)
+    doc = _run_demo("--quick", "--rate", "12", "--strategies", "KV index",
+                    "vllm-router kv_aware", "--rivals-bin", bin_dir, timeout=180)
+    rows = {row["name"]: row for row in doc["scenarios"]}
+    rival = rows["vllm-router kv_aware"]
+    assert sum(rival["engine_requests"]) == doc["workload"]["requests"]
+    assert rival["router_cache_hits"] is None and rival["kv_index"] is None
+    # routing on what the engines hold keeps sessions with their prefixes (RoundRobin
+    # gets about 50 % on this workload)
+    assert rival["prefix_hit_rate"] > 0.75, rows
+    # the listener, connecting to the engines' sockets, fed the router's index
+    _assert_kv_row(rows["KV index"])
+    assert rows["KV index"]["prefix_hit_rate"] > 0.75, rows
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_demo_push_mode_routes_like_pull() -> None:
     """``--push``: engines -> listener -> TLS event bus -> router. The KV row routes with
     the index as in pull mode (pull measured 86.3-86.9 % hit, 85.7 % KV-aware on seed 0;

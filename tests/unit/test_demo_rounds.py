@@ -160,3 +160,51 @@ def test_a_rival_router_is_found_in_the_bin_directory_given(tmp_path: Path) -> N
     # --strategies names them like the other rows
     [row] = select_scenarios(["vllm-router-cache_aware"])
     assert row.rival == "vllm-router cache_aware" and not row.direct
+
+
+def test_the_kv_aware_rival_subscribes_to_every_engines_kv_events() -> None:
+    """``vllm-router kv_aware`` reads the engines' KV events itself: its command line names
+    each worker's PUB endpoint and the model they serve; the other rows name none, and
+    starting it without the endpoints is refused before anything runs."""
+    from continuum.devtools.fleet import (
+        KV_EVENT_RIVALS,
+        MODEL,
+        RIVAL_ROUTERS,
+        rival_argv,
+        start_rival,
+    )
+
+    urls = ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+    endpoints = ["tcp://127.0.0.1:9001", "tcp://127.0.0.1:9002"]
+    argv = rival_argv(RIVAL_ROUTERS["vllm-router kv_aware"], "/x/vllm-router", 1, urls, 2,
+                      endpoints)
+    assert argv[argv.index("--policy") + 1] == "kv_aware"
+    sources = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--kv-event-source"]
+    assert sources == ["http://127.0.0.1:8001=tcp://127.0.0.1:9001",
+                       "http://127.0.0.1:8002=tcp://127.0.0.1:9002"]
+    assert argv[argv.index("--kv-event-model") + 1] == MODEL
+    plain = rival_argv(RIVAL_ROUTERS["vllm-router cache_aware"], "/x/vllm-router", 1, urls, 2)
+    assert "--kv-event-source" not in plain and "--kv-event-model" not in plain
+    assert set(KV_EVENT_RIVALS) == {"vllm-router kv_aware"}
+    with pytest.raises(ValueError, match="needs their endpoints"):
+        start_rival(None, "vllm-router kv_aware", "/x/vllm-router", urls)  # type: ignore[arg-type]
+
+
+def test_with_engines_binding_the_listener_connects_to_them() -> None:
+    """The fleet a KV-reading rival needs: each engine binds its PUB socket and the
+    listener connects to it (a config the listener accepts), so both can subscribe."""
+    from continuum.devtools.fleet import listener_config
+    from listener.app import listener_issues
+    from listener.config import check_listener_config
+
+    names, urls = ["engine-0", "engine-1"], ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+    for connect, mode in ((False, "bind"), (True, "connect")):
+        doc = listener_config(names, urls, 9000, connect=connect)
+        assert [s["zmq_mode"] for s in doc["sources"]] == [mode, mode]
+        assert [s["zmq_endpoint"] for s in doc["sources"]] == ["tcp://127.0.0.1:9000",
+                                                               "tcp://127.0.0.1:9001"]
+        config, errors, _warnings = check_listener_config(doc)
+        assert config is not None and not errors, errors
+        assert [s.zmq_mode for s in config.sources] == [mode, mode]
+        errors, _warnings = listener_issues(config)
+        assert errors == []  # the engines' host is an allowed publisher
