@@ -663,9 +663,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "--json keeps every round's row under 'rounds'")
     p.add_argument("--rivals-bin", metavar="DIR",
                    help="the bin directory of a venv with sglang-router and vllm-router "
-                   "(pip install sglang-router vllm-router): their cache_aware rows join "
-                   "the table, each in front of the same engines (--strategies can also "
-                   "name them, found then on PATH without --rivals-bin)")
+                   "(pip install sglang-router vllm-router): their cache_aware rows and "
+                   "vllm-router's kv_aware row (on the engines' KV events) join the table, "
+                   "each in front of the same engines (--strategies can also name them, "
+                   "found then on PATH without --rivals-bin)")
     p.add_argument("--records", metavar="DIR",
                    help="write every measured request of each row (session, turn, start, "
                    "TTFT, prompt and cached tokens, backend) to DIR/<row>.jsonl")
