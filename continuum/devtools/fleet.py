@@ -185,6 +185,12 @@ def _resets(http: requests.Session, url: str) -> bool:
 # -- the KV listener -------------------------------------------------------------------------
 
 
+def engine_kv_endpoints(zmq_base: int, count: int) -> list[str]:
+    """Engine ``i``'s KV-event endpoint, ``tcp://127.0.0.1:<zmq_base + i>``, for each of
+    ``count`` engines (``continuum-sim --fleet`` offsets its members' ports the same way)."""
+    return [f"tcp://127.0.0.1:{zmq_base + i}" for i in range(count)]
+
+
 def listener_config(
     backends: Sequence[str], engines: Sequence[str], zmq_base: int,
     event_bus: dict[str, Any] | None = None, connect: bool = False,
@@ -201,12 +207,13 @@ def listener_config(
                 "backend_name": backend,
                 "engine": "vllm",
                 "model": MODEL,
-                "zmq_endpoint": f"tcp://127.0.0.1:{zmq_base + i}",
+                "zmq_endpoint": endpoint,
                 "zmq_mode": "connect" if connect else "bind",
                 "detokenize_endpoint": f"{url}/detokenize",
                 "allowed_publishers": ["127.0.0.1"],
             }
-            for i, (backend, url) in enumerate(zip(backends, engines, strict=True))
+            for backend, url, endpoint in zip(
+                backends, engines, engine_kv_endpoints(zmq_base, len(engines)), strict=True)
         ],
     }
 
@@ -485,8 +492,7 @@ def start_fleet(
     fleet = Fleet(engines, single)
     if zmq_base is not None:
         if engines_bind:
-            fleet.kv_endpoints = [f"tcp://127.0.0.1:{zmq_base + i}"
-                                  for i in range(shape.engines)]
+            fleet.kv_endpoints = engine_kv_endpoints(zmq_base, shape.engines)
         progress("starting the KV listener (engines publish KV events over ZMQ)")
         _, fleet.listener = start_listener(children, http, backend_names(shape.engines),
                                            engines, zmq_base, event_bus=event_bus,

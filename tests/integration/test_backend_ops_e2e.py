@@ -21,7 +21,7 @@ import requests
 import yaml
 
 from continuum.devtools.fleet import metric_sum
-from continuum.devtools.procs import wait_until
+from continuum.devtools.procs import refused_port, wait_until
 from continuum.devtools.redis_server import unique_prefix
 from continuum.devtools.servers import FakeUpstream, RouterProcess
 
@@ -118,14 +118,10 @@ def _window_requests(router: RouterProcess, n: int) -> list[tuple[str | None, in
 
 
 @pytest.fixture
-def dead_port() -> Iterator[int]:
+def dead_port() -> int:
     """A port that refuses connections and that no other process can take meanwhile
-    (bound, never listening): a bare free port could be picked up by another test's
-    server and come alive."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    yield sock.getsockname()[1]
-    sock.close()
+    (:func:`~continuum.devtools.procs.refused_port`)."""
+    return refused_port()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from continuum.devtools.procs import wait_until
+from continuum.devtools.procs import refused_port, wait_until
 from continuum.wire import http_client as uh
 from continuum.wire.http_client import ConnectionPool
 
@@ -320,12 +320,10 @@ def test_408_on_a_pooled_connection_counts_as_stale(serve: Serve) -> None:
 
 
 def test_connect_refused_is_a_connect_error() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
-        pool = ConnectionPool("127.0.0.1", sock.getsockname()[1], connect_timeout=WAIT,
-                              read_timeout=WAIT)
-        with pytest.raises(uh.ConnectError) as info:
-            pool.request("POST", "/")
+    pool = ConnectionPool("127.0.0.1", refused_port(), connect_timeout=WAIT,
+                          read_timeout=WAIT)
+    with pytest.raises(uh.ConnectError) as info:
+        pool.request("POST", "/")
     assert not isinstance(info.value, uh.ConnectTimeout)
 
 
