@@ -47,11 +47,40 @@ ERROR_LINE = re.compile(r"^\s*((?:[A-Za-z_]\w*\.)*\w*(?:Error|Exception)\b.*)$",
 # -- ports -----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listened on a moment ago."""
+#: How many of the ports it handed out lately this process remembers.
+RECENT_PORTS = 4096
+
+#: The ports :func:`free_port` and :func:`free_port_block` handed out lately (oldest
+#: first), which they do not hand out again. Nothing holds a free port between the call
+#: and the server's bind, so the kernel can offer one port twice in a row: two fake
+#: servers of one test fixture once got the same port, one failed to bind, and the
+#: test's requests reached the other (a 404 from the wrong fake).
+_recent: dict[int, None] = {}
+
+
+def _remember(ports: Iterable[int]) -> None:
+    for port in ports:
+        _recent[port] = None
+    while len(_recent) > RECENT_PORTS:
+        del _recent[next(iter(_recent))]
+
+
+def _unused_port() -> int:
+    """The port the kernel gives a socket bound to 127.0.0.1 port 0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_port(attempts: int = 100) -> int:
+    """A TCP port on 127.0.0.1 that nothing listened on a moment ago and that this process
+    has not handed out lately (see :data:`RECENT_PORTS`)."""
+    for _ in range(attempts):
+        port = _unused_port()
+        if port not in _recent:
+            _remember((port,))
+            return port
+    raise RuntimeError(f"the kernel offered only ports handed out lately ({attempts} tries)")
 
 
 #: The sockets :func:`refused_port` holds: bound, never listening, kept until exit.
@@ -79,17 +108,21 @@ def _release_refused_ports() -> None:
 
 def free_port_block(count: int, attempts: int = 200) -> int:
     """The first of ``count`` consecutive ports on 127.0.0.1 that were all free a moment
-    ago (a fleet's member ``i`` publishes on ``port + i``). Drawn below the usual ephemeral
-    range, so outgoing connections are unlikely to take one meanwhile."""
+    ago, none of them handed out lately (a fleet's member ``i`` publishes on ``port +
+    i``). Drawn below the usual ephemeral range, so outgoing connections are unlikely to
+    take one meanwhile."""
     rng = random.SystemRandom()
     for _ in range(attempts):
         base = rng.randrange(20000, 32000 - count)
         held: list[socket.socket] = []
         try:
+            if any(port in _recent for port in range(base, base + count)):
+                continue
             for port in range(base, base + count):
                 s = socket.socket()
                 held.append(s)
                 s.bind(("127.0.0.1", port))
+            _remember(range(base, base + count))
             return base
         except OSError:
             continue

@@ -17,12 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from continuum.devtools import procs
 from continuum.devtools.procs import (
     Child,
     ChildExited,
     Children,
     WaitTimeout,
     child_env,
+    free_port,
     free_port_block,
     http_status,
     refused_port,
@@ -163,6 +165,43 @@ def test_a_port_block_is_free_as_a_whole() -> None:
     finally:
         for s in held:
             s.close()
+
+
+def test_a_port_the_kernel_offers_twice_is_handed_out_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two fake servers of one fixture once got the same port from two calls in a row."""
+    first, second = free_port(), free_port()  # two real free ports, now remembered
+    procs._recent.pop(first)
+    procs._recent.pop(second)
+    offers = iter([first, first, first, second])
+    monkeypatch.setattr(procs, "_unused_port", lambda: next(offers))
+    assert free_port() == first
+    assert free_port() == second  # the kernel's two repeats of the first were passed over
+
+
+def test_the_remembered_ports_are_bounded_oldest_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(procs, "_recent", {})
+    monkeypatch.setattr(procs, "RECENT_PORTS", 3)
+    offers = iter([40001, 40002, 40003, 40004, 40001])
+    monkeypatch.setattr(procs, "_unused_port", lambda: next(offers))
+    assert [free_port() for _ in range(5)] == [40001, 40002, 40003, 40004, 40001]
+    assert list(procs._recent) == [40003, 40004, 40001]
+
+
+def test_a_port_block_never_overlaps_a_port_handed_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(procs, "_recent", {})
+    taken = free_port_block(4)
+    draws = iter([taken - 2, taken + 3, taken, taken + 4])
+
+    class Draws:
+        def randrange(self, _start: int, _stop: int) -> int:
+            return next(draws)
+
+    monkeypatch.setattr(procs.random, "SystemRandom", Draws)
+    # taken - 2 and taken + 3 overlap the first block; taken is that block itself
+    assert free_port_block(4) == taken + 4
 
 
 def test_child_env_drops_proxies_and_adds_what_is_asked() -> None:
