@@ -36,7 +36,10 @@ NODE_TIMEOUT_MS = 1000
 
 
 def _client(port: int, **kwargs: Any) -> Any:
-    """A plain client to the server on ``port`` (typed Any: redis-py's stubs are partial)."""
+    """A plain client to the server on ``port`` (typed Any: redis-py's stubs are partial),
+    used in a ``with`` block: it closes its connection there, not whenever the collector
+    happens to find it (a socket closed by the collector is a ResourceWarning, which the
+    tests turn into an error in whichever test is running then)."""
     return redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1, **kwargs)
 
 
@@ -58,7 +61,8 @@ def cluster_port(attempts: int = 200) -> int:
 
 def _ping(port: int) -> bool:
     try:
-        return bool(_client(port).ping())
+        with _client(port) as client:
+            return bool(client.ping())
     except redis.RedisError:
         return False
 
@@ -133,11 +137,8 @@ class ClusterSet(RedisSet):
         return [f"127.0.0.1:{s.port}" for s in self.servers]
 
     def _info(self, server: RedisServer) -> dict[str, str]:
-        client = _client(server.port, decode_responses=True)
-        try:
+        with _client(server.port, decode_responses=True) as client:
             raw = client.execute_command("CLUSTER INFO")
-        finally:
-            client.close()
         if isinstance(raw, dict):  # redis-py parses the reply
             return {str(k): str(v) for k, v in raw.items()}
         return dict(line.split(":", 1) for line in str(raw).split() if ":" in line)
@@ -239,13 +240,14 @@ class SentinelSet(RedisSet):
 
     def _replica_flags(self, port: int) -> list[str]:
         """What the sentinel on ``port`` says of each replica (its ``flags``)."""
-        return [str(r.get("flags", "")) if isinstance(r, dict) else "" for r in
-                _client(port).sentinel_slaves(self.master_name)]
+        with _client(port) as client:
+            replicas = client.sentinel_slaves(self.master_name)
+        return [str(r.get("flags", "")) if isinstance(r, dict) else "" for r in replicas]
 
     def master_port(self) -> int:
         """The port of the master the sentinels name now."""
-        _host, port = _client(self.sentinel_ports[0]).sentinel_get_master_addr_by_name(
-            self.master_name)
+        with _client(self.sentinel_ports[0]) as client:
+            _host, port = client.sentinel_get_master_addr_by_name(self.master_name)
         return int(port)
 
     def kill_master(self, timeout: float = 40) -> None:
@@ -285,7 +287,8 @@ class SentinelSet(RedisSet):
         # Right after a failover the sentinels flag their new link "disconnected" for a
         # moment, and clients refuse such a master: wait until every sentinel vouches.
         for port in self.sentinel_ports:
-            state = _client(port).sentinel_master(self.master_name)
+            with _client(port) as client:
+                state = client.sentinel_master(self.master_name)
             if "disconnected" in str(state.get("flags", "")):
                 return False
         return True
@@ -302,11 +305,8 @@ class SentinelSet(RedisSet):
 
 def _role_of(port: int) -> list[str]:
     """``ROLE`` of the server on ``port``, its first three fields as strings."""
-    client = _client(port)
-    try:
+    with _client(port) as client:
         reply = client.execute_command("ROLE")
-    finally:
-        client.close()
     return [x.decode() if isinstance(x, bytes) else str(x) for x in reply[:3]]
 
 

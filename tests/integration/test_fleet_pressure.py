@@ -23,6 +23,15 @@ WINDOW = 8.0
 
 
 @pytest.fixture
+def plain(redis_server: Any) -> Iterator[Any]:
+    """A plain client of the test's Redis, to read what the hosts wrote; closed after the
+    test (a client left to the collector closes its socket with a ResourceWarning)."""
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
 def hosts(tmp_path: Path) -> Iterator[Any]:
     made: list[tuple[HostSegment, Any]] = []
 
@@ -65,13 +74,14 @@ def test_a_hosts_pressure_reaches_the_other_router_and_not_its_own_count(
     assert one.host_pressure(col, time.monotonic(), WINDOW) <= 500.0
 
 
-def test_without_placement_no_pressure_is_sent_or_kept(hosts: Any, redis_server: Any) -> None:
+def test_without_placement_no_pressure_is_sent_or_kept(hosts: Any, redis_server: Any,
+                                                       plain: Any) -> None:
     prefix = unique_prefix("fp")
     one, one_load = hosts("one", redis_server.url, prefix, window=None)
     two, two_load = hosts("two", redis_server.url, prefix)
     one.set_pressure(one.column("b0"), 500.0, time.monotonic())
     one_load.exchange()
-    fields = redis.Redis.from_url(redis_server.url).hkeys(prefix + one.host_id)
+    fields = plain.hkeys(prefix + one.host_id)
     assert not any(f.decode().startswith(PRESSURE_FIELD) for f in fields)
     two_load.exchange()
     assert two_load.elsewhere_pressure == {}
@@ -99,7 +109,7 @@ def test_redis_gone_zeroes_the_elsewhere_pressure(hosts: Any, fresh_redis: Any) 
 
 
 def test_a_busy_host_exchanges_every_interval_and_an_idle_one_every_idle_interval(
-        hosts: Any, redis_server: Any) -> None:
+        hosts: Any, redis_server: Any, plain: Any) -> None:
     prefix = unique_prefix("fp")
     one, load = hosts("one", redis_server.url, prefix)
     _two, other = hosts("two", redis_server.url, prefix)
@@ -122,7 +132,7 @@ def test_a_busy_host_exchanges_every_interval_and_an_idle_one_every_idle_interva
     load.exchange()
     assert not load.due(time.monotonic() + load.interval)
     # a host's counts outlive four idle intervals, not four busy ones
-    ttl = redis.Redis.from_url(redis_server.url).pttl(load.key_prefix + one.host_id)
+    ttl = plain.pttl(load.key_prefix + one.host_id)
     assert 3 * IDLE_SECONDS * 1000 < ttl <= 4 * IDLE_SECONDS * 1000
 
 
@@ -178,8 +188,8 @@ def test_two_hundred_backends_with_pressure_go_in_one_exchange(
             segment.close()
 
 
-def test_routers_taking_requests_in_turn_go_round_half_a_cycle_apart(hosts: Any,
-                                                                   redis_server: Any) -> None:
+def test_routers_taking_requests_in_turn_go_round_half_a_cycle_apart(
+        hosts: Any, redis_server: Any, plain: Any) -> None:
     """Two routers alternating requests: once the exchange has told each its place, their
     RoundRobin cycles run half-way round from each other, so no backend gets two requests
     in a row. In step (each on its own count from b0) they sent b0 b0 b1 b1 ..."""
@@ -189,7 +199,7 @@ def test_routers_taking_requests_in_turn_go_round_half_a_cycle_apart(hosts: Any,
     for _ in range(2):  # each host publishes, then reads the other
         one_load.exchange()
         two_load.exchange()
-    fields = redis.Redis.from_url(redis_server.url).hgetall(prefix + one.host_id)
+    fields = plain.hgetall(prefix + one.host_id)
     assert fields[b"r:" + one.host_id.encode()] == b"0"
     cls = PluginRegistry().load("continuum.strategies", "RoundRobin")
     routers = [cls(host=one), cls(host=two)]
@@ -219,7 +229,7 @@ def _next_message(pubsub: Any) -> bytes:
 
 
 def test_a_change_in_counts_is_pushed_and_taken_before_the_next_exchange(
-        hosts: Any, redis_server: Any) -> None:
+        hosts: Any, redis_server: Any, plain: Any) -> None:
     """A push (a message on <prefix>counts) carries a host's new counts to the other
     router between exchanges; an exchange that reads the host's older hash afterwards does
     not undo it, an older push does not either, and a host ignores its own."""
@@ -229,7 +239,7 @@ def test_a_change_in_counts_is_pushed_and_taken_before_the_next_exchange(
     for load in (one_load, two_load, one_load):
         load.exchange()
     assert not one_load.alone and not two_load.alone
-    listener = redis.Redis.from_url(redis_server.url).pubsub(ignore_subscribe_messages=True)
+    listener = plain.pubsub(ignore_subscribe_messages=True)
     listener.subscribe(two_load.channel)  # what two's listener greenlet reads
     try:
         col_one, col_two = one.column("b0"), two.column("b0")
@@ -254,13 +264,13 @@ def test_a_change_in_counts_is_pushed_and_taken_before_the_next_exchange(
 
 
 def test_a_push_from_a_new_router_ends_being_alone_and_a_silent_one_drops_out(
-        hosts: Any, redis_server: Any) -> None:
+        hosts: Any, redis_server: Any, plain: Any) -> None:
     prefix = unique_prefix("fp")
     one, one_load = hosts("one", redis_server.url, prefix)
     assert one_load.exchange() == {} and one_load.alone
     two, two_load = hosts("two", redis_server.url, prefix)
     two_load.exchange()
-    listener = redis.Redis.from_url(redis_server.url).pubsub(ignore_subscribe_messages=True)
+    listener = plain.pubsub(ignore_subscribe_messages=True)
     listener.subscribe(one_load.channel)
     try:
         two.words[two.cell(two.column("b1"))] = 3
