@@ -13,7 +13,9 @@ SIGTERM (:mod:`continuum.devtools.fleet`).
 
 ``--scenario`` picks the workload: ``default`` (the mixed one), ``rag`` (one system prompt,
 documents with Zipf popularity inside the user turn), ``agent`` (long sessions growing with
-tool outputs) or ``load`` (heavy multi-turn chat with skewed prompt popularity). Each has
+tool outputs) or ``load`` (heavy multi-turn chat with skewed prompt popularity); ``--workload FILE``
+replays the sessions of a file instead (:func:`continuum.sim.workload.read_jsonl`), and
+``--save-workload FILE`` writes the one a run would replay. Each scenario has
 the rows single engine, RoundRobin, PrefixAwareHash, the seed-literal KV index
 (``match: seed``: the seed's system-prompt key and formula) and the KV index with its
 default settings (chain of prefix keys, approximate entries, adaptive load guard).
@@ -629,7 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", nargs="+", metavar="NAME",
                    help="scenarios to run (names from the table, or any strategy name); "
                    "default: all of the --scenario")
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--seed", type=int, help="workload seed (default 0)")
     p.add_argument("--concurrency", type=_count,
                    help=f"sessions in flight at once (default 64; {LOAD_CONCURRENCY} with "
                    "--scenario load)")
@@ -667,6 +669,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "vllm-router's kv_aware row (on the engines' KV events) join the table, "
                    "each in front of the same engines (--strategies can also name them, "
                    "found then on PATH without --rivals-bin)")
+    p.add_argument("--workload", metavar="FILE",
+                   help="replay the sessions of a JSON Lines file instead of the "
+                   "scenario's generated ones (one session per line: turns, and optionally "
+                   "id, kind, group, arrival, system, think_seconds, temperature, "
+                   "max_tokens); --scenario still picks the rows and the fleet")
+    p.add_argument("--save-workload", metavar="FILE",
+                   help="write the workload this run would replay (the scenario's, at "
+                   "--seed, --quick, --rate and --requests) to FILE in --workload's format, "
+                   "and exit without starting anything")
     p.add_argument("--records", metavar="DIR",
                    help="write every measured request of each row (session, turn, start, "
                    "TTFT, prompt and cached tokens, backend) to DIR/<row>.jsonl")
@@ -691,8 +702,9 @@ def _print_results(doc: dict[str, Any], args: argparse.Namespace) -> None:
         return
     workload = doc["workload"]
     print(f"\n{doc['engines']} simulated engines; single engine = one engine with their "
-          f"combined KV capacity; workload {workload['name']!r} (seed {args.seed}, "
-          f"{workload['requests']} requests)\n")
+          f"combined KV capacity; workload {workload['name']!r} ("
+          + ("" if args.workload else f"seed {args.seed}, ")
+          + f"{workload['requests']} requests)\n")
     scale_out = args.workers is not None or args.routers is not None
     if scale_out:
         print(f"{args.routers or 1} router(s) x {args.workers or 1} worker(s)"
@@ -726,6 +738,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"continuum-router demo: {exc}", file=sys.stderr)
         return 2
+    shaping = [name for name, given in (("--seed", args.seed is not None),
+                                        ("--quick", args.quick),
+                                        ("--rate", args.rate is not None)) if given]
+    if args.workload and shaping:
+        print(f"continuum-router demo: {' and '.join(shaping)} shape the generated "
+              "workloads; --workload replays its file as written", file=sys.stderr)
+        return 2
+    if args.seed is None:
+        args.seed = 0
     load = args.scenario == "load"
     if args.max_num_seqs is None:
         args.max_num_seqs = LOAD_MAX_NUM_SEQS if load else FleetShape.max_num_seqs
@@ -737,10 +758,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"demo [{time.monotonic() - began:5.1f}s] {message}", file=sys.stderr, flush=True)
 
     shape = FleetShape(args.engines, args.num_blocks, args.max_num_seqs, args.latency_scale)
+    from continuum.sim.workload import WorkloadFileError, read_jsonl, write_jsonl
+
     make_workload, rows_of_scenario = WORKLOADS[args.scenario]
-    workload = make_workload(args.seed, args.quick, args.rate)
+    try:
+        workload = read_jsonl(args.workload) if args.workload else \
+            make_workload(args.seed, args.quick, args.rate)
+    except WorkloadFileError as exc:
+        print(f"continuum-router demo: {exc}", file=sys.stderr)
+        return 2
     if args.requests:
         workload = workload.limit(args.requests)
+    if args.save_workload:
+        try:
+            write_jsonl(workload, args.save_workload)
+        except OSError as exc:
+            print(f"continuum-router demo: {exc}", file=sys.stderr)
+            return 2
+        print(f"continuum-router demo: {len(workload.sessions)} sessions, "
+              f"{workload.requests} requests of workload {workload.name!r} written to "
+              f"{args.save_workload}", file=sys.stderr)
+        return 0
     warmup = warmup_workload(workload) if load else None
     scenarios = select_scenarios(args.strategies, rows_of_scenario)
     if args.rivals_bin is not None and not args.strategies:
@@ -771,7 +809,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 kv_rival or any(s.kv_events for s in scenarios),
                                 progress, event_bus=args.push_setup.listener_section()
                                 if args.push_setup else None, engines_bind=kv_rival)
-            progress(f"workload {workload.name!r} seed {args.seed}: "
+            seeded = "" if args.workload else f" seed {args.seed}"
+            progress(f"workload {workload.name!r}{seeded}: "
                      f"{len(workload.sessions)} sessions, {workload.requests} requests")
             rounds: list[list[dict[str, Any]]] = [[] for _ in scenarios]
             for number, (which_row, scenario) in itertools.product(range(args.rounds),
@@ -812,11 +851,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     doc = {
-        "run_id": run_id, "run_env": RUN_ENV, "pids": children.pids, "seed": args.seed,
+        "run_id": run_id, "run_env": RUN_ENV, "pids": children.pids,
+        "seed": None if args.workload else args.seed,
         "quick": args.quick, "push": args.push, "scenario": args.scenario, "engines": shape.engines,
         "fleet_shape": asdict(shape),
         "workload": {"name": workload.name, "sessions": len(workload.sessions),
-                     "requests": workload.requests},
+                     "requests": workload.requests, "file": args.workload},
         "wall_seconds": round(time.monotonic() - began, 2), "scenarios": rows,
         "kv_listener": listener, "workers": args.workers or 1, "routers": args.routers or 1,
         "redis": args.redis_url is not None,

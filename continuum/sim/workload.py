@@ -16,15 +16,23 @@ other. Every generator takes a ``seed`` and draws everything from one
 * :func:`agent`: long sessions whose context grows turn by turn with tool outputs, in the
   shape of public agent/conversation traces (Mooncake-style).
 
+:func:`write_jsonl` and :func:`read_jsonl` keep a workload in a JSON Lines file, one session
+per line, so the demo can replay sessions shaped like an operator's own traffic
+(``continuum-router demo --workload FILE``; ``--save-workload FILE`` writes a scenario's).
+
 Text is built from the simulated tokenizer's word list, so one word is one token and
 lengths given in tokens are close to what the engine counts.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 from continuum.sim.tokenizer import WORDS
 
@@ -100,6 +108,112 @@ def poisson_arrivals(rng: random.Random, count: int, rate: float | None) -> list
         now += rng.expovariate(rate)
         offsets.append(now)
     return offsets
+
+
+# -- workload files --------------------------------------------------------------------------
+
+#: The fields of one line of a workload file, all but ``turns`` optional: a session's
+#: fields without ``model`` (the demo's engines serve one simulated model).
+FILE_FIELDS = ("id", "kind", "group", "arrival", "system", "turns", "think_seconds",
+               "temperature", "max_tokens")
+
+
+class WorkloadFileError(ValueError):
+    """A workload file that cannot be replayed; the message names the line and field."""
+
+
+def session_line(session: Session) -> str:
+    """One line of a workload file: ``session`` as a JSON object (no newline)."""
+    doc = {name: getattr(session, name) for name in FILE_FIELDS}
+    doc["turns"] = list(session.turns)
+    return json.dumps(doc, ensure_ascii=False)
+
+
+def write_jsonl(workload: Workload, path: str | Path) -> None:
+    """Write ``workload`` to ``path``, one session per line in arrival order."""
+    text = "".join(session_line(s) + "\n" for s in workload.sessions)
+    Path(path).write_text(text, encoding="utf-8")
+
+
+def read_jsonl(path: str | Path) -> Workload:
+    """The workload of a file :func:`write_jsonl` wrote, or one written by hand: a JSON
+    object per line with ``turns`` (the user messages, in order: each request carries the
+    conversation so far and the engine's replies) and optionally the other
+    :data:`FILE_FIELDS` (``arrival`` defaults to 0, ``id`` to ``line-N``, ``kind`` to
+    ``file``, ``group`` to the system prompt's first 40 characters or ``-``). Blank lines
+    are skipped. Sessions are sorted by arrival, ties in file order.
+
+    Raises:
+        WorkloadFileError: unreadable, not UTF-8, empty, a line that is not such an
+            object (its number and the field named), or two sessions with one ``id``.
+    """
+    name = Path(path).name
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadFileError(f"{path}: {exc}") from None
+    sessions: list[Session] = []
+    ids: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        session = _session_of(line, number, path)
+        if session.id in ids:
+            raise WorkloadFileError(f"{path} line {number}: id {session.id!r} is also the id "
+                                    f"of line {ids[session.id]}")
+        ids[session.id] = number
+        sessions.append(session)
+    if not sessions:
+        raise WorkloadFileError(f"{path}: no sessions (one JSON object per line)")
+    sessions.sort(key=lambda s: s.arrival)  # stable: ties keep the file's order
+    return Workload(f"file {name}", 0, tuple(sessions))
+
+
+def _session_of(line: str, number: int, path: str | Path) -> Session:
+    where = f"{path} line {number}"
+    try:
+        doc = json.loads(line)
+    except ValueError as exc:
+        raise WorkloadFileError(f"{where}: not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise WorkloadFileError(f"{where}: a session is a JSON object, not "
+                                f"{type(doc).__name__}")
+    unknown = sorted(set(doc) - set(FILE_FIELDS))
+    if unknown:
+        raise WorkloadFileError(f"{where}: unknown field {unknown[0]!r} (a session has "
+                                f"{', '.join(FILE_FIELDS)})")
+    turns = doc.get("turns")
+    if not isinstance(turns, list) or not turns or \
+            not all(isinstance(t, str) and t for t in turns):
+        raise WorkloadFileError(f"{where}: 'turns' must be a non-empty list of non-empty "
+                                "strings (the user messages)")
+    system = doc.get("system")
+    if system is not None and not isinstance(system, str):
+        raise WorkloadFileError(f"{where}: 'system' must be a string or null")
+    texts = {key: doc.get(key, default) for key, default in
+             (("id", f"line-{number}"), ("kind", "file"),
+              ("group", system[:40] if system else "-"))}
+    for key, value in texts.items():
+        if not isinstance(value, str) or not value:
+            raise WorkloadFileError(f"{where}: {key!r} must be a non-empty string")
+    numbers: dict[str, Any] = {}
+    for key in ("arrival", "think_seconds", "temperature"):
+        value = doc.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value) or value < 0:
+            raise WorkloadFileError(f"{where}: {key!r} must be a number of at least 0")
+        numbers[key] = float(value)
+    if numbers["temperature"] > 2:
+        raise WorkloadFileError(f"{where}: 'temperature' must be at most 2")
+    max_tokens = doc.get("max_tokens")
+    if max_tokens is not None and (isinstance(max_tokens, bool)
+                                   or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise WorkloadFileError(f"{where}: 'max_tokens' must be an integer of at least 1 "
+                                "or null")
+    return Session(id=texts["id"], kind=texts["kind"], group=texts["group"],
+                   arrival=numbers["arrival"], system=system, turns=tuple(turns),
+                   think_seconds=numbers["think_seconds"],
+                   temperature=numbers["temperature"], max_tokens=max_tokens)
 
 
 # -- text ------------------------------------------------------------------------------------

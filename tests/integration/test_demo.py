@@ -180,6 +180,31 @@ def test_demo_push_mode_routes_like_pull() -> None:
     assert row["prefix_hit_rate"] >= 0.8, row
 
 
+@pytest.mark.e2e
+def test_demo_replays_a_hand_written_workload_file(tmp_path: Path) -> None:
+    """``--workload FILE``: sessions written by hand (three long system prompts, two turns
+    each) are replayed in place of the scenario's; the KV index row keeps them with their
+    prompts' engines, where RoundRobin spreads them."""
+    words = ["engine", "cache", "token", "prefix", "router", "prompt", "system", "answer"]
+    prompts = [" ".join(words[(i + k) % len(words)] for k in range(700)) + f" {i}"
+               for i in range(3)]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps({
+        "id": f"s{i}", "arrival": i * 0.15, "system": prompts[i % 3],
+        "turns": [f"question {i}", f"and question {i} again"], "think_seconds": 0.1,
+        "temperature": 0.7, "max_tokens": 12}) + "\n" for i in range(12)), encoding="utf-8")
+    doc = _run_demo("--workload", str(path), "--strategies", "RoundRobin", "KV index",
+                    timeout=120)
+    assert doc["workload"] == {"name": "file mine.jsonl", "sessions": 12, "requests": 24,
+                               "file": str(path)}
+    assert doc["seed"] is None
+    rows = {row["name"]: row for row in doc["scenarios"]}
+    assert all(row["ok"] == 24 for row in rows.values()), rows
+    _assert_kv_row(rows["KV index"])
+    assert rows["KV index"]["engine_prefill_tokens"] < \
+        0.6 * rows["RoundRobin"]["engine_prefill_tokens"], rows
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_demo_load_scenario_guard_keeps_tail_latency_down() -> None:

@@ -208,3 +208,44 @@ def test_with_engines_binding_the_listener_connects_to_them() -> None:
         assert [s.zmq_mode for s in config.sources] == [mode, mode]
         errors, _warnings = listener_issues(config)
         assert errors == []  # the engines' host is an allowed publisher
+
+
+def test_save_workload_writes_the_scenarios_sessions_and_starts_nothing(tmp_path: Path) -> None:
+    from continuum.devtools.demo import rag_workload
+    from continuum.sim.workload import read_jsonl
+
+    path = tmp_path / "rag.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "continuum.cli", "demo", "--scenario", "rag",
+                           "--quick", "--seed", "2", "--requests", "40",
+                           "--save-workload", str(path)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "starting" not in proc.stderr
+    assert f"40 requests of workload 'rag' written to {path}" in proc.stderr
+    assert read_jsonl(path).sessions == rag_workload(2, True).limit(40).sessions
+
+
+def test_a_bad_workload_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"turns": ["hello"]}\n{"turns": ["hi"], "arrival": "soon"}\n',
+                    encoding="utf-8")
+    proc = subprocess.run([sys.executable, "-m", "continuum.cli", "demo", "--workload",
+                           str(path)], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{path} line 2: 'arrival' must be a number of at least 0" in proc.stderr
+    assert "starting" not in proc.stderr
+
+
+@pytest.mark.parametrize("shaping", [["--seed", "0"], ["--quick"], ["--rate", "5"]])
+def test_options_that_shape_a_generated_workload_are_refused_with_a_file(
+        shaping: list[str], tmp_path: Path) -> None:
+    """They would be silently ignored: the file is replayed as written."""
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"turns": ["hello"]}\n', encoding="utf-8")
+    proc = subprocess.run([sys.executable, "-m", "continuum.cli", "demo", "--workload",
+                           str(path), *shaping], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{shaping[0]} shape the generated workloads; --workload replays its file as " \
+        "written" in proc.stderr
+    assert "starting" not in proc.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import statistics
@@ -221,3 +222,79 @@ def test_percentile_is_nearest_rank() -> None:
     assert replay_mod.percentile(values, 50) == 50.0
     assert replay_mod.percentile([5.0], 99) == 5.0
     assert replay_mod.percentile([], 99) is None
+
+
+# -- workload files (continuum-router demo --workload / --save-workload) ---------------------
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_a_saved_workload_reads_back_as_the_same_sessions(name: str, tmp_path: Any) -> None:
+    workload = GENERATORS[name](5)
+    path = tmp_path / "w.jsonl"
+    wl.write_jsonl(workload, path)
+    back = wl.read_jsonl(path)
+    assert back.sessions == workload.sessions
+    assert back.requests == workload.requests
+    assert back.name == "file w.jsonl"
+    assert len(path.read_text(encoding="utf-8").splitlines()) == len(workload.sessions)
+
+
+def test_a_file_line_holds_every_session_field_but_the_model() -> None:
+    fields = {f.name for f in dataclasses.fields(wl.Session)}
+    assert set(wl.FILE_FIELDS) == fields - {"model"}
+
+
+def test_a_hand_written_file_takes_defaults_and_is_replayed_in_arrival_order(
+        tmp_path: Any) -> None:
+    path = tmp_path / "mine.jsonl"
+    path.write_text(
+        '{"turns": ["late"], "arrival": 2.5}\n'
+        "\n"
+        '{"turns": ["first", "second"], "system": "You are terse. Answer in one line."}\n'
+        '{"id": "x", "turns": ["also at 0"], "temperature": 0.7, "max_tokens": 9,'
+        ' "think_seconds": 0.25, "kind": "chat", "group": "g"}\n', encoding="utf-8")
+    sessions = wl.read_jsonl(path).sessions
+    assert [s.id for s in sessions] == ["line-3", "x", "line-1"]  # ties keep file order
+    first, second, late = sessions
+    assert first.turns == ("first", "second") and first.arrival == 0.0
+    assert first.group == "You are terse. Answer in one line."[:40] and first.kind == "file"
+    assert late.system is None and late.group == "-" and late.arrival == 2.5
+    assert (second.temperature, second.max_tokens, second.think_seconds) == (0.7, 9, 0.25)
+    assert (second.kind, second.group) == ("chat", "g")
+    assert all(s.model == wl.DEFAULT_MODEL and s.temperature in (0.0, 0.7) for s in sessions)
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ("not json", "line 2: not JSON"),
+    ("[1, 2]", "line 2: a session is a JSON object, not list"),
+    ('{"turn": ["typo"]}', "line 2: unknown field 'turn'"),
+    ('{"turns": []}', "line 2: 'turns' must be a non-empty list"),
+    ('{"turns": "hi"}', "line 2: 'turns' must be a non-empty list"),
+    ('{"turns": ["ok", ""]}', "line 2: 'turns' must be a non-empty list"),
+    ('{"turns": ["hi"], "system": 3}', "line 2: 'system' must be a string or null"),
+    ('{"turns": ["hi"], "id": ""}', "line 2: 'id' must be a non-empty string"),
+    ('{"turns": ["hi"], "arrival": -1}', "line 2: 'arrival' must be a number of at least 0"),
+    ('{"turns": ["hi"], "think_seconds": "1"}', "line 2: 'think_seconds' must be a number"),
+    ('{"turns": ["hi"], "arrival": true}', "line 2: 'arrival' must be a number"),
+    ('{"turns": ["hi"], "temperature": 2.5}', "line 2: 'temperature' must be at most 2"),
+    ('{"turns": ["hi"], "max_tokens": 0}', "line 2: 'max_tokens' must be an integer"),
+    ('{"turns": ["hi"], "max_tokens": 1.5}', "line 2: 'max_tokens' must be an integer"),
+    ('{"turns": ["hi"], "id": "a"}', "line 2: id 'a' is also the id of line 1"),
+])
+def test_a_bad_line_is_refused_with_its_number_and_field(line: str, says: str,
+                                                         tmp_path: Any) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"id": "a", "turns": ["fine"]}\n' + line + "\n", encoding="utf-8")
+    with pytest.raises(wl.WorkloadFileError) as caught:
+        wl.read_jsonl(path)
+    assert str(caught.value).startswith(f"{path} {says}"), caught.value
+
+
+@pytest.mark.parametrize("content", [b"", b"\n  \n", b"\xff\xfe not utf-8\n"])
+def test_an_empty_or_unreadable_file_is_refused(content: bytes, tmp_path: Any) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(wl.WorkloadFileError, match=str(path)):
+        wl.read_jsonl(path)
+    with pytest.raises(wl.WorkloadFileError, match="No such file"):
+        wl.read_jsonl(tmp_path / "missing.jsonl")
