@@ -124,9 +124,9 @@ class WorkloadFileError(ValueError):
 
 def session_line(session: Session) -> str:
     """One line of a workload file: ``session`` as a JSON object (no newline)."""
-    doc = {name: getattr(session, name) for name in FILE_FIELDS}
-    doc["turns"] = list(session.turns)
-    return json.dumps(doc, ensure_ascii=False)
+    # json writes the turns' tuple as a list
+    return json.dumps({name: getattr(session, name) for name in FILE_FIELDS},
+                      ensure_ascii=False)
 
 
 def write_jsonl(workload: Workload, path: str | Path) -> None:

@@ -20,6 +20,12 @@ def row(p99: float, hit: float, errors: int = 0, **more: Any) -> dict[str, Any]:
             "kv_aware_share": None, "error_samples": [f"e{p99}"] if errors else [], **more}
 
 
+def demo(*args: str) -> subprocess.CompletedProcess[str]:
+    """``continuum-router demo ARGS`` in a child interpreter, its output captured."""
+    return subprocess.run([sys.executable, "-m", "continuum.cli", "demo", *args],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
 def test_one_round_is_the_row_itself() -> None:
     only = row(100.0, 0.9)
     assert median_row([only]) is only
@@ -76,8 +82,7 @@ def test_out_of_range_options_are_refused_before_anything_starts(
         option: str, value: str, says: str) -> None:
     """Each one was once taken as its default (0 for --workers, --routers, --rate and
     --requests) or ran an empty replay (--duration -5) instead of being refused."""
-    proc = subprocess.run([sys.executable, "-m", "continuum.cli", "demo", option, value],
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = demo(option, value)
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr
     assert "starting" not in proc.stderr
@@ -95,8 +100,7 @@ def test_set_items_become_one_nested_router_override() -> None:
 
 
 def test_a_bad_set_item_is_refused_before_anything_starts() -> None:
-    proc = subprocess.run([sys.executable, "-m", "continuum.cli", "demo", "--set", "fleet"],
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = demo("--set", "fleet")
     assert proc.returncode == 2, proc.stderr
     assert "expected PATH=VALUE" in proc.stderr
 
@@ -133,9 +137,7 @@ def test_demo_slots_option() -> None:
 
 
 def test_a_rival_router_not_installed_is_refused_before_anything_starts(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "continuum.cli", "demo", "--rivals-bin",
-                           str(tmp_path)], capture_output=True, text=True, timeout=60,
-                          check=False)
+    proc = demo("--rivals-bin", str(tmp_path))
     assert proc.returncode == 2, proc.stderr
     for name in ("sglang-router", "vllm-router"):
         assert f"{name} is not installed in {tmp_path}" in proc.stderr
@@ -215,10 +217,8 @@ def test_save_workload_writes_the_scenarios_sessions_and_starts_nothing(tmp_path
     from continuum.sim.workload import read_jsonl
 
     path = tmp_path / "rag.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "continuum.cli", "demo", "--scenario", "rag",
-                           "--quick", "--seed", "2", "--requests", "40",
-                           "--save-workload", str(path)],
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = demo("--scenario", "rag", "--quick", "--seed", "2", "--requests", "40",
+                "--save-workload", str(path))
     assert proc.returncode == 0, proc.stderr
     assert "starting" not in proc.stderr
     assert f"40 requests of workload 'rag' written to {path}" in proc.stderr
@@ -229,8 +229,7 @@ def test_a_bad_workload_file_is_refused_before_anything_starts(tmp_path: Path) -
     path = tmp_path / "mine.jsonl"
     path.write_text('{"turns": ["hello"]}\n{"turns": ["hi"], "arrival": "soon"}\n',
                     encoding="utf-8")
-    proc = subprocess.run([sys.executable, "-m", "continuum.cli", "demo", "--workload",
-                           str(path)], capture_output=True, text=True, timeout=60, check=False)
+    proc = demo("--workload", str(path))
     assert proc.returncode == 2, proc.stderr
     assert f"{path} line 2: 'arrival' must be a number of at least 0" in proc.stderr
     assert "starting" not in proc.stderr
@@ -242,9 +241,7 @@ def test_options_that_shape_a_generated_workload_are_refused_with_a_file(
     """They would be silently ignored: the file is replayed as written."""
     path = tmp_path / "mine.jsonl"
     path.write_text('{"turns": ["hello"]}\n', encoding="utf-8")
-    proc = subprocess.run([sys.executable, "-m", "continuum.cli", "demo", "--workload",
-                           str(path), *shaping], capture_output=True, text=True, timeout=60,
-                          check=False)
+    proc = demo("--workload", str(path), *shaping)
     assert proc.returncode == 2, proc.stderr
     assert f"{shaping[0]} shape the generated workloads; --workload replays its file as " \
         "written" in proc.stderr

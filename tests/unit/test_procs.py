@@ -149,9 +149,7 @@ def test_wait_http_waits_for_the_statuses_asked_for(unhealthy: str) -> None:
 
 
 def test_http_status_is_none_where_nothing_listens() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
-        assert http_status(f"http://127.0.0.1:{s.getsockname()[1]}/") is None
+    assert http_status(f"http://127.0.0.1:{refused_port()}/") is None
 
 
 def test_a_port_block_is_free_as_a_whole() -> None:
