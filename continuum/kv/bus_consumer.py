@@ -117,7 +117,7 @@ def rebuild_consumers(old: KvEventConsumerManager, sources: Sequence[KvEventSour
     still one consumer per host or fleet."""
     resume = {(c.backend, type(c), c.endpoint if not isinstance(c, BusSourceConsumer) else ""):
               c.last_event_id for c in old.consumers}
-    old.stop()
+    old.stop(hand_over_leases=True)
     lease = old.lease.renewed() if old.lease is not None else None
     manager = KvEventConsumerManager(sources, index, registry, old.clock, spawn=old.spawn,
                                      tokens=tokens, lease=lease)

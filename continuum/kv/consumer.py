@@ -517,10 +517,13 @@ class KvEventConsumerManager:
             return
         self._handles = [consumer.start(spawn) for consumer in self.consumers]
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop every consumer and wait up to ``timeout`` seconds for each loop to end."""
+    def stop(self, timeout: float = 10.0, *, hand_over_leases: bool = False) -> None:
+        """Stop every consumer and wait up to ``timeout`` seconds for each loop to end.
+
+        ``hand_over_leases``: keep this worker's KV leases for the manager that replaces
+        this one (:meth:`LeasedConsumers.renewed`) instead of releasing them."""
         if self.lease is not None:
-            self.lease.stop()
+            self.lease.stop(hand_over=hand_over_leases)
         for consumer in self.consumers:
             consumer.stop()
         for handle in self._handles:

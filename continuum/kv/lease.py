@@ -25,7 +25,9 @@ the one worker holding that backend's **lease**:
 A worker that holds no lease keeps its consumer idle (``state: idle`` in
 ``/admin/kv-index/backends``). When the lease is lost (renewal fails: Redis unreachable, or
 another worker took it after a long pause) the consumer is stopped and rebuilt from its
-config, and the worker tries for the lease again.
+config, and the worker tries for the lease again. A hot reload of the event sources hands
+each lease the worker holds to its next consumers instead of releasing it
+(:meth:`LeasedConsumers.stop`), so the stream is opened once more, not twice.
 """
 
 from __future__ import annotations
@@ -138,8 +140,10 @@ class RedisLease:
 
     def acquire(self, backend: str) -> bool:
         try:
-            return bool(self.client.set(self.key(backend), self.holder, nx=True,
-                                        px=self.ttl_ms))
+            if self.client.set(self.key(backend), self.holder, nx=True, px=self.ttl_ms):
+                return True
+            # Already this worker's (kept across a hot reload): renewed, still held.
+            return bool(self._renew(keys=[self.key(backend)], args=[self.holder, self.ttl_ms]))
         except Exception as exc:  # Redis away: nobody new consumes until it is back
             log.debug("KV lease %s: acquire failed: %s", backend, exc)
             return False
@@ -281,19 +285,30 @@ class HostRelay:
 class LeasedConsumers:
     """Runs each of ``manager``'s consumers only while this worker holds its lease."""
 
-    def __init__(self, lease: Lease, ttl_ms: int, relay: HostRelay | None = None) -> None:
+    def __init__(self, lease: Lease, ttl_ms: int, relay: HostRelay | None = None, *,
+                 kept: set[str] | None = None) -> None:
         self.lease = lease
         self.ttl_ms = ttl_ms
         self.interval = ttl_ms / 3000
         self.relay = relay
         self._stopping = threading.Event()
+        self._handing_over = False
         self._handles: list[Any] = []
         self.held: set[str] = set()
+        #: Leases still held that a stopped predecessor handed over (:meth:`stop`), until
+        #: :meth:`start` (with ``hand_over``: the ones this one's supervisors kept).
+        self.kept: set[str] = set(kept or ())
         self.takeovers = 0
 
     def start(self, manager: KvEventConsumerManager, spawn: Spawn) -> list[Any]:
-        """Start one supervisor per consumer (and the relay's receiver); their handles."""
+        """Start one supervisor per consumer (and the relay's receiver); their handles.
+
+        A lease handed over for a backend that ``manager`` no longer reads is released."""
         self._stopping = threading.Event()  # made now, after gevent's patching
+        leased = {consumer.backend for consumer in manager.consumers if consumer.leased}
+        for backend in self.kept - leased:
+            self.lease.release(backend)
+        self.kept = set()
         if self.relay is not None:
             relay = self.relay
             span = relay.open()
@@ -328,7 +343,10 @@ class LeasedConsumers:
                 consumer.stop()
                 handle.join(5)
                 self.held.discard(backend)
-                self.lease.release(backend)
+                if self._handing_over:  # the next manager's supervisor takes it as held
+                    self.kept.add(backend)
+                else:
+                    self.lease.release(backend)
                 manager.consumers[index] = consumer.fresh()
 
     def consumed_by(self, backend: str) -> str | None:
@@ -340,11 +358,17 @@ class LeasedConsumers:
 
     def renewed(self) -> LeasedConsumers:
         """The same lease (and relay) for the manager that replaces this one's after a
-        hot reload of the event sources; call once this one is stopped."""
-        return LeasedConsumers(self.lease, self.ttl_ms, self.relay)
+        hot reload of the event sources, with the leases this one handed over; call once
+        this one is stopped."""
+        return LeasedConsumers(self.lease, self.ttl_ms, self.relay, kept=self.kept)
 
-    def stop(self) -> None:
-        """Stop every supervisor (each stops its consumer and releases its lease)."""
+    def stop(self, *, hand_over: bool = False) -> None:
+        """Stop every supervisor: each stops its consumer and releases its lease, or, with
+        ``hand_over`` (a hot reload), keeps it for :meth:`renewed`'s supervisors. Released
+        between the two, another worker polling for the lease could take it and open the
+        stream only to close it again at its own reload: each backend's stream would be
+        opened twice instead of once."""
+        self._handing_over = hand_over
         self._stopping.set()
         if self.relay is not None:
             self.relay.close()
