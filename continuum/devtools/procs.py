@@ -72,15 +72,43 @@ def _unused_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: The environment variables pytest-xdist gives each of its workers (``gw0``, ``gw1``, ...;
+#: how many there are), which its children inherit.
+LANE_VARIABLES = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT")
+
+
+def port_lane(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """``(lane, lanes)``: the share of the ports this process and its children pick from.
+    Processes that pick ports at once (pytest-xdist's workers, each with its own memory of
+    the ports it handed out) get disjoint lanes, so two of them never hand out one port;
+    ``(0, 1)``, every port, outside xdist."""
+    env = os.environ if environ is None else environ
+    worker, count = (env.get(name, "") for name in LANE_VARIABLES)
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit()):
+        return 0, 1
+    lanes = max(int(count), 1)
+    return int(worker[2:]) % lanes, lanes
+
+
+def lane_of(port: int, lanes: int) -> int:
+    """Which of ``lanes`` lanes ``port`` is in: a multiplicative hash, not the remainder,
+    since the kernel gives ``bind(("127.0.0.1", 0))`` ports of one parity only (it keeps the
+    others for ``connect()``), and a lane of odd ports would never be offered one."""
+    return ((port * 0x9E3779B1) & 0xFFFFFFFF) * lanes >> 32
+
+
 def free_port(attempts: int = 100) -> int:
-    """A TCP port on 127.0.0.1 that nothing listened on a moment ago and that this process
-    has not handed out lately (see :data:`RECENT_PORTS`)."""
-    for _ in range(attempts):
+    """A TCP port on 127.0.0.1 that nothing listened on a moment ago, that this process
+    has not handed out lately (see :data:`RECENT_PORTS`), and in this process's lane
+    (:func:`port_lane`, :func:`lane_of`)."""
+    lane, lanes = port_lane()
+    for _ in range(attempts * lanes):
         port = _unused_port()
-        if port not in _recent:
+        if lane_of(port, lanes) == lane and port not in _recent:
             _remember((port,))
             return port
-    raise RuntimeError(f"the kernel offered only ports handed out lately ({attempts} tries)")
+    raise RuntimeError(f"the kernel offered only ports handed out lately or outside lane "
+                       f"{lane} of {lanes} ({attempts * lanes} tries)")
 
 
 #: The sockets :func:`refused_port` holds: bound, never listening, kept until exit.
@@ -106,14 +134,23 @@ def _release_refused_ports() -> None:
         _REFUSING.pop().close()
 
 
+#: Where :func:`free_port_block` draws its blocks: 20000-31999.
+BLOCK_PORTS_FROM, BLOCK_PORTS_SPAN = 20000, 12000
+
+
 def free_port_block(count: int, attempts: int = 200) -> int:
     """The first of ``count`` consecutive ports on 127.0.0.1 that were all free a moment
     ago, none of them handed out lately (a fleet's member ``i`` publishes on ``port +
     i``). Drawn below the usual ephemeral range, so outgoing connections are unlikely to
-    take one meanwhile."""
+    take one meanwhile, from this process's lane's part of it (:func:`port_lane`)."""
+    lane, lanes = port_lane()
+    span = BLOCK_PORTS_SPAN // lanes
+    low = BLOCK_PORTS_FROM + lane * span
+    if count > span:
+        raise ValueError(f"{count} consecutive ports do not fit in a lane of {span}")
     rng = random.SystemRandom()
     for _ in range(attempts):
-        base = rng.randrange(20000, 32000 - count)
+        base = rng.randrange(low, low + span - count + 1)
         held: list[socket.socket] = []
         try:
             if any(port in _recent for port in range(base, base + count)):

@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -165,8 +166,21 @@ def test_a_port_block_is_free_as_a_whole() -> None:
             s.close()
 
 
+@pytest.fixture
+def one_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every port in this process's lane, as outside pytest-xdist (the kernel's offers
+    are scripted below)."""
+    for name in procs.LANE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def _lane(monkeypatch: pytest.MonkeyPatch, worker: str, count: str) -> None:
+    for name, value in zip(procs.LANE_VARIABLES, (worker, count), strict=True):
+        monkeypatch.setenv(name, value)
+
+
 def test_a_port_the_kernel_offers_twice_is_handed_out_once(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, one_lane: None) -> None:
     """Two fake servers of one fixture once got the same port from two calls in a row."""
     first, second = free_port(), free_port()  # two real free ports, now remembered
     procs._recent.pop(first)
@@ -178,7 +192,7 @@ def test_a_port_the_kernel_offers_twice_is_handed_out_once(
 
 
 def test_the_remembered_ports_are_bounded_oldest_first(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, one_lane: None) -> None:
     monkeypatch.setattr(procs, "_recent", {})
     monkeypatch.setattr(procs, "RECENT_PORTS", 3)
     offers = iter([40001, 40002, 40003, 40004, 40001])
@@ -188,7 +202,7 @@ def test_the_remembered_ports_are_bounded_oldest_first(
 
 
 def test_a_port_block_never_overlaps_a_port_handed_out(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, one_lane: None) -> None:
     monkeypatch.setattr(procs, "_recent", {})
     taken = free_port_block(4)
     draws = iter([taken - 2, taken + 3, taken, taken + 4])
@@ -200,6 +214,56 @@ def test_a_port_block_never_overlaps_a_port_handed_out(
     monkeypatch.setattr(procs.random, "SystemRandom", Draws)
     # taken - 2 and taken + 3 overlap the first block; taken is that block itself
     assert free_port_block(4) == taken + 4
+
+
+@pytest.mark.parametrize(("worker", "count", "lane"), [
+    ("gw0", "2", (0, 2)), ("gw3", "4", (3, 4)), ("gw5", "4", (1, 4)), ("gw0", "0", (0, 1)),
+    ("", "", (0, 1)), ("master", "2", (0, 1)), ("gwx", "2", (0, 1)), ("gw1", "two", (0, 1)),
+])
+def test_the_port_lane_comes_from_pytest_xdists_worker_variables(
+        worker: str, count: str, lane: tuple[int, int]) -> None:
+    assert procs.port_lane(dict(zip(procs.LANE_VARIABLES, (worker, count), strict=True))) == lane
+
+
+def test_free_port_hands_out_only_ports_of_its_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pytest-xdist's workers pick ports at once, each remembering only its own: one
+    worker's lane never holds a port of another's."""
+    monkeypatch.setattr(procs, "_recent", {})
+    _lane(monkeypatch, "gw1", "3")
+    offered = list(range(40200, 40240, 2))
+    offers = iter(offered)
+    monkeypatch.setattr(procs, "_unused_port", lambda: next(offers))
+    mine = [port for port in offered if procs.lane_of(port, 3) == 1]
+    assert len(mine) >= 2 and [free_port(), free_port()] == mine[:2]
+    assert procs.lane_of(mine[0], 3) == 1 and {procs.lane_of(p, 3) for p in offered} == {0, 1, 2}
+
+
+@pytest.mark.parametrize("lanes", [2, 3, 4, 8])
+@pytest.mark.parametrize("parity", [0, 1])
+def test_the_lanes_share_the_ports_of_one_parity_evenly(lanes: int, parity: int) -> None:
+    """The kernel offers bind(0) ports of one parity only: by remainder, two lanes would
+    leave one of them nothing."""
+    ports = range(32768 + parity, 61000, 2)
+    shares = Counter(procs.lane_of(port, lanes) for port in ports)
+    assert sorted(shares) == list(range(lanes))
+    assert max(shares.values()) <= 1.05 * min(shares.values()), shares
+
+
+def test_a_port_block_is_drawn_from_its_lanes_part_of_the_range(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(procs, "_recent", {})
+    _lane(monkeypatch, "gw2", "3")
+    asked: list[tuple[int, int]] = []
+
+    class Draws:
+        def randrange(self, start: int, stop: int) -> int:
+            asked.append((start, stop))
+            return start
+
+    monkeypatch.setattr(procs.random, "SystemRandom", Draws)
+    base = free_port_block(6)
+    # lane 2 of 3 of 20000-31999 is 28000-31999: the last block ends at 31999
+    assert asked == [(28000, 31995)] and base == 28000
 
 
 def test_child_env_drops_proxies_and_adds_what_is_asked() -> None:
