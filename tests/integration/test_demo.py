@@ -212,7 +212,11 @@ def test_demo_load_scenario_guard_keeps_tail_latency_down() -> None:
     scorer keeps sending the popular prompt to its one busy holder (p99 TTFT about 2 s);
     the default chain index's guard keeps the tail near the hash ring's or below it (about
     0.36-0.42 s against 0.41-0.49 s) at about the ring's hit rate (0.5-1.2 points above it
-    in three runs, 0.3 below it in one CI run: slot_wait gives up some hits for the tail)."""
+    in three runs, 0.3 below it in one CI run: slot_wait gives up some hits for the tail).
+    On a machine about three times slower (stop 52's) the engines are busier for the same
+    arrivals and the guard gives up more: 0.6-2.6 points below the ring in six runs (the
+    most with other tests running beside it), so the row may give up three points (twelve
+    requests). Its p99 against the ring's swung from 0.55x to 1.5x there: not compared."""
     assert [row.name for row in WORKLOADS["load"][1]] == [
         "single engine", "RoundRobin", "PrefixAwareHash", "KV index (seed key)",
         "KV index (seed key) + load guard", "KV index"]
@@ -226,8 +230,9 @@ def test_demo_load_scenario_guard_keeps_tail_latency_down() -> None:
         _assert_kv_row(row)
     assert adaptive["ttft_ms_p99"] < unguarded["ttft_ms_p99"], rows
     assert max(adaptive["engine_requests"]) < max(unguarded["engine_requests"]), rows
+    ring = rows["PrefixAwareHash"]
     # a quick run routes about 400 requests: a point of hits is four of them
-    assert adaptive["prefix_hit_rate"] >= rows["PrefixAwareHash"]["prefix_hit_rate"] - 0.02, rows
+    assert adaptive["prefix_hit_rate"] >= ring["prefix_hit_rate"] - 0.03, rows
 
 
 @pytest.mark.slow
