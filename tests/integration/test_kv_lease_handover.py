@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import redis
 
+from continuum.devtools.procs import wait_until
 from continuum.kv.lease import FileLease, Lease, LeasedConsumers, RedisLease
 
 TTL_MS = 300
@@ -87,19 +88,12 @@ def _join(handles: list[threading.Thread]) -> None:
         assert not handle.is_alive()
 
 
-def _until(condition: Callable[[], bool], seconds: float = 5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return condition()
-
-
 def test_a_reload_hands_the_lease_to_the_next_manager(
         two_workers: Callable[[str], Lease]) -> None:
     opened: Counter[str] = Counter()
     first = LeasedConsumers(two_workers("w1"), TTL_MS)
     handles = first.start(_Manager(["a"], opened), _spawn)
-    assert _until(lambda: first.held == {"a"})
+    wait_until(lambda: first.held == {"a"}, "first to hold {'a'}", 5)
     other = two_workers("w2")
     assert not other.acquire("a")
 
@@ -111,7 +105,7 @@ def test_a_reload_hands_the_lease_to_the_next_manager(
 
     second = first.renewed()
     handles = second.start(_Manager(["a"], opened), _spawn)
-    assert _until(lambda: second.held == {"a"})
+    wait_until(lambda: second.held == {"a"}, "second to hold {'a'}", 5)
     assert not other.acquire("a")
     assert opened == {"a": 2}  # the old stream and the new one: nobody else's between
     second.stop()
@@ -124,7 +118,7 @@ def test_a_lease_handed_over_for_a_backend_no_longer_read_is_released(
     opened: Counter[str] = Counter()
     first = LeasedConsumers(two_workers("w1"), TTL_MS)
     handles = first.start(_Manager(["a", "b"], opened), _spawn)
-    assert _until(lambda: first.held == {"a", "b"})
+    wait_until(lambda: first.held == {"a", "b"}, "first to hold {'a', 'b'}", 5)
     first.stop(hand_over=True)
     _join(handles)
     other = two_workers("w2")
@@ -133,7 +127,7 @@ def test_a_lease_handed_over_for_a_backend_no_longer_read_is_released(
     second = first.renewed()
     handles = second.start(_Manager(["a"], opened), _spawn)  # "b" left the config
     assert other.acquire("b")
-    assert _until(lambda: second.held == {"a"})
+    wait_until(lambda: second.held == {"a"}, "second to hold {'a'}", 5)
     assert not other.acquire("a")
     second.stop()
     _join(handles)
