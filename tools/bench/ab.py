@@ -29,6 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from continuum.devtools.procs import Child
 from tools.bench import overhead as ob
 
 METRICS = ("added_p50_c1_ms", "cpu_c1_ms", "cpu_c32_ms")
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = ob.PREFIX_ROUTING if args.strategy == "PrefixAwareHash" else None
     names = {"A": str(Path(args.a).resolve()), "B": str(Path(args.b).resolve())}
     pythons = {"A": args.python_a, "B": args.python_b}
-    children: list[ob.Child] = []
+    children: list[Child] = []
     rounds: list[Round] = []
     with tempfile.TemporaryDirectory(prefix="continuum-ab-") as tmp:
         try:

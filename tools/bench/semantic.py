@@ -123,7 +123,7 @@ def lookup_latency(pairs: list[Pair], a: Matrix, b: Matrix, threshold: float, ga
     rng = np.random.default_rng(1)
     fill = entries - len(pairs)
     for i in range(max(fill, 0)):
-        v = rng.standard_normal(dims).astype(np.float32)
+        v = rng.standard_normal((dims,)).astype(np.float32)
         index.add("p", f"r{i}", v / np.linalg.norm(v), f"filler {i}", 3600)
     for i, (text, _, _, _) in enumerate(pairs[:entries]):
         index.add("p", f"k{i}", a[i], text, 3600)
@@ -268,8 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     pairs = labelled_pairs()
     if args.pairs:
-        for a, b, label, kind in pairs:
-            print(f"{label}\t{kind}\t{a}\t{b}")
+        for first, second, label, kind in pairs:
+            print(f"{label}\t{kind}\t{first}\t{second}")
         return
     doc: dict[str, Any] = {}
     if args.workers:

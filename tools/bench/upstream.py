@@ -85,7 +85,7 @@ class _Closed(Exception):
 
 def _read_chunked(sock: socket.socket, buf: bytes) -> tuple[bytes, bytes]:
     """Read a chunked request body; return (body, rest of the buffer)."""
-    body = []
+    body: list[bytes] = []
     while True:
         while b"\r\n" not in buf:
             data = sock.recv(65536)
