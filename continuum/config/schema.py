@@ -529,6 +529,10 @@ class ChainConfig:
                             "prompt is ignored", min=1, max=1024, restart=True)
 
 
+#: ``kv_cache_index.approximate.ttl_seconds`` when omitted (capped at entry_ttl_seconds).
+APPROXIMATE_TTL_SECONDS = 60.0
+
+
 @dataclass(frozen=True)
 class ApproximateConfig:
     """``kv_cache_index.approximate``: the router records the chain it routed a request
@@ -536,8 +540,9 @@ class ApproximateConfig:
 
     enabled: bool = setting(True, doc="record each routed request's chain for its backend",
                             restart=True)
-    ttl_seconds: float = setting(60.0, doc="lifetime of a recorded entry an engine event "
-                                 "has not confirmed", min=0.1, max=86400.0, restart=True)
+    ttl_seconds: float | None = setting(
+        None, doc="lifetime of a recorded entry an engine event has not confirmed; omitted: "
+        "60, or entry_ttl_seconds when shorter", min=0.1, max=86400.0, restart=True)
     weight: float = setting(0.8, doc="multiplier of an unconfirmed match's saved tokens",
                             min=0.0, max=1.0, restart=True)
 
@@ -608,6 +613,14 @@ class KvCacheIndexConfig:
         None, doc="environment variable holding that token", restart=True)
 
     @property
+    def approximate_ttl(self) -> float:
+        """The lifetime of an approximate entry: ``approximate.ttl_seconds`` when set, else
+        :data:`APPROXIMATE_TTL_SECONDS` or ``entry_ttl_seconds``, whichever is shorter (an
+        entry the router recorded outliving what engine events keep would be odd)."""
+        ttl = self.approximate.ttl_seconds
+        return min(APPROXIMATE_TTL_SECONDS, self.entry_ttl_seconds) if ttl is None else ttl
+
+    @property
     def adaptive_placement(self) -> bool:
         """Whether the chain scorer places first-message matches: ``placement.enabled``
         under the adaptive load guard (which prices placement's queue)."""
@@ -622,7 +635,8 @@ class KvCacheIndexConfig:
     def check(self, path: str, issues: Issues) -> None:
         check_secret_source(path, issues, "listener_token", inline=self.listener_token,
                             file=self.listener_token_file, env_name=self.listener_token_env)
-        if self.approximate.ttl_seconds > self.entry_ttl_seconds:
+        ttl = self.approximate.ttl_seconds
+        if ttl is not None and ttl > self.entry_ttl_seconds:
             issues.error(join(path, "approximate.ttl_seconds"),
                          "must not exceed entry_ttl_seconds", self.approximate.ttl_seconds)
         if set(self.redis_key_prefix) & _GLOB_CHARS or not self.redis_key_prefix:

@@ -250,7 +250,7 @@ class ChainOverlapScorer(KvOverlapScorer):
         self.learned_wait = self.adaptive and guard.learned_wait
         self.slot_wait = self.adaptive and guard.slot_wait
         self.approximate_weight = kv.approximate.weight
-        self.approximate_ttl = kv.approximate.ttl_seconds if kv.approximate.enabled else None
+        self.approximate_ttl = kv.approximate_ttl if kv.approximate.enabled else None
         self.chunk_bytes = kv.chain.chunk_bytes
         self.max_keys = kv.chain.max_keys
         self.threshold = threshold

@@ -283,3 +283,28 @@ def test_redact_url(url: str, shown: str) -> None:
     from continuum.config.addresses import redact_url
 
     assert redact_url(url) == shown
+
+
+# --- the KV index's approximate entries ---------------------------------------------------
+
+@pytest.mark.parametrize(("kv", "lifetime"), [
+    ({}, 60.0),
+    ({"entry_ttl_seconds": 30}, 30.0),  # used to be refused: the omitted 60 exceeded it
+    ({"entry_ttl_seconds": 1, "match": "seed"}, 1.0),
+    ({"entry_ttl_seconds": 30, "approximate": {"ttl_seconds": 10}}, 10.0),
+    ({"approximate": {"ttl_seconds": 600}}, 600.0),
+])
+def test_approximate_ttl_defaults_to_at_most_the_entry_ttl(kv: dict[str, Any],
+                                                            lifetime: float) -> None:
+    result = check_config({"backends": [BACKEND], "kv_cache_index": kv})
+    assert result.errors == []
+    assert result.config is not None
+    assert result.config.kv_cache_index.approximate_ttl == lifetime
+
+
+def test_an_approximate_ttl_set_above_the_entry_ttl_is_an_error() -> None:
+    errors = _errors({"backends": [BACKEND], "kv_cache_index": {
+        "entry_ttl_seconds": 30, "approximate": {"ttl_seconds": 45}}})
+    assert list(errors) == ["kv_cache_index.approximate.ttl_seconds"]
+    assert errors["kv_cache_index.approximate.ttl_seconds"].startswith(
+        "must not exceed entry_ttl_seconds")

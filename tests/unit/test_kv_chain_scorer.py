@@ -344,6 +344,24 @@ def test_approximate_matches_count_less_and_events_confirm_them() -> None:
     assert rows["b1"]["tier"] == TIER_GPU_HOT
 
 
+def test_recorded_chains_live_no_longer_than_index_entries() -> None:
+    """With ``entry_ttl_seconds`` under the approximate TTL's 60 s and no
+    ``approximate.ttl_seconds``, a routed chain is recorded for ``entry_ttl_seconds``."""
+    now = [1000.0]
+    # the index keeps confirmed entries longer: what expires the record is its own TTL
+    index = InMemoryKvIndex(entry_ttl_seconds=600, clock=lambda: now[0])
+    scorer = scorer_for(index, entry_ttl_seconds=20)
+    ctx = request(HISTORY + "Next?")
+    backends = make_backends(2)
+    scorer.record_route(ctx, backends[1])
+    held = {m.backend for m in index.query_chain(ctx.chain.keys)}
+    now[0] += 19
+    still = {m.backend for m in index.query_chain(ctx.chain.keys)}
+    now[0] += 2
+    assert (held, still) == ({"b1"}, {"b1"})
+    assert list(index.query_chain(ctx.chain.keys)) == []
+
+
 def _learn(backends: list[Any], slots: int, per_request: float) -> None:
     """What the forwarder would have taught each backend: first tokens in 10 ms while
     fewer than ``slots`` requests are in flight, ``per_request`` seconds more for each
