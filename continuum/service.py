@@ -605,7 +605,11 @@ class RouterService:
         index = self.kv_index
         if index is None:
             return None
-        before = views.index_counts(index).entry_count
+        counts = views.index_counts(index)
+        # the seed key's entries and the chain's, as clear() counts them; -1: not known
+        # without asking the store (Redis)
+        before = counts.entry_count + counts.chain_entry_count \
+            if counts.entry_count >= 0 and counts.chain_entry_count >= 0 else -1
         return views.KvIndexCleared(entries_before_clear=before, cleared_entries=index.clear())
 
     def reload(self, new: RouterConfig) -> ReloadReport:

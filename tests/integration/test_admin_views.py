@@ -170,6 +170,27 @@ def test_admin_documents_keep_their_shape(
         == (True, 1, 1)
 
 
+def test_kv_index_clear_counts_chain_entries_before_and_after(
+        upstreams: Callable[[str], Any], client_of: Callable[..., Any]) -> None:
+    """With ``match: chain`` (the default) the router records each routed chain; the
+    clear's ``entries_before_clear`` counts those entries as ``cleared_entries`` does."""
+    a = upstreams("a")
+    client = client_of({
+        "backends": [{"name": "a", "url": a.url, "models": ["m"]}],
+        "selection_strategy": "PrefixAwareHash",
+        "prefix_routing": {"enabled": True},
+        "kv_cache_index": {"enabled": True},
+    })
+    for system in ("first system prompt " * 80, "second system prompt " * 80):
+        resp = client.simulate_post("/v1/chat/completions", json=_chat(system))
+        assert resp.status_code == 200, resp.text
+    held = _admin(client, "kv-index/stats")["index"]["chain_entry_count"]
+    assert held >= 2
+    cleared = client.simulate_post("/admin/kv-index/clear", headers=TOKEN).json
+    assert (cleared["entries_before_clear"], cleared["cleared_entries"]) == (held, held)
+    assert _admin(client, "kv-index/stats")["index"]["chain_entry_count"] == 0
+
+
 def test_a_retried_request_carries_the_salt_of_the_backend_that_took_it(
         upstreams: Callable[[str], Any], client_of: Callable[..., Any]) -> None:
     a = upstreams("a")
