@@ -629,6 +629,9 @@ class RouterMetrics:
         # 0, not "no data", before the first error.
         for kind in ("connection", "timeout", "protocol", "other"):
             self.redis_errors.labels(kind)
+        # whatever the strategy (0 under any other than PrefixAwareHash, as the seed has it)
+        for decision in ("prefix_hash", "overflow", "fallback"):
+            self.prefix_requests.labels(decision)
         self._children: dict[tuple[str, ...], Any] = {}
         self._adders: dict[tuple[str, ...], Callable[[float], None]] = {}
         self._observers: dict[tuple[str, ...], Callable[[float], None]] = {}

@@ -236,3 +236,23 @@ def test_per_tenant_salts_default_off_and_warn_when_they_cannot_isolate() -> Non
                                "admin": {"token": "t"}})
         assert result.config is not None and not result.errors
         assert [w.path for w in result.warnings] == ([warned] if warned else []), kv
+
+
+@pytest.mark.parametrize(("scoring", "prefix_routing", "warned"), [
+    ({"gpu_tier_weight": 0.25}, True, True),  # under the 0.3 threshold: nothing can pass
+    ({"gpu_tier_weight": 0.3}, True, False),  # equal: a full GPU match passes the gate
+    ({"gpu_tier_weight": 0.5, "min_overlap_threshold": 0.6}, True, True),
+    ({"gpu_tier_weight": 0.25}, False, False),  # no scorer runs: the other warning says so
+])
+def test_a_gpu_tier_weight_under_the_threshold_warns(
+        scoring: dict[str, float], prefix_routing: bool, warned: bool) -> None:
+    result = check_config({"backends": [BACKEND], "admin": {"token": "t"},
+                           "prefix_routing": {"enabled": prefix_routing},
+                           "kv_cache_index": {"enabled": True, "scoring": scoring}})
+    assert result.config is not None and not result.errors
+    paths = [w.path for w in result.warnings]
+    assert ("kv_cache_index.scoring.gpu_tier_weight" in paths) is warned, paths
+    if warned:
+        (message,) = [w.message for w in result.warnings
+                      if w.path == "kv_cache_index.scoring.gpu_tier_weight"]
+        assert "always falls back" in message

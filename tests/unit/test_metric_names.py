@@ -15,10 +15,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 from prometheus_client import Counter, Gauge, Histogram
 
 from continuum.kv.consumer import KvConsumerMetrics
 from continuum.metrics import RequestRecord, RouterMetrics
+from continuum.routing.gemini_dispatch import GeminiMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,6 +66,9 @@ EXPORTED = {
     "continuum_kv_consumer_connected": "gauge",
     "continuum_kv_consumer_reconnects_total": "counter",
     "continuum_kv_malformed_records_total": "counter",
+    "continuum_gemini_context_cache_requests_total": "counter",
+    "continuum_gemini_context_cache_operations_total": "counter",
+    "continuum_gemini_cached_tokens_total": "counter",
 }
 
 #: Histograms of a dimensionless quantity (a composite score in [0, 1]), not a time.
@@ -76,6 +81,7 @@ RESERVED_SUFFIXES = ("_count", "_sum", "_bucket", "_created", "_info")
 def _metrics() -> RouterMetrics:
     metrics = RouterMetrics()
     KvConsumerMetrics.for_registry(metrics.registry)
+    GeminiMetrics(metrics)  # registered once a type: gemini backend is configured
     return metrics
 
 
@@ -97,6 +103,21 @@ def _families(metrics: RouterMetrics) -> dict[str, tuple[str, str, list[str]]]:
 def test_the_inventory_lists_every_exported_family() -> None:
     found = _families(_metrics())
     assert {name: kind for name, (kind, _h, _l) in found.items()} == EXPORTED
+
+
+@pytest.mark.parametrize(("name", "label", "values"), [
+    ("continuum_prefix_routing_requests_total", "strategy",
+     ("prefix_hash", "overflow", "fallback")),
+    ("continuum_cache_redis_errors_total", "kind",
+     ("connection", "timeout", "protocol", "other")),
+])
+def test_fixed_label_series_exist_at_zero_from_the_start(
+        name: str, label: str, values: tuple[str, ...]) -> None:
+    """A rate() over them (the overflow ratio, the Redis error rate) is 0 before the first
+    event, under any strategy, not "no data"."""
+    registry = RouterMetrics().registry
+    assert [registry.get_sample_value(name, {label: v}) for v in values] == \
+        [0.0] * len(values)
 
 
 def test_names_labels_and_units_follow_prometheus_conventions() -> None:
