@@ -134,7 +134,8 @@ class KvConsumerMetrics:
                                "over-size record, listener buffer_overflow", ["backend"],
                                registry=registry)
         self.connected = Gauge("continuum_kv_consumer_connected",
-                               "1 while the event stream is open (minimum over workers)",
+                               "1 while the event stream is open, or another worker or "
+                               "router holds its lease (minimum over workers)",
                                ["backend"], multiprocess_mode="livemin", registry=registry)
         self.reconnects = Counter("continuum_kv_consumer_reconnects_total",
                                   "Event stream reconnect attempts", ["backend"],
@@ -287,6 +288,14 @@ class SourceConsumer:
     def _fresh_options(self) -> dict[str, Any]:
         """A subclass's own constructor arguments, for :meth:`fresh`."""
         return {}
+
+    def consumed_elsewhere(self) -> None:
+        """This worker gave the stream up with its lease, and another worker or router
+        holds it now: this worker's sample of ``continuum_kv_consumer_connected`` reads 1
+        instead of the 0 its stop left, so the minimum over the host's workers and the
+        router's alert follow the holder's own sample (a 0 kept by a worker that lost the
+        lease to another router would fire the alert for as long as it lives)."""
+        self.metrics.connected.labels(self.backend).set(1)
 
     @property
     def connected(self) -> bool:

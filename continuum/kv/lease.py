@@ -25,7 +25,9 @@ the one worker holding that backend's **lease**:
 A worker that holds no lease keeps its consumer idle (``state: idle`` in
 ``/admin/kv-index/backends``). When the lease is lost (renewal fails: Redis unreachable, or
 another worker took it after a long pause) the consumer is stopped and rebuilt from its
-config, and the worker tries for the lease again. A hot reload of the event sources hands
+config, and the worker tries for the lease again; once another worker or router holds it,
+this worker's ``continuum_kv_consumer_connected`` sample reads 1, leaving the holder's own
+sample to say whether the stream is open. A hot reload of the event sources hands
 each lease the worker holds to its next consumers instead of releasing it
 (:meth:`LeasedConsumers.stop`), so the stream is opened once more, not twice.
 """
@@ -322,8 +324,12 @@ class LeasedConsumers:
 
     def _supervise(self, manager: KvEventConsumerManager, index: int, spawn: Spawn) -> None:
         backend = manager.consumers[index].backend
+        lost = False  # this worker's consumer stopped with the lease: its gauge reads 0
         while not self._stopping.is_set():
             if not self.lease.acquire(backend):
+                if lost and self.lease.holder_of(backend) is not None:
+                    manager.consumers[index].consumed_elsewhere()
+                    lost = False
                 self._stopping.wait(self.interval)
                 continue
             consumer: SourceConsumer = manager.consumers[index].fresh()
@@ -348,6 +354,7 @@ class LeasedConsumers:
                 else:
                     self.lease.release(backend)
                 manager.consumers[index] = consumer.fresh()
+            lost = True
 
     def consumed_by(self, backend: str) -> str | None:
         """Who reads ``backend``'s stream for this host or fleet: ``this worker``, another
