@@ -261,6 +261,8 @@ class ResponseCache:
             doc[store_stats.backend] = {
                 "connections": extra.get("connections", {"active": 0, "idle": 0}),
                 "fallback_active": bool(extra.get("fallback_active", False)),
+                # what the in-memory fallback holds (it serves while Redis is away)
+                "fallback_entries": int(extra.get("fallback_entries", 0)),
                 "errors": extra.get("errors", {"connection": 0, "timeout": 0, "protocol": 0,
                                               "other": 0}),
             }

@@ -182,7 +182,10 @@ def test_redis_outage_falls_back_without_client_errors(
         stats = requests.get(router.url + "/admin/response-cache/stats", timeout=5).json()
         assert stats["redis"]["fallback_active"] is True
         assert stats["redis"]["errors"]["connection"] + stats["redis"]["errors"]["timeout"] >= 1
-        time.sleep(0.5)  # traffic keeps flowing from the in-memory fallback
+        # traffic keeps flowing from the in-memory fallback, which stores the answers
+        wait_until(lambda: requests.get(router.url + "/admin/response-cache/stats",
+                                        timeout=5).json()["redis"]["fallback_entries"] > 0,
+                   "the fallback to hold entries", 10, interval=0.1)
         fresh_redis.start()
         wait_until(lambda: gauge() == 0, "the fallback gauge to go down", 10, interval=0.1)
     finally:
