@@ -117,9 +117,10 @@ def _check_plugins(config: RouterConfig, registry: PluginRegistry, issues: Issue
     for i, name in enumerate(config.scorers or []):
         load("continuum.scorers", name, f"scorers[{i}]")
     cache, kv = config.response_cache, config.kv_cache_index
+    # checked whether or not the tier is on, so a misspelt name shows before it is turned on
     if cache is not None:
         load("continuum.cache_stores", cache.backend, "response_cache.backend")
-    if kv is not None and kv.enabled:
+    if kv is not None:
         load("continuum.kv_indexes", kv.backend, "kv_cache_index.backend")
 
 

@@ -159,6 +159,18 @@ def test_an_unknown_scorer_is_a_config_error_at_its_key_path() -> None:
     assert "did you mean 'KvOverlap'?" in issue.message
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize(("tier", "group"), [("response_cache", "continuum.cache_stores"),
+                                             ("kv_cache_index", "continuum.kv_indexes")])
+def test_an_unknown_store_is_a_config_error_whether_or_not_its_tier_is_on(
+        tier: str, group: str, enabled: bool) -> None:
+    result = check_config({tier: {"enabled": enabled, "backend": "reddis"}},
+                          registry=PluginRegistry())
+    assert [issue.path for issue in result.errors] == [f"{tier}.backend"]
+    assert f"unknown plugin 'reddis' in {group}" in result.errors[0].message
+    assert "did you mean 'redis'?" in result.errors[0].message
+
+
 def test_a_scorer_listed_twice_is_a_config_error() -> None:
     result = check_config({"scorers": ["KvOverlap", "KvOverlap"]})
     assert [(i.path, i.message) for i in result.errors] == [
