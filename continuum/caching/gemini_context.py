@@ -115,6 +115,15 @@ def parse_expire_time(text: Any) -> float | None:
     return seconds + (int(fraction) / 10 ** len(fraction) if fraction else 0.0)
 
 
+def duration_text(seconds: float) -> str:
+    """``seconds`` as a protobuf ``Duration`` in JSON (``"600s"``, ``"1.5s"``): decimal
+    seconds, at most nine fractional digits. Not ``f"{seconds:g}s"``, which writes a TTL
+    of a million seconds or more as ``"1e+06s"`` (Google refuses it: the create fails)
+    and rounds any to six significant digits."""
+    text = f"{seconds:.9f}".rstrip("0").rstrip(".")
+    return f"{text}s"
+
+
 def entry_key(backend: str, model: str, system: str) -> str:
     """The map key of a prompt: backend name and the hex digest of model and system."""
     digest = prefix_key_from_text(model, SYSTEM_TAG, system,
@@ -311,7 +320,7 @@ class GeminiContextCache:
         settings, name = self.settings, backend.name
         doc = {"model": "models/" + model.removeprefix("models/"),
                "systemInstruction": {"parts": [{"text": system}]},
-               "ttl": f"{settings.ttl:g}s"}
+               "ttl": duration_text(settings.ttl)}
         api_key = backend.config.resolved_api_key()
         headers = {"x-goog-api-key": api_key} if api_key else {}
         try:
@@ -360,7 +369,7 @@ class GeminiContextCache:
             headers = {"x-goog-api-key": api_key} if api_key else {}
             resp = self._session.patch(
                 f"{backend.url}/v1beta/{entry.name}", params={"updateMask": "ttl"},
-                json={"ttl": f"{self.settings.ttl:g}s"}, headers=headers,
+                json={"ttl": duration_text(self.settings.ttl)}, headers=headers,
                 timeout=self.settings.create_timeout_ms / 1000)
             if resp.status_code == 200:
                 expire = parse_expire_time(resp.json().get("expireTime"))

@@ -251,6 +251,25 @@ def test_extend_on_hit_sends_patch(
     assert 'operation="extend"} 1.0' in router.metrics()
 
 
+def test_a_ttl_of_a_million_seconds_or_more_is_sent_as_decimal_seconds(
+    gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any]
+) -> None:
+    """The longest TTL the config allows (30 days): created and extended. Written as
+    ``"2.592e+06s"`` it was refused (a protobuf Duration is decimal seconds), and every
+    eligible prompt went to the negative cache."""
+    fake = gemini_factory(clock_offset=-(30 * 86400 - 10))  # under 20% left at the hit
+    router = router_factory(_config(fake, ttl="30d", extend_on_hit=True))
+    client = _client(router)
+    _ask(client)
+    _wait_entries(router, 1)
+    create = fake.received("/cachedContents", "POST")
+    assert [c["body"]["ttl"] for c in create] == ["2592000s"]
+    assert fake.stats()["created"] == 1
+    _ask(client, "A hit?")
+    wait_until(lambda: fake.stats()["patched"] == 1, "the PATCH of the TTL")
+    assert fake.received("/cachedContents/", "PATCH")[0]["body"] == {"ttl": "2592000s"}
+
+
 def test_two_workers_with_redis_create_one_resource(
     gemini_factory: Callable[..., FakeGeminiProcess], router_factory: Callable[..., Any],
     redis_server: Any,
