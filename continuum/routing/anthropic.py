@@ -32,10 +32,23 @@ _ERROR_TYPES = {
 }
 
 
-def _blocks_have_cache_control(blocks: Any) -> bool:
-    return isinstance(blocks, list) and any(
-        isinstance(block, dict) and "cache_control" in block for block in blocks
-    )
+def _blocks_have_cache_control(blocks: Any, depth: int = 0) -> bool:
+    """Whether a block of ``blocks``, or one nested in a block's ``content`` (a
+    ``tool_result``'s) or in a document's ``source.content``, carries ``cache_control``:
+    Anthropic counts those among its four breakpoints too."""
+    if not isinstance(blocks, list) or depth > 3:
+        return False
+    for block in blocks:
+        if not isinstance(block, dict):
+            continue
+        if "cache_control" in block or _blocks_have_cache_control(block.get("content"),
+                                                                   depth + 1):
+            return True
+        source = block.get("source")
+        if isinstance(source, dict) and _blocks_have_cache_control(source.get("content"),
+                                                                   depth + 1):
+            return True
+    return False
 
 
 def has_cache_control(body: dict[str, Any]) -> bool:

@@ -101,6 +101,21 @@ def _sections(body: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
     return out
 
 
+def _nested_markers(block: dict[str, Any], depth: int = 0) -> int:
+    """``cache_control`` markers inside ``block``: on the blocks of its ``content`` (a
+    ``tool_result``'s) or of a document's ``source.content``. They count toward the four
+    (here they mark no prefix of their own: the fake caches at top-level blocks only)."""
+    count = 0
+    source = block.get("source")
+    for inner in (block.get("content"),
+                  source.get("content") if isinstance(source, dict) else None):
+        if isinstance(inner, list) and depth < 3:
+            for item in inner:
+                if isinstance(item, dict):
+                    count += ("cache_control" in item) + _nested_markers(item, depth + 1)
+    return count
+
+
 def prompt_blocks(body: dict[str, Any], tokenizer: SimTokenizer) -> list[Block]:
     """The blocks of a validated Messages request, with token counts and chained hashes.
 
@@ -117,6 +132,7 @@ def prompt_blocks(body: dict[str, Any], tokenizer: SimTokenizer) -> list[Block]:
         if "cache_control" in block:
             ttl = _ttl(block["cache_control"], f"{path}.cache_control")
             found += 1
+        found += _nested_markers(block)
         bare = {k: v for k, v in block.items() if k != "cache_control"}
         text = bare.get("text") if bare.get("type") == "text" else None
         canonical = json.dumps(bare, sort_keys=True, separators=(",", ":"))

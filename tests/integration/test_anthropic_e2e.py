@@ -225,6 +225,14 @@ def test_injection_precedence(
     marked_message = [{"role": "user", "content": [
         {"type": "text", "text": "A long document.", "cache_control": EPHEMERAL},
         {"type": "text", "text": "Summarise it."}]}]
+    nested_four = [
+        {"role": "user", "content": "Look the words up."},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"word": "a"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [{"type": "text", "text": f"part {i}",
+                                                   "cache_control": EPHEMERAL}
+                                                  for i in range(4)]}]}]
     tool = {"name": "lookup", "description": "Look a word up.",
             "input_schema": {"type": "object", "properties": {"word": {"type": "string"}}},
             "cache_control": EPHEMERAL}
@@ -255,6 +263,10 @@ def test_injection_precedence(
         assert body["system"] == "You are terse." and body["messages"] == marked_message, case
         body = sent(model, system="You are terse.", tools=[tool])
         assert body["system"] == "You are terse." and body["tools"] == [tool], case
+        # Four breakpoints inside a tool_result: a fifth on the system prompt would be a
+        # 400 from Anthropic (and from the fake, which counts nested ones the same way).
+        body = sent(model, system="You are terse.", messages=nested_four)
+        assert body["system"] == "You are terse." and body["messages"] == nested_four, case
 
         assert "system" not in sent(model), case
 

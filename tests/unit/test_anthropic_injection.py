@@ -64,8 +64,16 @@ def test_marker_is_a_fresh_copy_each_time() -> None:
             {"type": "text", "text": "question"}]}]),
         _body(system="s", tools=[{"name": "get_weather", "input_schema": {"type": "object"},
                                   "cache_control": EPHEMERAL}]),
+        # nested blocks count among Anthropic's four breakpoints too: a fifth would be a 400
+        _body(system="s", messages=[{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": [
+                {"type": "text", "text": "result", "cache_control": EPHEMERAL}]}]}]),
+        _body(system="s", messages=[{"role": "user", "content": [
+            {"type": "document", "source": {"type": "content", "content": [
+                {"type": "text", "text": "page", "cache_control": EPHEMERAL}]}}]}]),
     ],
-    ids=["system", "earlier-system-block", "message-block", "tool"],
+    ids=["system", "earlier-system-block", "message-block", "tool", "tool-result-block",
+         "document-content-block"],
 )
 def test_existing_cache_control_anywhere_means_no_injection(body: dict[str, Any]) -> None:
     assert has_cache_control(body)
