@@ -29,6 +29,7 @@ _ERROR_TYPES = {
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
+    504: "timeout_error",  # Anthropic's own type for a request that timed out
 }
 
 

@@ -56,11 +56,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Headers of the upstream answer that are passed back to the client.
-PASS_HEADERS = (
-    "content-type", "retry-after", "x-request-id", "openai-processing-ms", "request-id",
-    "anthropic-ratelimit-requests-remaining", "anthropic-ratelimit-tokens-remaining",
-)
+#: Headers of the upstream answer that are passed back to the client: besides these, every
+#: one starting with :data:`PASS_PREFIXES`. ``retry-after-ms`` and ``x-should-retry`` are
+#: what the openai and anthropic SDKs read to decide on and time their retries.
+PASS_HEADERS = frozenset((
+    "content-type", "retry-after", "retry-after-ms", "x-should-retry", "x-request-id",
+    "openai-processing-ms", "request-id",
+))
+#: Rate-limit headers: Anthropic's ``anthropic-ratelimit-{requests,tokens,input-tokens,
+#: output-tokens}-{limit,remaining,reset}``, OpenAI's ``x-ratelimit-{limit,remaining,
+#: reset}-{requests,tokens}``.
+PASS_PREFIXES = ("anthropic-ratelimit-", "x-ratelimit-")
 
 #: Status recorded for a request whose client went away before it finished (nginx's 499).
 CLIENT_CLOSED = 499
@@ -135,8 +141,8 @@ class Upstream:
 
     def headers(self) -> dict[str, str]:
         """The upstream headers worth passing to the client."""
-        raw = self.response.headers
-        return {name: raw[name] for name in PASS_HEADERS if name in raw}
+        return {name: value for name, value in self.response.headers.items()
+                if name in PASS_HEADERS or name.startswith(PASS_PREFIXES)}
 
 
 PassiveHealth = Callable[["Backend", bool], None]

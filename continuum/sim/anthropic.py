@@ -12,7 +12,8 @@
   without ``max_tokens``, counted like ``usage`` counts the prompt;
 * ``GET /v1/models`` and ``GET /v1/models/{id}`` (``"type": "model"`` entries);
 * errors as ``{"type": "error", "error": {"type", "message"}, "request_id"}`` with the
-  real statuses, and a ``request-id`` header on every answer;
+  real statuses, and a ``request-id`` header on every answer (and the
+  ``anthropic-ratelimit-*`` headers on every ``/v1/messages`` one);
 * for tests: ``GET /_sim/received?n=N`` (the last ``POST /v1/messages[/count_tokens]`` bodies and
   headers, oldest first, recorded before any check) and ``POST /_sim/reset``.
 
@@ -72,10 +73,22 @@ def _serialize(req: falcon.Request, resp: falcon.Response, ex: falcon.HTTPError)
     resp.data = _error_doc(ex.status_code, message, str(req.context.get("request_id", "")))
 
 
+#: The rate-limit headers the real API sends on every answer (fixed values here).
+RATE_LIMIT_HEADERS = {
+    f"anthropic-ratelimit-{kind}-{field}": value
+    for kind, limit in (("requests", 1000), ("tokens", 96000), ("input-tokens", 80000),
+                        ("output-tokens", 16000))
+    for field, value in (("limit", str(limit)), ("remaining", str(limit - 1)),
+                         ("reset", "2026-01-01T00:00:00Z"))
+}
+
+
 class _RequestId:
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         req.context.request_id = _new_id("req_")
         resp.set_header("request-id", req.context.request_id)
+        if req.path.startswith("/v1/messages"):
+            resp.set_headers(RATE_LIMIT_HEADERS)
 
 
 def _check(ok: bool, message: str) -> None:

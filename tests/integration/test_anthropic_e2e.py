@@ -214,6 +214,26 @@ def test_prompt_cache_usage_through_the_router(
     assert anthropic_up.last_body()["system"] == LONG_SYSTEM
 
 
+def test_rate_limit_headers_reach_the_client_whole_and_streamed(
+    anthropic_up: AnthropicUpstream, router_factory: Callable[..., Any]
+) -> None:
+    """Every ``anthropic-ratelimit-*`` header of the upstream's answer, as the SDK's raw
+    response shows them (a client pacing itself reads them)."""
+    from continuum.sim.anthropic import RATE_LIMIT_HEADERS
+
+    router = router_factory(_config(anthropic_up))
+    client = _client(router)
+    args: dict[str, Any] = {"model": AUTO, "max_tokens": 16, "messages": USER}
+    whole = client.messages.with_raw_response.create(**args)
+    with client.messages.with_streaming_response.create(**args, stream=True) as streamed:
+        list(streamed.iter_lines())
+    for raw in (whole, streamed):
+        got = {name: value for name, value in raw.headers.items()
+               if name.startswith("anthropic-ratelimit-")}
+        assert got == RATE_LIMIT_HEADERS
+        assert len(got) == 12
+
+
 @pytest.mark.parametrize("global_injection", [False, True], ids=["global-off", "global-on"])
 def test_injection_precedence(
     anthropic_up: AnthropicUpstream, router_factory: Callable[..., Any], global_injection: bool

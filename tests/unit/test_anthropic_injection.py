@@ -125,7 +125,7 @@ def test_precedence(global_injection: bool, backend_auto: bool, expected: bool) 
         (500, "api_error"),
         (502, "api_error"),
         (503, "overloaded_error"),
-        (504, "api_error"),
+        (504, "timeout_error"),
     ],
 )
 def test_error_document_shape(status: int, error_type: str) -> None:
