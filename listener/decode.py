@@ -159,7 +159,8 @@ def _block_stored(fields: dict[str, object], path: str) -> BlockStored:
         elif name == "token_ids":
             kwargs["token_ids"], kwargs["token_pairs"] = _token_ids(raw, fpath)
         elif name == "block_size":
-            kwargs[name] = expect_int(raw, fpath, minimum=1)
+            # 0: vLLM's offloading connector's placeholder (see listener.processor)
+            kwargs[name] = expect_int(raw, fpath, minimum=0)
         elif name in _OPTIONAL_STR_FIELDS:
             kwargs[name] = optional_str(raw, fpath)
         elif name in _OPTIONAL_INT_FIELDS:

@@ -28,7 +28,10 @@ How a new block gets its prefix, first rule that applies:
 Engine rules: vLLM events of KV groups that are not full attention (``kv_cache_spec_kind``,
 remembered per ``group_idx``) give no prefix hits and are not tracked (``ignored_blocks``);
 a vLLM event with more tokens than ``len(block_hashes) * block_size`` has null/masked blocks
-(§4.4): its blocks are tracked but tainted (``masked_blocks``). Any other event whose
+(§4.4): its blocks are tracked but tainted (``masked_blocks``). A store with neither
+tokens nor ``block_size`` (vLLM's offloading connector's placeholder for a block it copied
+to CPU or storage) adds that medium to the block when tracked, else is skipped
+(``placeholder_blocks``). Any other event whose
 non-empty ``token_ids`` do not fill ``len(block_hashes) * block_size`` exactly (SGLang's
 per-event rule; the seed's single-block rule), or whose ``block_size`` exceeds the source's
 configured ``block_size``, is mismatched: its blocks keep only their chain length, are
@@ -78,8 +81,8 @@ PREFIX_KINDS = frozenset(("full_attention", "mla_attention", "sink_full_attentio
 #: ``metrics_hook(backend_name, stats)``, called after every batch and reset.
 MetricsHook = Callable[[str, dict[str, int]], None]
 
-_COUNTERS = ("mismatched_blocks", "masked_blocks", "ignored_blocks", "salt_rejected",
-             "unattributed_chains", "events_in", "events_out")
+_COUNTERS = ("mismatched_blocks", "masked_blocks", "ignored_blocks", "placeholder_blocks",
+             "salt_rejected", "unattributed_chains", "events_in", "events_out")
 
 
 def _strings(value: object, depth: int = 0) -> Iterator[str]:
@@ -201,6 +204,9 @@ class DefaultSourceProcessor:
             self.counters["ignored_blocks"] += count
             return
         size, total = event.block_size, len(event.token_ids)
+        if not size and not total:
+            self._placeholder(event, group)
+            return
         segments: list[tuple[int, ...] | None] = [None] * count
         lengths = [size] * count
         tainted = False
@@ -274,6 +280,19 @@ class DefaultSourceProcessor:
                 and all(self._untainted(k) for k in keys)):
             stores.append(NewBlocks(first_parent, tuple(keys), tuple(ends),
                                     tuple(event.token_ids), model))
+
+    def _placeholder(self, event: BlockStored, group: int | None) -> None:
+        """A store without tokens or size: vLLM's offloading connector names a block it
+        copied to another medium (CPU, storage) by its hash alone when it kept nothing more
+        of it. A tracked block gains that medium; an unknown one cannot be placed in a
+        chain and is skipped (``placeholder_blocks``)."""
+        media = self.tracker.medium_bit(event.medium)
+        for block_hash in event.block_hashes:
+            key: BlockKey = (group, int(block_hash))
+            if self.tracker.get(key) is not None:
+                self.tracker.touch(key, media)
+            else:
+                self.counters["placeholder_blocks"] += 1
 
     def _untainted(self, key: BlockKey) -> bool:
         """Whether ``key`` is still tracked (small limits may prune it at once) and clean."""

@@ -302,6 +302,19 @@ def test_unknown_tags_are_skipped_and_counted() -> None:
     assert (batch.events, batch.skipped) == ((AllBlocksCleared(),), 2)
 
 
+def test_offloading_connector_placeholder_decodes() -> None:
+    """vLLM's OffloadingConnector placeholder store (its ``_placeholder_stored``): no
+    tokens, ``block_size`` 0. Refused, it took the GPU stores of its batch with it."""
+    batch = decode_zmq_payload(_payload([
+        ["BlockStored", [7, 8], None, [1, 2, 3, 4], 2, None, "GPU"],
+        {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None,
+         "token_ids": [], "block_size": 0, "lora_id": None, "medium": "CPU",
+         "lora_name": None, "group_idx": 0, "locality": None, "ownership": None}], 0))
+    stored = [(e.block_hashes, e.token_ids, e.block_size, e.medium) for e in batch.events
+              if isinstance(e, BlockStored)]
+    assert stored == [((7, 8), (1, 2, 3, 4), 2, "GPU"), ((7,), (), 0, "CPU")]
+
+
 def test_map_envelope_is_tolerated() -> None:
     raw = msgpack.packb({"ts": 1, "events": [{"type": "AllBlocksCleared"}], "attn_dp_rank": 2})
     assert decode_zmq_payload(raw) == KvEventBatch(1.0, (AllBlocksCleared(),), 2)

@@ -197,6 +197,25 @@ def test_offload_to_cpu_then_eviction_then_reload() -> None:
     assert h.feed(BlockRemoved((1, 2), medium="CPU")) == [PrefixEvent(CACHE_EVICTED, P1, 4)]
 
 
+def test_offloading_connector_placeholders_add_the_medium_to_known_blocks() -> None:
+    """vLLM's OffloadingConnector names a block it copied to CPU by its hash alone
+    (``token_ids=[]``, ``block_size=0``) when it kept nothing more: a tracked block gains
+    the medium (so the GPU's removal offloads instead of evicting), an unknown one is
+    skipped and counted, and the GPU store beside it in the batch is applied."""
+    h = Harness(engine="vllm")
+    salt_event = BlockStored((1, 2), None, (1, 2, 3, 4), 2, medium="GPU",
+                             extra_keys=((make_salt(SECRET, BACKEND, P1),), None))
+    assert h.feed(salt_event) == [PrefixEvent(CACHE_CREATED, P1, 4)]
+    placeholders = (BlockStored((1,), None, (), 0, medium="CPU", group_idx=None),
+                    BlockStored((2,), None, (), 0, medium="CPU"),
+                    BlockStored((77,), None, (), 0, medium="CPU"))
+    assert h.feed(*placeholders, BlockRemoved((2,), medium="GPU"),
+                  BlockRemoved((1,), medium="GPU")) == [PrefixEvent(CACHE_OFFLOADED, P1, 4)]
+    assert h.tracker.tracked_blocks == 2  # no block made for the unknown hash 77
+    assert h.processor.stats()["placeholder_blocks"] == 1
+    assert h.feed(BlockRemoved((1, 2), medium="CPU")) == [PrefixEvent(CACHE_EVICTED, P1, 4)]
+
+
 def test_gpu_removal_without_an_offloaded_copy_evicts() -> None:
     h = Harness()
     h.feed(salted((1,), None, P1))
