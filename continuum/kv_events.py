@@ -84,6 +84,9 @@ class KvEventBatch:
     skipped: int = 0
     #: ZMQ topic frame the batch arrived with; None when not known (payload decoded alone).
     topic: bytes | None = None
+    #: Events the decoder refused (bad fields), skipped likewise; where the first one was.
+    malformed: int = 0
+    malformed_at: str | None = None
 
 
 class KvEventSink(Protocol):

@@ -19,7 +19,9 @@ int64 taken modulo 2**64, a vLLM ``bin`` digest as its last 8 bytes, a TensorRT-
 digest as its first 8 bytes. ``continuum.sim.hashing`` computes hashes in the same form.
 
 **Unknown event tags** are not fatal: such events are skipped and counted in
-``KvEventBatch.skipped`` (TRT-LLM: ``TrtllmEventList.skipped``).
+``KvEventBatch.skipped`` (TRT-LLM: ``TrtllmEventList.skipped``). Neither is **one malformed
+event** of a ZMQ batch: it is skipped and counted in ``KvEventBatch.malformed`` (the first
+one's location in ``malformed_at``), and the batch's other events are applied.
 
 **Errors.** Anything malformed raises :class:`~listener.errors.DecodeError` (a ``ValueError``)
 naming the location, e.g. ``$[1][0].block_hashes: expected an array, got str``; no other
@@ -278,15 +280,25 @@ def decode_zmq_payload(
     if isinstance(ts, bool) or not isinstance(ts, (int, float)):
         raise DecodeError(ts_path, f"expected a float timestamp, got {type_name(ts)}")
     events: list[KvEvent] = []
-    skipped = 0
+    skipped = malformed = 0
+    malformed_at: str | None = None
     for i, raw in enumerate(expect_list(raw_events, events_path)):
         path = f"{events_path}[{i}]"
-        if isinstance(raw, list):
-            event = _array_event(raw, path)
-        elif isinstance(raw, dict):
-            event = _map_event(raw, path)
-        else:
-            raise DecodeError(path, f"event must be an array or a map, got {type_name(raw)}")
+        try:
+            if isinstance(raw, list):
+                event = _array_event(raw, path)
+            elif isinstance(raw, dict):
+                event = _map_event(raw, path)
+            else:
+                raise DecodeError(path, f"event must be an array or a map, got "
+                                  f"{type_name(raw)}")
+        except DecodeError as exc:
+            # One event's bad fields cost that event, not the others of its batch: its
+            # sequence number is good, and refusing it all would read as a gap (a reset).
+            malformed += 1
+            if malformed_at is None:
+                malformed_at = exc.path
+            continue
         if event is None:
             skipped += 1
         else:
@@ -297,6 +309,8 @@ def decode_zmq_payload(
         data_parallel_rank=optional_int(rank, rank_path, minimum=0),
         seq=seq,
         skipped=skipped,
+        malformed=malformed,
+        malformed_at=malformed_at,
         topic=topic,
     )
 

@@ -48,6 +48,8 @@ SOURCE_COUNTERS: dict[str, tuple[str, str]] = {
     "events": ("events_in", "Engine KV events (stored/removed/cleared) applied, by source"),
     "skipped_events": ("skipped_events", "Engine events of unknown kinds skipped"),
     "decode_errors": ("decode_errors", "Malformed engine messages skipped"),
+    "malformed_events": ("malformed_events", "Malformed engine events skipped, the rest of "
+                         "their batch applied"),
     "sequence_gaps": ("sequence_gaps", "Lost engine batches detected (seq / event-id gaps)"),
     "duplicates": ("duplicates", "Engine batches dropped as already applied"),
     "restarts": ("engine_restarts", "Engine restarts detected (seq or ids going back)"),

@@ -30,6 +30,7 @@ class SourceStats:
     batches: int = 0
     events: int = 0
     skipped_events: int = 0
+    malformed_events: int = 0
     decode_errors: int = 0
     sequence_gaps: int = 0
     duplicates: int = 0
@@ -109,6 +110,12 @@ class EventSource:
         self.stats.batches += 1
         self.stats.events += len(batch.events)
         self.stats.skipped_events += batch.skipped
+        if batch.malformed:
+            self.stats.malformed_events += batch.malformed
+            # the location only: the reason could quote token values
+            self._warn_once("malformed-event", "%s: skipping %d malformed event(s) of a "
+                            "batch, its others applied (first at %s)", self.backend,
+                            batch.malformed, batch.malformed_at)
         self.last_event_at = time.time()
         self._clean = False
         try:

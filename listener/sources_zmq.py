@@ -31,7 +31,9 @@ received ``seq``                           action
 A replay (§1.3, both reply layouts) is asked from a fresh DEALER socket; its batches are
 applied in order, duplicates dropped; if it does not reach back to ``E`` (or returns a hole)
 the state is reset before applying what it returned. A malformed message is counted
-(``decode_errors``) and skipped; the hole it leaves is then a gap like any other. A reset
+(``decode_errors``) and skipped; the hole it leaves is then a gap like any other. A
+malformed event in a readable batch costs only itself (``malformed_events``): the batch's
+other events are applied and its sequence number counts. A reset
 calls :meth:`~listener.model.SourceProcessor.reset`, which emits ``cache_cleared``; two
 resets with nothing applied in between collapse into one. The table keeps the
 ``limits.max_sequence_streams`` most recently used keys (counted in ``pruned_streams`` when

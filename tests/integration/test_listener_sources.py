@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import gevent
+import msgpack
 import pytest
 import requests
 import zmq.green as zmq
@@ -315,6 +316,42 @@ def test_sequence_table_without_replay(ctx: Any, zap: ZapAuthenticator, hub: Eve
     assert processor.seqs() == [0, 1, 0, 1, 2, 1, 3, 0, 4]
     assert source.stats.batches == 11  # the failed batch was handed over too
     assert "token" not in json.dumps(source.health())
+
+
+def test_a_malformed_event_costs_only_itself_over_a_socket(
+        ctx: Any, zap: ZapAuthenticator, hub: EventHub) -> None:
+    """A batch with one bad event (a ``BlockRemoved`` whose hashes are booleans) beside a
+    good store: the store is applied, the bad event counted, and the next batch is no gap
+    (before, the whole batch was refused and the next one reset the backend)."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    processor = StubProcessor(hub.publisher(BACKEND))
+    source = ZmqSource(zmq_config(endpoint), processor, context=ctx, zap=zap)
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    try:
+        source.start()
+        pub.connect(endpoint)
+        seq = 0
+        while not processor.batches and seq < 500:
+            pub.send_multipart(frames(seq, stored(1000 + seq)))
+            seq += 1
+            gevent.sleep(0.02)
+        wait_until(lambda: bool(processor.batches), "a first batch")
+        gevent.sleep(0.1)
+        last, resets = processor.seqs()[-1], len(processor.resets)
+        gaps = source.stats.sequence_gaps
+        good = frames(last + 1, stored(7))
+        events = msgpack.unpackb(good[2])
+        events[1].append({"type": "BlockRemoved", "block_hashes": [True]})
+        pub.send_multipart([good[0], good[1], msgpack.packb(events)])
+        pub.send_multipart(frames(last + 2, stored(8)))
+        wait_until(lambda: processor.seqs()[-1] == last + 2, "the batch after the bad event")
+        assert processor.seqs()[-2:] == [last + 1, last + 2]
+        assert (source.stats.malformed_events, source.stats.decode_errors) == (1, 0)
+        assert (source.stats.sequence_gaps, len(processor.resets)) == (gaps, resets)
+    finally:
+        pub.close(linger=0)
+        source.stop()
 
 
 @pytest.mark.parametrize("profile", ["vllm-0.22", "vllm-0.33", "sglang-0.5.9", "sglang-0.5.22"])

@@ -196,7 +196,7 @@ LISTENER_EXPORTED = {
     "processor_detokenize_cache_hits_total": "counter",
     "processor_events_in_total": "counter", "processor_events_out_total": "counter",
     "processor_ignored_blocks_total": "counter", "processor_masked_blocks_total": "counter",
-    "processor_placeholder_blocks_total": "counter",
+    "processor_placeholder_blocks_total": "counter", "malformed_events_total": "counter",
     "processor_mismatched_blocks_total": "counter", "processor_salt_rejected_total": "counter",
     "processor_unattributed_chains_total": "counter",
 }
