@@ -11,6 +11,7 @@ follows.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import json
@@ -248,8 +249,11 @@ def stored(h: int) -> list[KvEvent]:
     return [BlockStored((h,), None, tuple(range(16)), 16, medium="GPU")]
 
 
-def test_sequence_gap_over_a_socket_clears_the_stream(
-        ctx: Any, zap: ZapAuthenticator, hub: EventHub) -> None:
+@contextlib.contextmanager
+def heard_source(ctx: Any, zap: ZapAuthenticator,
+                 hub: EventHub) -> Iterator[tuple[ZmqSource, StubProcessor, Any]]:
+    """A started ZMQ source and a PUB socket connected to it that has published stores
+    until the source heard one (a PUB drops what it sends before the connection is up)."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     processor = StubProcessor(hub.publisher(BACKEND))
     source = ZmqSource(zmq_config(endpoint), processor, context=ctx, zap=zap)
@@ -265,6 +269,15 @@ def test_sequence_gap_over_a_socket_clears_the_stream(
             gevent.sleep(0.02)
         wait_until(lambda: bool(processor.batches), "a first batch")
         gevent.sleep(0.1)
+        yield source, processor, pub
+    finally:
+        pub.close(linger=0)
+        source.stop()
+
+
+def test_sequence_gap_over_a_socket_clears_the_stream(
+        ctx: Any, zap: ZapAuthenticator, hub: EventHub) -> None:
+    with heard_source(ctx, zap, hub) as (source, processor, pub):
         first = processor.seqs()[0]
         # a first sequence number > 0 is lost state too (nothing before it was seen)
         assert (source.stats.sequence_gaps, len(processor.resets)) == (
@@ -281,9 +294,6 @@ def test_sequence_gap_over_a_socket_clears_the_stream(
         assert stream_events(hub, mark) == [
             (CACHE_CREATED, f"{last + 1:064x}"), (CACHE_CREATED, f"{last + 2:064x}"),
             (CACHE_CLEARED, None), (CACHE_CREATED, f"{last + 5:064x}")]
-    finally:
-        pub.close(linger=0)
-        source.stop()
 
 
 def test_sequence_table_without_replay(ctx: Any, zap: ZapAuthenticator, hub: EventHub) -> None:
@@ -323,21 +333,7 @@ def test_a_malformed_event_costs_only_itself_over_a_socket(
     """A batch with one bad event (a ``BlockRemoved`` whose hashes are booleans) beside a
     good store: the store is applied, the bad event counted, and the next batch is no gap
     (before, the whole batch was refused and the next one reset the backend)."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    processor = StubProcessor(hub.publisher(BACKEND))
-    source = ZmqSource(zmq_config(endpoint), processor, context=ctx, zap=zap)
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    try:
-        source.start()
-        pub.connect(endpoint)
-        seq = 0
-        while not processor.batches and seq < 500:
-            pub.send_multipart(frames(seq, stored(1000 + seq)))
-            seq += 1
-            gevent.sleep(0.02)
-        wait_until(lambda: bool(processor.batches), "a first batch")
-        gevent.sleep(0.1)
+    with heard_source(ctx, zap, hub) as (source, processor, pub):
         last, resets = processor.seqs()[-1], len(processor.resets)
         gaps = source.stats.sequence_gaps
         good = frames(last + 1, stored(7))
@@ -349,9 +345,6 @@ def test_a_malformed_event_costs_only_itself_over_a_socket(
         assert processor.seqs()[-2:] == [last + 1, last + 2]
         assert (source.stats.malformed_events, source.stats.decode_errors) == (1, 0)
         assert (source.stats.sequence_gaps, len(processor.resets)) == (gaps, resets)
-    finally:
-        pub.close(linger=0)
-        source.stop()
 
 
 @pytest.mark.parametrize("profile", ["vllm-0.22", "vllm-0.33", "sglang-0.5.9", "sglang-0.5.22"])
