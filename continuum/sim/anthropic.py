@@ -73,7 +73,7 @@ def _serialize(req: falcon.Request, resp: falcon.Response, ex: falcon.HTTPError)
     resp.data = _error_doc(ex.status_code, message, str(req.context.get("request_id", "")))
 
 
-#: The rate-limit headers the real API sends on every answer (fixed values here).
+#: The rate-limit headers the real API sends on every Messages answer (fixed values here).
 RATE_LIMIT_HEADERS = {
     f"anthropic-ratelimit-{kind}-{field}": value
     for kind, limit in (("requests", 1000), ("tokens", 96000), ("input-tokens", 80000),
