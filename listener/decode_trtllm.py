@@ -13,6 +13,9 @@ modules small. Each envelope becomes a :class:`TrtllmEvent` carrying its ``event
   (other levels ``"CACHE_LEVEL_<n>"``); ``mm_keys`` become ``extra_keys`` entries of
   ``(hash, start_offset)`` pairs (``None`` for blocks without any).
 * ``removed`` → ``(BlockRemoved(hashes),)`` (no medium: TensorRT-LLM does not say).
+* Each block pool is keyed apart: ``window_size`` (a variable sliding-window model has one
+  pool per window, each with its own events for the same hashes) is the neutral events'
+  ``group_idx``, so a removal from one pool leaves the block another pool holds.
 * ``updated`` → no neutral event; the change is in :attr:`TrtllmEvent.update`.
 * any other ``type`` → no neutral event, ``kind`` is that type, and the list's ``skipped``
   count goes up. The entry is kept so that event ids stay contiguous: a consumer that sees an
@@ -146,7 +149,7 @@ def _block(value: object, path: str) -> _Block:
     )
 
 
-def _stored(data: dict[Any, Any], path: str) -> tuple[KvEvent, ...]:
+def _stored(data: dict[Any, Any], path: str, window: int | None) -> tuple[KvEvent, ...]:
     parent = optional_hash(data.get("parent_hash"), f"{path}.parent_hash")
     blocks = [_block(b, f"{path}.blocks[{i}]")
               for i, b in enumerate(expect_list(data.get("blocks"), f"{path}.blocks"))]
@@ -169,6 +172,7 @@ def _stored(data: dict[Any, Any], path: str) -> tuple[KvEvent, ...]:
             cache_salt=first.cache_salt,
             extra_keys=mm if any(k is not None for k in mm) else None,
             priority=first.priority,
+            group_idx=window,
         ))
         # Block i's parent is block i-1 (§8.3), so the next run hangs off this run's tail.
         parent = run[-1].block_hash
@@ -210,10 +214,11 @@ def _event(value: object, path: str) -> TrtllmEvent:
         return TrtllmEvent(**common, events=(AllBlocksCleared(),),
                            num_blocks_per_cache_level=counts)
     if kind == "stored":
-        return TrtllmEvent(**common, events=_stored(data, dpath))
+        return TrtllmEvent(**common, events=_stored(data, dpath, common["window_size"]))
     if kind == "removed":
         hashes = hash_list(data.get("block_hashes"), f"{dpath}.block_hashes")
-        return TrtllmEvent(**common, events=(BlockRemoved(block_hashes=hashes),) if hashes else ())
+        removed = BlockRemoved(block_hashes=hashes, group_idx=common["window_size"])
+        return TrtllmEvent(**common, events=(removed,) if hashes else ())
     if kind == "updated":
         update = TrtllmBlockUpdated(
             block_hash=canonical_block_hash(data.get("block_hash"), f"{dpath}.block_hash"),

@@ -8,6 +8,7 @@ so that blocks keep their token segments and the token limit is what prunes.
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 from continuum.cache_salt import make_salt
 from continuum.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
 from listener.config import DetokenizeConfig, LimitsConfig, SourceConfig
+from listener.decode import decode_trtllm_events
 from listener.model import (
     CACHE_CLEARED,
     CACHE_CREATED,
@@ -227,6 +229,31 @@ def test_trtllm_removal_drops_every_cache_level() -> None:
                 zmq_endpoint=None)
     h.feed(salted((1,), None, P1), salted((1,), None, P1, medium="CPU"))
     assert h.feed(BlockRemoved((1,))) == [PrefixEvent(CACHE_EVICTED, P1, 2)]
+
+
+def test_trtllm_window_pools_hold_their_blocks_apart() -> None:
+    """A variable sliding-window model has a block pool per ``window_size``, each with
+    events for the same hashes: the small window's removal leaves the block the large one
+    holds (it used to evict the prefix), and the prefix goes when the last pool drops it."""
+    h = Harness(engine="trtllm", trtllm_endpoint="http://127.0.0.1:1/kv_cache_events",
+                zmq_endpoint=None)
+    salt = make_salt(SECRET, BACKEND, P1)
+    tokens = [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in (1, 2)]
+
+    def reply(event_id: int, window: int, data: dict[str, Any]) -> list[KvEvent]:
+        (event,) = decode_trtllm_events(json.dumps(
+            [{"event_id": event_id, "window_size": window, "data": data}]))
+        return list(event.events)
+
+    block = {"type": "stored_block", "block_hash": 1, "tokens": tokens, "cache_level": 0,
+             "priority": 35, "cache_salt": salt}
+    stored = {"type": "stored", "parent_hash": None, "blocks": [block]}
+    removed = {"type": "removed", "block_hashes": [1]}
+    assert h.feed(*reply(1, 512, stored), *reply(2, 4096, stored)) == [
+        PrefixEvent(CACHE_CREATED, P1, 2)]
+    assert h.feed(*reply(3, 512, removed)) == []
+    assert h.tracker.tracked_blocks == 1
+    assert h.feed(*reply(4, 4096, removed)) == [PrefixEvent(CACHE_EVICTED, P1, 2)]
 
 
 def test_clears_reset_or_drop_one_medium() -> None:
