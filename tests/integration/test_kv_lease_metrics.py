@@ -10,7 +10,6 @@ stays 0: nothing is streamed anywhere).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,15 +23,10 @@ from continuum.devtools.procs import free_port, wait_until
 from continuum.kv.consumer import KvEventConsumerManager
 from continuum.kv.lease import LeasedConsumers, RedisLease
 from stores.kv_memory import InMemoryKvIndex
+from tests.integration.test_kv_lease_handover import _spawn
 
 TTL_MS = 300
 GAUGE = "continuum_kv_consumer_connected"
-
-
-def _spawn(target: Callable[[], Any]) -> threading.Thread:
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread
 
 
 class _Worker:
