@@ -12,9 +12,12 @@ greenlet runs). For each chat request to a ``type: gemini`` backend, in the seed
 3. No entry: a ``miss``; the request goes unchanged and one greenlet creates the resource
    (``POST /v1beta/cachedContents`` with ``model``, ``systemInstruction``, ``ttl``) unless one
    is already creating it (single-flight).
-4. Google refuses the create with a 4xx (too few tokens, an endpoint without cachedContents):
-   a negative entry for ``negative_ttl_seconds``; lookups of it count ``negative``. A 5xx,
-   429 or timeout backs off the same way for at most 10 s.
+4. The create is refused, in a way that no retry soon would change (:func:`refused`): a 4xx
+   (too few tokens, a model without caching, 403 permission denied, 404/405 from an
+   endpoint without ``cachedContents``) or a 501 Not Implemented (a proxy or self-hosted
+   endpoint that mimics the API but not its ``cachedContents``): a negative entry for
+   ``negative_ttl_seconds``; lookups of it count ``negative``. A 5xx but 501, a 401, 408,
+   409, 429 or a timeout backs off the same way for at most 10 s.
 5. Past ``max_entries`` (negative entries included), expired entries go first, then the least
    recently used; an evicted resource gets a best-effort ``DELETE`` (its storage is billed
    until then), and so does every resource on :meth:`GeminiContextCache.clear`.
@@ -63,10 +66,32 @@ MAP_PREFIX = "gctx:"
 LOCK_PREFIX = "gctx-lock:"
 #: Fraction of ``ttl`` left at which a hit extends the resource (the seed's 20%).
 EXTEND_AT = 0.2
-#: Longest back-off after a create that failed without a refusal (5xx, 429, timeout).
+#: Longest back-off after a create that failed without a refusal (5xx but 501, 429, timeout).
 TRANSIENT_BACKOFF_SECONDS = 10.0
-#: Statuses that are not a refusal of this prompt: back off briefly, try again later.
-_TRANSIENT = frozenset({401, 403, 408, 409, 429})
+#: 4xx statuses that are not a refusal: back off briefly, try again later. 401
+#: (UNAUTHENTICATED: a credential that can be refreshed, an expired OAuth token), 408, 409
+#: (ABORTED, a concurrent change) and 429 (RESOURCE_EXHAUSTED: a quota that refills).
+#: 403 (PERMISSION_DENIED) is not among them: on a create it means this key or project may
+#: not create caches (the API not enabled for the project, a key restricted to other
+#: methods, a model the key cannot use, a gateway in front that forbids the path), which no
+#: retry within seconds changes and only an operator does; retried every 10 s it only
+#: multiplies calls and log lines for every prompt. A negative entry bounds the wait to
+#: ``negative_ttl_seconds``, and the requests themselves go uncached meanwhile, as they do
+#: during a back-off.
+_TRANSIENT = frozenset({401, 408, 409, 429})
+#: 5xx statuses that are a refusal: 501 Not Implemented (GoogleAPIs' UNIMPLEMENTED) says the
+#: endpoint has no ``cachedContents`` at all (a proxy or self-hosted endpoint that mimics the
+#: Generative Language API without it), which a retry cannot change; every other 5xx is an
+#: outage that may end in seconds.
+_REFUSED_5XX = frozenset({501})
+
+
+def refused(status: int) -> bool:
+    """Whether a create that failed with HTTP ``status`` is refused for good (a negative
+    entry for ``negative_ttl_seconds``) rather than failed for now (a 10 s back-off)."""
+    return (400 <= status < 500 and status not in _TRANSIENT) or status in _REFUSED_5XX
+
+
 COUNTERS = ("hits", "misses", "ineligible", "negative", "creates", "create_failures",
             "evictions", "cached_tokens")
 
@@ -345,10 +370,10 @@ class GeminiContextCache:
             self._bump(name, "creates")
             self.metrics.operation(name, "create")
             return
-        refused = 400 <= resp.status_code < 500 and resp.status_code not in _TRANSIENT
+        final = refused(resp.status_code)
         log.info("gemini context cache: %s %s the create (%d): %.200s", name,
-                 "refused" if refused else "failed", resp.status_code, resp.text)
-        self._failed(key, backend, model, settings.negative_ttl_seconds if refused
+                 "refused" if final else "failed", resp.status_code, resp.text)
+        self._failed(key, backend, model, settings.negative_ttl_seconds if final
                      else TRANSIENT_BACKOFF_SECONDS)
 
     def _failed(self, key: str, backend: Backend, model: str, backoff: float) -> None:

@@ -13,6 +13,12 @@ streamed); these functions translate both ways:
   ``thinkingBudget`` for Gemini 2.x models, a ``thinkingLevel`` for later ones; or, as on
   Google's OpenAI-compatible surface, ``extra_body.google.thinking_config`` as it is given.
   Thought summaries (``includeThoughts``) come back as the message's ``reasoning_content``;
+* the client's own ``extra_body.google.cached_content`` (a ``cachedContents/…`` name, the
+  OpenAI-compatible way to reference a cache) → top-level ``cachedContent``, and
+  ``extra_body.google.safety_settings`` → ``safetySettings`` (:func:`google_fields`); the
+  request is otherwise translated as it is (its system messages still become
+  ``systemInstruction``: a client that references its own cache leaves them out, as it
+  would on Google's OpenAI-compatible surface);
 * a function call's ``thoughtSignature`` (Gemini 3 signs its calls and refuses a
   conversation that does not give the signatures back) ↔ the tool call's
   ``extra_content.google.thought_signature``, where Google's OpenAI-compatible surface
@@ -342,6 +348,72 @@ def thinking_config(body: dict[str, Any], model: str) -> dict[str, Any] | None:
     return {"thinkingLevel": _LEVELS[effort], **config}
 
 
+def _google(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's ``extra_body.google`` (empty when it gave none).
+
+    Raises:
+        RequestError: ``extra_body.google`` is given but is not an object.
+    """
+    extra = body.get("extra_body")
+    google = extra.get("google") if isinstance(extra, dict) else None
+    if google is None:
+        return {}
+    if not isinstance(google, dict):
+        raise RequestError("extra_body.google must be an object", param="extra_body.google",
+                           code="invalid_type")
+    return google
+
+
+def client_cached_content(body: dict[str, Any]) -> Any:
+    """The cache the client references itself (``extra_body.google.cached_content``, of any
+    type), or None when it references none. A request with one is the client's to manage:
+    the context-cache manager neither adds its own reference nor strips its system prompt."""
+    extra = body.get("extra_body")
+    google = extra.get("google") if isinstance(extra, dict) else None
+    return google.get("cached_content") if isinstance(google, dict) else None
+
+
+def google_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The native request's fields from the client's ``extra_body.google``, Google's
+    OpenAI-compatible spelling: ``cached_content`` → ``cachedContent`` (a
+    ``cachedContents/…`` name) and ``safety_settings`` → ``safetySettings`` (each setting's
+    keys in camel case: ``category``, ``threshold``, ``method``). Which categories and
+    thresholds exist, and whether the cache exists, is Google's to say.
+
+    Raises:
+        RequestError: naming the field: ``cached_content`` is not a non-empty string,
+            ``safety_settings`` is not an array of objects, or a setting's ``category`` or
+            ``threshold`` is not a string.
+    """
+    google = _google(body)
+    fields: dict[str, Any] = {}
+    cached = google.get("cached_content")
+    if cached is not None:
+        if not isinstance(cached, str) or not cached:
+            raise RequestError("extra_body.google.cached_content must be a string naming a "
+                               "cache ('cachedContents/...')",
+                               param="extra_body.google.cached_content", code="invalid_type")
+        fields["cachedContent"] = cached
+    settings = google.get("safety_settings")
+    if settings is not None:
+        where = "extra_body.google.safety_settings"
+        if not isinstance(settings, list):
+            raise RequestError(f"{where} must be an array of safety settings", param=where,
+                               code="invalid_type")
+        out = []
+        for i, setting in enumerate(settings):
+            if not isinstance(setting, dict):
+                raise RequestError(f"{where}[{i}] must be an object with 'category' and "
+                                   "'threshold'", param=f"{where}[{i}]", code="invalid_type")
+            for key in ("category", "threshold"):
+                if key in setting and not isinstance(setting[key], str):
+                    raise RequestError(f"{where}[{i}].{key} must be a string",
+                                       param=f"{where}[{i}].{key}", code="invalid_type")
+            out.append({_camel(key): value for key, value in setting.items()})
+        fields["safetySettings"] = out
+    return fields
+
+
 def _camel(key: str) -> str:
     head, *rest = key.split("_")
     return head + "".join(word.title() for word in rest)
@@ -379,17 +451,23 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, dict[str,
 def to_native(body: dict[str, Any], cached_content: str | None = None) -> dict[str, Any]:
     """A ``GenerateContentRequest`` for an OpenAI chat ``body``.
 
-    With ``cached_content`` the request references that cache and carries no
-    ``systemInstruction``, ``tools`` or ``toolConfig`` (Google refuses them together); the
-    caller only passes a cache whose system prompt is the request's.
+    With ``cached_content`` (the context-cache manager's) the request references that cache
+    and carries no ``systemInstruction``, ``tools`` or ``toolConfig`` (Google refuses them
+    together); the caller only passes a cache whose system prompt is the request's, and
+    only for a request that references no cache of the client's. The client's own
+    ``extra_body.google.cached_content`` and ``safety_settings`` go as
+    :func:`google_fields` says (the client's reference wins over ``cached_content``); the
+    rest of a request with the client's reference is translated as it is.
 
     Raises:
         RequestError: what cannot be translated, named by ``param``: a ``reasoning_effort``
             that cannot be mapped (:func:`thinking_config`), ``tools`` or an assistant
             message's ``tool_calls`` that are not arrays of objects, a ``json_schema`` that
-            is not one.
+            is not one, ``extra_body.google`` fields of the wrong type
+            (:func:`google_fields`).
     """
     model = str(body.get("model") or "")
+    google = google_fields(body)
     native: dict[str, Any] = {"contents": _contents(body.get("messages") or [], model)}
     config = _generation_config(body)
     thinking = thinking_config(body, model)
@@ -397,7 +475,11 @@ def to_native(body: dict[str, Any], cached_content: str | None = None) -> dict[s
         config["thinkingConfig"] = thinking
     if config:
         native["generationConfig"] = config
-    if cached_content is not None:
+    if "safetySettings" in google:
+        native["safetySettings"] = google["safetySettings"]
+    if "cachedContent" in google:
+        native["cachedContent"] = google["cachedContent"]
+    elif cached_content is not None:
         native["cachedContent"] = cached_content
         return native
     system = [content_text(m.get("content")) for m in body.get("messages") or []

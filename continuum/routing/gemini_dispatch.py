@@ -10,7 +10,11 @@ One dispatch (:meth:`GeminiGateway.send`):
    messages are stripped and the reference injected: ``extra_body.google.cached_content`` on
    the OpenAI surface, top-level ``cachedContent`` (and no ``systemInstruction``, ``tools``,
    ``toolConfig``) on the native one. Without one, the request goes as the client sent it
-   (the cache creates the resource in the background).
+   (the cache creates the resource in the background). A request that references a cache
+   of the client's own (``extra_body.google.cached_content``) is ``ineligible``: the
+   client's reference wins, and the router neither adds its own, nor strips the system
+   prompt, nor creates a resource for it (the request goes as the client sent it, or
+   translated as it is on the native API, where the reference becomes ``cachedContent``).
 3. When Google answers a request carrying a reference with "not found" (404, or 400/403 whose
    message names the cached content), the cache drops that entry and the request is sent
    once more without the reference: the client never sees that error.
@@ -244,7 +248,11 @@ class GeminiGateway:
         system: str | None = None
         name: str | None = None
         if chat and self.contexts is not None:
-            system = None if ctx.body.get("tools") else gemini.system_prompt(ctx.body)
+            # tools would have to be in the cache; a cache of the client's own is its to
+            # manage: both are ineligible (the manager is asked with no prompt)
+            system = None if ctx.body.get("tools") or \
+                gemini.client_cached_content(ctx.body) is not None \
+                else gemini.system_prompt(ctx.body)
             name = self.contexts.reference(backend, ctx.model, system)
         upstream = self.forwarder.send(backend, ctx, target,
                                        self._body(ctx, native, name), headers)

@@ -24,15 +24,25 @@
   ``includeThoughts`` puts a thought summary part (``thought: true``) before the answer;
 * an ``inlineData`` or ``fileData`` part without its ``mimeType`` is refused (400);
 * a prompt whose last text holds ``[blocked prompt]`` is blocked as Google blocks an unsafe
-  one: ``promptFeedback.blockReason: SAFETY`` and no candidate (streamed: one record);
+  one: ``promptFeedback.blockReason: SAFETY`` and no candidate (streamed: one record),
+  unless ``safetySettings`` sets ``HARM_CATEGORY_DANGEROUS_CONTENT`` to ``BLOCK_NONE`` or
+  ``OFF``; ``safetySettings`` is checked as Google checks it (an array of settings, each
+  with a known ``category`` and ``threshold``), else a 400;
+* ``cachedContent`` on the native surface is looked up as Google does (a missing or expired
+  cache is a 403; another model's a 400);
 * ``responseLogprobs`` (with ``logprobs`` top candidates, 0-20) gives each candidate a
   ``logprobsResult`` (per record when streamed) and ``avgLogprobs``;
 * errors as ``{"error": {"code", "message", "status"}}``: a ``cachedContent`` together with
   ``systemInstruction``, ``tools`` or ``toolConfig`` is refused (400) as Google does, and so
   is a missing or expired cache (403, "CachedContent not found (or permission denied)");
+* ``cached_contents_status`` (``--cached-contents-status 501``): every ``cachedContents``
+  call answers that status, as a proxy or self-hosted endpoint that mimics the API without
+  ``cachedContents`` would (501 Not Implemented, 404, 405…); generation still works;
 * for tests: ``GET /_sim/received?n=N`` (requests with method, path, query, headers, body),
-  ``GET /_sim/stats`` (cache counters, storage token-hours), ``POST /_sim/reset`` and
-  ``POST /_sim/expire`` (``{"name": "cachedContents/…"}``: end a cache now).
+  ``GET /_sim/stats`` (cache counters, storage token-hours), ``POST /_sim/reset`` (which
+  also restores the startup ``cached_contents_status``), ``POST /_sim/expire``
+  (``{"name": "cachedContents/…"}``: end a cache now) and ``POST /_sim/cached-contents``
+  (``{"status": 501}``, or ``null``: set ``cached_contents_status`` now).
 
 With ``api_key`` set, ``x-goog-api-key`` (or ``?key=``; ``Authorization: Bearer`` on the
 OpenAI surface) must match it. ``clock_offset`` shifts the fake's clock (its timestamps and
@@ -79,6 +89,43 @@ _UNCHECKED = frozenset(("skip_thought_signature_validator",
 BLOCKED_MARKER = "[blocked prompt]"
 #: Thinking tokens the fake reports for each ``thinkingLevel``.
 _LEVEL_THOUGHTS = {"minimal": 4, "low": 8, "medium": 64, "high": 192}
+#: The ``HarmCategory`` values a Gemini model takes in ``safetySettings``.
+HARM_CATEGORIES = frozenset(("HARM_CATEGORY_HARASSMENT", "HARM_CATEGORY_HATE_SPEECH",
+                             "HARM_CATEGORY_SEXUALLY_EXPLICIT",
+                             "HARM_CATEGORY_DANGEROUS_CONTENT",
+                             "HARM_CATEGORY_CIVIC_INTEGRITY"))
+#: The ``HarmBlockThreshold`` values.
+HARM_THRESHOLDS = frozenset(("HARM_BLOCK_THRESHOLD_UNSPECIFIED", "BLOCK_LOW_AND_ABOVE",
+                             "BLOCK_MEDIUM_AND_ABOVE", "BLOCK_ONLY_HIGH", "BLOCK_NONE",
+                             "OFF"))
+#: Thresholds that let through a prompt rated HIGH (what ``[blocked prompt]`` is).
+_LETS_HIGH_THROUGH = frozenset(("BLOCK_NONE", "OFF"))
+_SAFETY_TYPE = "type.googleapis.com/google.ai.generativelanguage.v1beta."
+
+
+def _safety(settings: Any) -> dict[str, str]:
+    """``safetySettings`` as category → threshold, refused (400) as Google refuses them."""
+    if settings is None:
+        return {}
+    if not isinstance(settings, list):
+        raise GeminiApiError(400, "Invalid JSON payload received. Unknown name "
+                             "\"safetySettings\": Proto field is not repeating, cannot start "
+                             "list.")
+    out: dict[str, str] = {}
+    for i, setting in enumerate(settings):
+        if not isinstance(setting, dict):
+            raise GeminiApiError(400, f"Invalid value at 'safety_settings[{i}]' "
+                                 f"({_SAFETY_TYPE}SafetySetting)")
+        category, threshold = setting.get("category"), setting.get("threshold")
+        if category not in HARM_CATEGORIES:
+            raise GeminiApiError(400, f"Invalid value at 'safety_settings[{i}].category' "
+                                 f"({_SAFETY_TYPE}HarmCategory), {json.dumps(category)}")
+        if threshold not in HARM_THRESHOLDS:
+            raise GeminiApiError(400, f"Invalid value at 'safety_settings[{i}].threshold' "
+                                 f"({_SAFETY_TYPE}SafetySetting.HarmBlockThreshold), "
+                                 f"{json.dumps(threshold)}")
+        out[category] = threshold
+    return out
 
 
 def _thinking(model: str, config: Any) -> tuple[int, bool]:
@@ -200,10 +247,13 @@ class FakeGemini:
 
     def __init__(self, *, models: Sequence[str] = DEFAULT_MODELS, api_key: str | None = None,
                  min_cache_tokens_override: int | None = None, clock_offset: float = 0.0,
-                 keep_received: int = 500) -> None:
+                 keep_received: int = 500, cached_contents_status: int | None = None) -> None:
         self.models = tuple(models)
         self.api_key = api_key
         self.clock_offset = clock_offset
+        #: When set, every cachedContents call answers this status (an endpoint without
+        #: cachedContents); ``/_sim/reset`` goes back to the startup value.
+        self.cached_contents_status = self._startup_status = cached_contents_status
         override = min_cache_tokens_override
 
         def minimum(model: str) -> int:
@@ -256,6 +306,27 @@ class FakeGemini:
                                  "other form of API consumer identity to call this API.")
         if not secrets.compare_digest(given.encode(), self.api_key.encode()):
             raise GeminiApiError(400, "API key not valid. Please pass a valid API key.")
+
+    def _without_caches(self, req: falcon.Request) -> None:
+        """With ``cached_contents_status``: record the call and answer that status, as an
+        endpoint without ``cachedContents`` does (whatever the key).
+
+        Raises:
+            GeminiApiError: ``cached_contents_status``, when set.
+        """
+        status = self.cached_contents_status
+        if status is None:
+            return
+        raw = req.bounded_stream.read()
+        try:
+            body: Any = json.loads(raw) if raw else None
+        except (ValueError, UnicodeDecodeError):
+            body = raw.decode("utf-8", "replace")
+        self._record(req, body)
+        message = {404: f"Not Found: {req.path}", 405: f"Method Not Allowed: {req.method}",
+                   501: "Method not implemented: cachedContents is not supported by this "
+                        "endpoint"}.get(status, f"cachedContents failed ({status})")
+        raise GeminiApiError(status, message)
 
     def _check_model(self, model: str, method: str) -> str:
         bare = model.removeprefix("models/")
@@ -327,6 +398,7 @@ class FakeGemini:
 
     def on_post_caches(self, req: falcon.Request, resp: falcon.Response) -> None:
         """``POST /v1beta/cachedContents``."""
+        self._without_caches(req)
         body = self._read(req)
         if not isinstance(body.get("model"), str):
             raise GeminiApiError(400, "* CreateCachedContentRequest.cached_content.model: "
@@ -355,6 +427,7 @@ class FakeGemini:
 
     def on_get_caches(self, req: falcon.Request, resp: falcon.Response) -> None:
         """``GET /v1beta/cachedContents?pageSize=&pageToken=``."""
+        self._without_caches(req)
         self._authorize(req)
         size = req.get_param_as_int("pageSize") or 100
         resp.media = self.caches.list_page(max(1, min(size, 1000)),
@@ -362,11 +435,13 @@ class FakeGemini:
 
     def on_get_cache(self, req: falcon.Request, resp: falcon.Response, cid: str) -> None:
         """``GET /v1beta/cachedContents/{id}``."""
+        self._without_caches(req)
         self._authorize(req)
         resp.media = self.caches.get("cachedContents/" + cid).document()
 
     def on_patch_cache(self, req: falcon.Request, resp: falcon.Response, cid: str) -> None:
         """``PATCH /v1beta/cachedContents/{id}?updateMask=ttl``: only the expiry may change."""
+        self._without_caches(req)
         body = self._read(req)
         mask = req.get_param("updateMask")
         fields = {f.strip() for f in mask.split(",")} if mask else \
@@ -383,6 +458,7 @@ class FakeGemini:
 
     def on_delete_cache(self, req: falcon.Request, resp: falcon.Response, cid: str) -> None:
         """``DELETE /v1beta/cachedContents/{id}``: an empty object."""
+        self._without_caches(req)
         self._record(req, None)
         self._authorize(req)
         self.caches.delete("cachedContents/" + cid)
@@ -414,6 +490,7 @@ class FakeGemini:
         system_text = "\n".join(_texts(system, "systemInstruction")) if system else ""
         declared = [f.get("name", "") for tool in body.get("tools") or []
                     for f in (tool.get("functionDeclarations") or [])]
+        safety = _safety(body.get("safetySettings"))
         cached_tokens, cached_system = self._cache_use(
             body.get("cachedContent"), model, system is not None or "tools" in body
             or "toolConfig" in body)
@@ -434,7 +511,8 @@ class FakeGemini:
         usage: dict[str, Any] = {"promptTokenCount": prompt_tokens}
         if cached_tokens:
             usage["cachedContentTokenCount"] = cached_tokens
-        if BLOCKED_MARKER in last:  # Google blocks the prompt: no candidate at all
+        if BLOCKED_MARKER in last and safety.get("HARM_CATEGORY_DANGEROUS_CONTENT") \
+                not in _LETS_HIGH_THROUGH:  # Google blocks the prompt: no candidate at all
             blocked = {"promptFeedback": {"blockReason": "SAFETY", "safetyRatings": [
                 {"category": "HARM_CATEGORY_DANGEROUS_CONTENT", "probability": "HIGH"}]},
                 "usageMetadata": {**usage, "totalTokenCount": prompt_tokens},
@@ -576,7 +654,17 @@ class FakeGemini:
         """``POST /_sim/reset``."""
         self.received.clear()
         self.caches.reset()
+        self.cached_contents_status = self._startup_status
         resp.media = {"reset": True}
+
+    def on_post_caches_status(self, req: falcon.Request, resp: falcon.Response) -> None:
+        """``POST /_sim/cached-contents`` with ``{"status": 501}`` (or ``null``)."""
+        body = json.loads(req.bounded_stream.read() or b"{}")
+        status = body.get("status") if isinstance(body, dict) else None
+        if status is not None and (type(status) is not int or not 400 <= status <= 599):
+            raise GeminiApiError(400, "status must be an HTTP error status (400-599) or null")
+        self.cached_contents_status = status
+        resp.media = {"status": status}
 
     def on_post_expire(self, req: falcon.Request, resp: falcon.Response) -> None:
         """``POST /_sim/expire`` with ``{"name": …}``."""
@@ -650,6 +738,7 @@ def create_gemini_app(fake: FakeGemini | None = None) -> falcon.App[falcon.Reque
     app.add_route("/_sim/stats", fake, suffix="stats")
     app.add_route("/_sim/reset", fake, suffix="reset")
     app.add_route("/_sim/expire", fake, suffix="expire")
+    app.add_route("/_sim/cached-contents", fake, suffix="caches_status")
     return app
 
 
@@ -665,6 +754,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smallest cachedContents for every model (default: per model)")
     p.add_argument("--clock-offset", type=float, default=0.0,
                    help="seconds added to the fake's clock (negative: behind the client)")
+    p.add_argument("--cached-contents-status", type=int, default=None,
+                   help="answer every cachedContents call with this HTTP status (e.g. 501: "
+                        "an endpoint without cachedContents)")
     return p
 
 
@@ -681,7 +773,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     fake = FakeGemini(models=[m for m in args.models.split(",") if m], api_key=args.api_key,
                       min_cache_tokens_override=args.min_cache_tokens,
-                      clock_offset=args.clock_offset)
+                      clock_offset=args.clock_offset,
+                      cached_contents_status=args.cached_contents_status)
     server = make_server(create_gemini_app(fake), args.host, args.port)
     server.start()
     print(f"continuum-sim gemini: http://{args.host}:{server.server_port} "

@@ -44,7 +44,8 @@ class GeminiApiError(Exception):
 
     STATUSES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED",
                 404: "NOT_FOUND", 409: "ALREADY_EXISTS", 429: "RESOURCE_EXHAUSTED",
-                500: "INTERNAL", 503: "UNAVAILABLE"}
+                500: "INTERNAL", 501: "UNIMPLEMENTED", 503: "UNAVAILABLE",
+                504: "DEADLINE_EXCEEDED"}
 
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
