@@ -119,7 +119,8 @@ class Listener:
             for source in config.sources:
                 processor = factory(source, self.hub.publisher(source.backend_name))
                 if source.engine == "trtllm":
-                    self.sources.append(TrtllmSource(source, processor))
+                    self.sources.append(TrtllmSource(source, processor,
+                                                     limits=config.limits))
                 else:
                     self.sources.append(ZmqSource(source, processor, context=self.context,
                                                   zap=self.zap, limits=config.limits))

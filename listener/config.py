@@ -51,7 +51,8 @@ class LimitsConfig:
         8 * 1024 * 1024, doc="largest ZMQ message part accepted (ZMQ_MAXMSGSIZE); a larger "
         "one drops the publisher's connection, which reconnects", min=65536, max=1024**3)
     max_sequence_streams: int = setting(
-        1024, doc="(topic, rank) sequence counters kept; least recently used dropped first",
+        1024, doc="(topic, rank) sequence counters kept (trtllm: attention-DP ranks); least "
+        "recently used dropped first",
         min=1, max=1_000_000)
 
 

@@ -20,8 +20,9 @@ digest as its first 8 bytes. ``continuum.sim.hashing`` computes hashes in the sa
 
 **Unknown event tags** are not fatal: such events are skipped and counted in
 ``KvEventBatch.skipped`` (TRT-LLM: ``TrtllmEventList.skipped``). Neither is **one malformed
-event** of a ZMQ batch: it is skipped and counted in ``KvEventBatch.malformed`` (the first
-one's location in ``malformed_at``), and the batch's other events are applied.
+event** of a ZMQ batch or a TRT-LLM reply: it is skipped and counted in
+``KvEventBatch.malformed`` (TRT-LLM: ``TrtllmEventList.malformed``; the first one's location
+in ``malformed_at``), and the other events are applied.
 
 **Errors.** Anything malformed raises :class:`~listener.errors.DecodeError` (a ``ValueError``)
 naming the location, e.g. ``$[1][0].block_hashes: expected an array, got str``; no other

@@ -16,10 +16,22 @@ modules small. Each envelope becomes a :class:`TrtllmEvent` carrying its ``event
 * Each block pool is keyed apart: ``window_size`` (a variable sliding-window model has one
   pool per window, each with its own events for the same hashes) is the neutral events'
   ``group_idx``, so a removal from one pool leaves the block another pool holds.
-* ``updated`` → no neutral event; the change is in :attr:`TrtllmEvent.update`.
+* ``updated`` → the change is in :attr:`TrtllmEvent.update`. A cache-level change (a block
+  offloaded from the GPU to host memory, or brought back) also becomes the neutral events of
+  a move, as vLLM's offloading reports one: ``BlockStored`` of the block's hash alone (no
+  tokens, ``block_size`` 0: a placeholder) on the new level's medium, then ``BlockRemoved``
+  from the old level's medium. The processor adds the medium to a tracked block and skips an
+  unknown one (``placeholder_blocks``). A priority-only update means nothing for prefixes:
+  no neutral event.
 * any other ``type`` → no neutral event, ``kind`` is that type, and the list's ``skipped``
   count goes up. The entry is kept so that event ids stay contiguous: a consumer that sees an
   id jump knows events were really lost (buffer overflow), not merely unknown.
+* a **malformed** event costs only itself (the drain is destructive: refusing the reply
+  would lose its good events for good). It is counted in the list's ``malformed`` (the first
+  one's location in ``malformed_at``) and kept as an entry of kind :data:`MALFORMED` without
+  neutral events, so that its id still counts; a malformed ``created`` stays a ``created``
+  (a restart whatever its pool sizes). An envelope whose ``event_id`` or
+  ``attention_dp_rank`` cannot be read is dropped: the hole in its ids is then a gap.
 """
 
 from __future__ import annotations
@@ -41,6 +53,10 @@ from listener.wire_fields import (
     optional_int,
     optional_str,
 )
+
+#: ``kind`` of the entry kept for a malformed event (see the module docstring).
+MALFORMED = "malformed"
+_KINDS = frozenset(("created", "stored", "removed", "updated"))
 
 #: TensorRT-LLM cache levels (``kPrimaryLevel``, ``kSecondaryLevel``) as neutral media.
 CACHE_LEVEL_MEDIA = ("GPU", "CPU")
@@ -91,9 +107,12 @@ class TrtllmEvent:
 
 
 class TrtllmEventList(list[TrtllmEvent]):
-    """The decoded reply: a list of :class:`TrtllmEvent` plus ``skipped``, the unknown kinds."""
+    """The decoded reply: a list of :class:`TrtllmEvent` plus ``skipped``, the unknown kinds,
+    and ``malformed``, the events refused (``malformed_at``: where the first one was)."""
 
     skipped: int = 0
+    malformed: int = 0
+    malformed_at: str | None = None
 
 
 class _Block(NamedTuple):
@@ -180,12 +199,24 @@ def _stored(data: dict[Any, Any], path: str, window: int | None) -> tuple[KvEven
     return tuple(events)
 
 
-def _diff(value: object, path: str) -> tuple[int, int] | None:
+def _diff(value: object, path: str, minimum: int | None = None) -> tuple[int, int] | None:
     if value is None:
         return None
     diff = expect_map(value, path)
-    return (expect_int(diff.get("old_value"), f"{path}.old_value"),
-            expect_int(diff.get("new_value"), f"{path}.new_value"))
+    return (expect_int(diff.get("old_value"), f"{path}.old_value", minimum=minimum),
+            expect_int(diff.get("new_value"), f"{path}.new_value", minimum=minimum))
+
+
+def _moved(block_hash: int, level: tuple[int, int] | None,
+           window: int | None) -> tuple[KvEvent, ...]:
+    """The neutral events of a cache-level change: stored on the new level (a placeholder:
+    the hash alone), then removed from the old one. Nothing when the level did not change."""
+    if level is None or level[0] == level[1]:
+        return ()
+    old, new = level
+    return (BlockStored((block_hash,), None, (), 0, medium=cache_level_medium(new),
+                        group_idx=window),
+            BlockRemoved((block_hash,), medium=cache_level_medium(old), group_idx=window))
 
 
 def _event(value: object, path: str) -> TrtllmEvent:
@@ -222,11 +253,28 @@ def _event(value: object, path: str) -> TrtllmEvent:
     if kind == "updated":
         update = TrtllmBlockUpdated(
             block_hash=canonical_block_hash(data.get("block_hash"), f"{dpath}.block_hash"),
-            cache_level=_diff(data.get("cache_level"), f"{dpath}.cache_level"),
+            cache_level=_diff(data.get("cache_level"), f"{dpath}.cache_level", minimum=0),
             priority=_diff(data.get("priority"), f"{dpath}.priority"),
         )
-        return TrtllmEvent(**common, update=update)
+        moved = _moved(update.block_hash, update.cache_level, common["window_size"])
+        return TrtllmEvent(**common, events=moved, update=update)
     return TrtllmEvent(**common)
+
+
+def _malformed(value: object) -> TrtllmEvent | None:
+    """What is kept of an envelope that failed to decode: its id and rank, so that the id
+    sequence stays contiguous; None when either cannot be read."""
+    if not isinstance(value, dict):
+        return None
+    try:
+        event_id = expect_int(value.get("event_id"), "", minimum=0)
+        rank = optional_int(value.get("attention_dp_rank"), "", minimum=0)
+    except DecodeError:
+        return None
+    data = value.get("data")
+    if isinstance(data, dict) and data.get("type") == "created":
+        return TrtllmEvent(event_id, "created", (AllBlocksCleared(),), attention_dp_rank=rank)
+    return TrtllmEvent(event_id, MALFORMED, attention_dp_rank=rank)
 
 
 def decode_trtllm_events(body: bytes | str | list[Any]) -> TrtllmEventList:
@@ -236,10 +284,11 @@ def decode_trtllm_events(body: bytes | str | list[Any]) -> TrtllmEventList:
         body: The raw JSON body, or the already parsed JSON array.
 
     Returns:
-        One :class:`TrtllmEvent` per envelope, in order; ``skipped`` counts unknown kinds.
+        One :class:`TrtllmEvent` per envelope, in order; ``skipped`` counts unknown kinds,
+        ``malformed`` the events refused (see the module docstring).
 
     Raises:
-        DecodeError: Not JSON, not an array of event envelopes, or a malformed event.
+        DecodeError: Not JSON, or not an array.
     """
     if isinstance(body, (bytes, bytearray, memoryview, str)):
         try:
@@ -252,8 +301,19 @@ def decode_trtllm_events(body: bytes | str | list[Any]) -> TrtllmEventList:
         parsed = body
     result = TrtllmEventList()
     for i, envelope in enumerate(expect_list(parsed, "$")):
-        event = _event(envelope, f"$[{i}]")
-        if event.kind not in ("created", "stored", "removed", "updated"):
+        try:
+            event = _event(envelope, f"$[{i}]")
+        except DecodeError as exc:
+            # One event's bad fields cost that event, not the reply: the drain is
+            # destructive, so a refused reply's good events would be lost for good.
+            result.malformed += 1
+            if result.malformed_at is None:
+                result.malformed_at = exc.path
+            kept = _malformed(envelope)
+            if kept is not None:
+                result.append(kept)
+            continue
+        if event.kind not in _KINDS:
             result.skipped += 1
         result.append(event)
     return result

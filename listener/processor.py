@@ -40,6 +40,16 @@ tainted, ``mismatched_blocks`` counts the event and one warning per source is lo
 drops a block from every cache level. ``AllBlocksCleared`` without a medium is a reset;
 with one, that medium is dropped from every block.
 
+TensorRT-LLM under attention data parallelism: each rank has its own cache, so a batch's
+``data_parallel_rank`` (the events' ``attention_dp_rank``) is part of its blocks' keys, group
+``(rank, window_size)``: a removal on one rank leaves the copy another rank holds, and the
+prefix goes when the last rank drops it. An ``AllBlocksCleared`` in such a batch (the source
+lost that rank's events, or the rank restarted) drops that rank's blocks only; if none are
+left at all it is a reset. Batches without a rank key blocks as before. A TensorRT-LLM
+``updated`` cache-level change arrives as a placeholder store on the new medium and a removal
+from the old one (``listener.decode_trtllm``): the block moves tier, an unknown block is
+skipped (``placeholder_blocks``).
+
 Chain keys (:mod:`listener.chain`): after the prefixes, every stored event whose blocks
 carry their token ids gets the router's chain keys of its blocks (one ``/detokenize`` call
 per event), each attributed to the block its end lies in and reported under the prefix of
@@ -71,6 +81,7 @@ from listener.tracker import (
     UNDECIDED,
     BlockKey,
     BlockTracker,
+    GroupKey,
 )
 
 log = logging.getLogger(__name__)
@@ -129,6 +140,8 @@ class DefaultSourceProcessor:
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self._group_kinds: dict[int, str] = {}
         self._warned_mismatch = False
+        #: TensorRT-LLM: blocks are keyed per attention-DP rank (see the module docstring)
+        self._per_rank = source.engine == "trtllm"
 
     # -- SourceProcessor ---------------------------------------------------------------------
 
@@ -136,16 +149,20 @@ class DefaultSourceProcessor:
         """Apply one decoded batch (events in order) and emit what changed."""
         tips: dict[BlockKey, str] = {}  # last block of each store → model for recovery
         stores: list[NewBlocks] = []  # new blocks with their tokens, for chain keys
+        rank = batch.data_parallel_rank if self._per_rank else None
         for event in batch.events:
             self.counters["events_in"] += 1
             if isinstance(event, BlockStored):
-                self._stored(event, tips, stores)
+                self._stored(event, event.group_idx if rank is None
+                             else (rank, event.group_idx), tips, stores)
             elif isinstance(event, BlockRemoved):
-                self._removed(event)
+                self._removed(event, event.group_idx if rank is None
+                              else (rank, event.group_idx))
             elif isinstance(event, AllBlocksCleared):
-                tips.clear()
-                stores.clear()
-                self._cleared(event)
+                if rank is None:  # a rank's clear leaves the others' (checked when used)
+                    tips.clear()
+                    stores.clear()
+                self._cleared(event, rank)
         self._recover(tips)
         self._chain_keys(stores)
         for key in tips:
@@ -189,17 +206,17 @@ class DefaultSourceProcessor:
 
     # -- events ------------------------------------------------------------------------------
 
-    def _stored(self, event: BlockStored, tips: dict[BlockKey, str],
+    def _stored(self, event: BlockStored, group: GroupKey, tips: dict[BlockKey, str],
                 stores: list[NewBlocks]) -> None:
         count = len(event.block_hashes)
         if not count:
             return
-        group, kind = event.group_idx, event.kv_cache_spec_kind
-        if group is not None:
+        group_idx, kind = event.group_idx, event.kv_cache_spec_kind
+        if group_idx is not None:
             if kind is None:
-                kind = self._group_kinds.get(group)
+                kind = self._group_kinds.get(group_idx)
             elif len(self._group_kinds) < 1024:
-                self._group_kinds[group] = kind
+                self._group_kinds[group_idx] = kind
         if kind is not None and kind not in PREFIX_KINDS:
             self.counters["ignored_blocks"] += count
             return
@@ -281,11 +298,12 @@ class DefaultSourceProcessor:
             stores.append(NewBlocks(first_parent, tuple(keys), tuple(ends),
                                     tuple(event.token_ids), model))
 
-    def _placeholder(self, event: BlockStored, group: int | None) -> None:
+    def _placeholder(self, event: BlockStored, group: GroupKey) -> None:
         """A store without tokens or size: vLLM's offloading connector names a block it
         copied to another medium (CPU, storage) by its hash alone when it kept nothing more
-        of it. A tracked block gains that medium; an unknown one cannot be placed in a
-        chain and is skipped (``placeholder_blocks``)."""
+        of it, and a TensorRT-LLM cache-level ``updated`` decodes to one. A tracked block
+        gains that medium; an unknown one cannot be placed in a chain and is skipped
+        (``placeholder_blocks``)."""
         media = self.tracker.medium_bit(event.medium)
         for block_hash in event.block_hashes:
             key: BlockKey = (group, int(block_hash))
@@ -323,17 +341,18 @@ class DefaultSourceProcessor:
                 "mismatched_blocks; this warning is logged once)", self.source.backend_name,
                 len(event.block_hashes), event.block_size, len(event.token_ids))
 
-    def _removed(self, event: BlockRemoved) -> None:
+    def _removed(self, event: BlockRemoved, group: GroupKey) -> None:
         if event.medium is None and self.source.engine == "trtllm":
             media = ALL_MEDIA
         else:
             media = self.tracker.medium_bit(event.medium)
         for block_hash in event.block_hashes:
-            self.tracker.remove((event.group_idx, int(block_hash)), media)
+            self.tracker.remove((group, int(block_hash)), media)
 
-    def _cleared(self, event: AllBlocksCleared) -> None:
-        if event.medium is not None:
-            self.tracker.remove_medium(self.tracker.medium_bit(event.medium))
+    def _cleared(self, event: AllBlocksCleared, rank: int | None) -> None:
+        if event.medium is not None or rank is not None:
+            media = ALL_MEDIA if event.medium is None else self.tracker.medium_bit(event.medium)
+            self.tracker.remove_medium(media, rank)
             if self.tracker.tracked_blocks:
                 return
         self.tracker.clear()

@@ -49,7 +49,7 @@ SOURCE_COUNTERS: dict[str, tuple[str, str]] = {
     "skipped_events": ("skipped_events", "Engine events of unknown kinds skipped"),
     "decode_errors": ("decode_errors", "Malformed engine messages skipped"),
     "malformed_events": ("malformed_events", "Malformed engine events skipped, the rest of "
-                         "their batch applied"),
+                         "their batch (or trtllm-serve reply) applied"),
     "sequence_gaps": ("sequence_gaps", "Lost engine batches detected (seq / event-id gaps)"),
     "duplicates": ("duplicates", "Engine batches dropped as already applied"),
     "restarts": ("engine_restarts", "Engine restarts detected (seq or ids going back)"),
@@ -62,8 +62,8 @@ SOURCE_COUNTERS: dict[str, tuple[str, str]] = {
     "polls": ("polls", "trtllm-serve /kv_cache_events polls"),
     "publisher_disconnects": ("publisher_disconnects", "ZMQ publisher connections dropped "
                               "(a message over limits.max_message_bytes drops one too)"),
-    "pruned_streams": ("pruned_sequence_streams", "(topic, rank) sequence counters dropped "
-                       "beyond limits.max_sequence_streams"),
+    "pruned_streams": ("pruned_sequence_streams", "(topic, rank) sequence counters (trtllm: "
+                       "attention-DP ranks) dropped beyond limits.max_sequence_streams"),
 }
 #: Processor ``stats()`` keys exported as gauges (values held now); every other key counts
 #: since start and is exported as a counter.

@@ -111,11 +111,7 @@ class EventSource:
         self.stats.events += len(batch.events)
         self.stats.skipped_events += batch.skipped
         if batch.malformed:
-            self.stats.malformed_events += batch.malformed
-            # the location only: the reason could quote token values
-            self._warn_once("malformed-event", "%s: skipping %d malformed event(s) of a "
-                            "batch, its others applied (first at %s)", self.backend,
-                            batch.malformed, batch.malformed_at)
+            self._malformed(batch.malformed, batch.malformed_at, "batch")
         self.last_event_at = time.time()
         self._clean = False
         try:
@@ -126,6 +122,14 @@ class EventSource:
             log.error("%s: processor failed on a batch (%s); resetting", self.backend,
                       type(exc).__name__)
             self._reset(f"processor error ({type(exc).__name__})")
+
+    def _malformed(self, count: int, where: str | None, unit: str) -> None:
+        """Count ``count`` malformed events skipped in one ``unit`` (a batch, a reply) whose
+        other events were applied; the first one's location is logged once."""
+        self.stats.malformed_events += count
+        # the location only: the reason could quote token values
+        self._warn_once("malformed-event", "%s: skipping %d malformed event(s) of a %s, its "
+                        "others applied (first at %s)", self.backend, count, unit, where)
 
     def _reset(self, reason: str) -> None:
         if self._clean:

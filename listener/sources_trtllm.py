@@ -9,7 +9,11 @@ be in ``allowed_publishers``; a redirect could lead anywhere). Replies are decod
 :func:`~listener.decode.decode_trtllm_events`.
 
 **Event ids** are monotonic per event manager from 0, where ``created`` is the first event.
-With ``L`` the last id applied and ``P`` the first id of the previous reply:
+Under attention data parallelism each rank has its own event manager, so its own ids, and
+rank 0 forwards the other ranks' events in its replies, each tagged ``attention_dp_rank``:
+the table below is kept **per rank** (events without the field form one sequence of their
+own, exactly as before ranks existed). With ``L`` the rank's last id applied and ``P`` its
+first id in the previous reply that had events of it:
 
 =====================================================  ===================================
 event                                                  action
@@ -26,16 +30,25 @@ first event ever, id > 0, not ``created``              lost state (drained befor
 =====================================================  ===================================
 
 ``created`` itself is not passed to the processor (the reset already emits
-``cache_cleared``). Consecutive applied events with the same attention-DP rank go to the
-processor as one :class:`~continuum.kv_events.KvEventBatch` whose ``seq`` is the first
-event's id; ``updated`` events and unknown kinds carry no neutral event and are only
-counted.
+``cache_cleared``). A reset for an event with an ``attention_dp_rank`` clears that rank's
+blocks only (a batch of that rank holding ``AllBlocksCleared``; the processor keys blocks per
+rank), since the other ranks' sequences are intact; only the first event the source ever
+sees resets the whole backend, as does any reset for events without a rank. The table keeps
+the ``limits.max_sequence_streams`` most recently used ranks (``pruned_streams``).
+
+Consecutive applied events with the same attention-DP rank go to the processor as one
+:class:`~continuum.kv_events.KvEventBatch` whose ``seq`` is the first event's id and whose
+``data_parallel_rank`` is that rank; a cache-level ``updated`` carries the neutral events of
+the move, a priority-only one and unknown kinds none (only counted). A malformed event costs
+only itself (``malformed_events``, the first one's location logged once); its id still counts
+when it can be read (:mod:`listener.decode_trtllm`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -43,8 +56,8 @@ import gevent
 import requests
 
 from continuum.config.addresses import redact_url
-from continuum.kv_events import KvEvent, KvEventBatch
-from listener.config import SourceConfig
+from continuum.kv_events import AllBlocksCleared, KvEvent, KvEventBatch
+from listener.config import LimitsConfig, SourceConfig
 from listener.decode import DecodeError, TrtllmEvent, decode_trtllm_events
 from listener.model import SourceProcessor
 from listener.sources import EventSource
@@ -63,6 +76,16 @@ READ_TIMEOUT = 10.0
 MAX_BODY = 256 * 1024 * 1024
 
 
+class _Sequence:
+    """The id sequence of one event manager: one attention-DP rank, or the events without."""
+
+    __slots__ = ("last", "previous_first")
+
+    def __init__(self) -> None:
+        self.last: int | None = None  # L: the last id applied
+        self.previous_first: int | None = None  # P: its first id in the previous reply
+
+
 class TrtllmSource(EventSource):
     """One ``trtllm-serve`` polled over HTTP (see the module docstring).
 
@@ -70,6 +93,8 @@ class TrtllmSource(EventSource):
         config: The source's config (``engine: trtllm``).
         processor: Its processor.
         session: HTTP session to use (default: a new one, closed by :meth:`stop`).
+        limits: ``max_sequence_streams``, the most attention-DP ranks whose ids are kept
+            (defaults when None).
 
     Raises:
         ValueError: No ``trtllm_endpoint``, or its host is not in ``allowed_publishers``.
@@ -78,7 +103,8 @@ class TrtllmSource(EventSource):
     transport = "http"
 
     def __init__(self, config: SourceConfig, processor: SourceProcessor, *,
-                 session: requests.Session | None = None) -> None:
+                 session: requests.Session | None = None,
+                 limits: LimitsConfig | None = None) -> None:
         super().__init__(config, processor)
         url = config.trtllm_endpoint
         if not url:
@@ -94,8 +120,10 @@ class TrtllmSource(EventSource):
         self.interval = config.trtllm_poll_interval_ms / 1000
         self._session = session
         self._own_session = session is None
+        #: The last event id applied, of whichever rank sent it.
         self.last_id: int | None = None
-        self._previous_first: int | None = None
+        self._sequences: OrderedDict[int | None, _Sequence] = OrderedDict()  # by rank, LRU
+        self.max_ranks = (limits or LimitsConfig()).max_sequence_streams
         self.last_error: str | None = None
 
     def start(self) -> None:
@@ -120,6 +148,9 @@ class TrtllmSource(EventSource):
         doc = super().health()
         doc.update(endpoint=self._safe_url(), last_event_id=self.last_id,
                    last_error=self.last_error, polls=self.stats.polls)
+        if any(rank is not None for rank in self._sequences):
+            doc["last_event_ids"] = {str(rank): seq.last
+                                     for rank, seq in self._sequences.items()}
         return doc
 
     def _safe_url(self) -> str:
@@ -179,36 +210,61 @@ class TrtllmSource(EventSource):
         self.state = "connected"
         self.last_error = None
         self.stats.skipped_events += events.skipped
-        self.handle_events(list(events))
+        if events.malformed:
+            self._malformed(events.malformed, events.malformed_at, "reply")
+        self.handle_events(events)
         return True
 
     def handle_events(self, events: list[TrtllmEvent]) -> None:
-        """Apply one reply's events by the id table (public for tests)."""
+        """Apply one reply's events by the id table, per rank (public for tests)."""
         if not events:
             return
-        first_of_reply = events[0].event_id
-        run: list[TrtllmEvent] = []
+        firsts: dict[int | None, int] = {}  # each rank's first id in this reply
+        run: list[TrtllmEvent] = []  # applied events of one rank, for one batch
+        rank = events[0].attention_dp_rank
+        seq = self._sequence(rank)
+        firsts[rank] = events[0].event_id
         for event in events:
-            verdict = self._classify(event)
+            if event.attention_dp_rank != rank:  # ranks interleave: look up the other one
+                self._flush(run)
+                run = []
+                rank = event.attention_dp_rank
+                seq = self._sequence(rank)
+                firsts.setdefault(rank, event.event_id)
+            verdict = self._classify(event, seq)
             if verdict == "duplicate":
                 self.stats.duplicates += 1
                 continue
             if verdict != "apply":
                 self._flush(run)
                 run = []
-                self._lost(verdict, event)
-            self.last_id = event.event_id
-            if event.kind == "created":
-                continue
-            if run and run[-1].attention_dp_rank != event.attention_dp_rank:
-                self._flush(run)
-                run = []
-            run.append(event)
+                self._lost(verdict, event, seq)
+            seq.last = self.last_id = event.event_id
+            if event.kind != "created":
+                run.append(event)
         self._flush(run)
-        self._previous_first = first_of_reply
+        for rank, first in firsts.items():
+            kept = self._sequences.get(rank)
+            if kept is not None:
+                kept.previous_first = first
 
-    def _classify(self, event: TrtllmEvent) -> str:
-        last, event_id = self.last_id, event.event_id
+    def _sequence(self, rank: int | None) -> _Sequence:
+        """The id sequence of ``rank``, now the most recently used; the least recently used
+        beyond ``max_ranks`` are dropped (a dropped rank's next event starts it anew)."""
+        sequences = self._sequences
+        seq = sequences.get(rank)
+        if seq is not None:
+            sequences.move_to_end(rank)
+            return seq
+        seq = sequences[rank] = _Sequence()
+        while len(sequences) > self.max_ranks:
+            sequences.popitem(last=False)
+            self.stats.pruned_streams += 1
+        return seq
+
+    @staticmethod
+    def _classify(event: TrtllmEvent, seq: _Sequence) -> str:
+        last, event_id = seq.last, event.event_id
         if event.kind == "created":
             return "created"
         if last is None:
@@ -216,14 +272,14 @@ class TrtllmSource(EventSource):
         if event_id == last + 1:
             return "apply"
         if event_id <= last:
-            floor = self._previous_first
+            floor = seq.previous_first
             if floor is not None and event_id >= floor:
                 return "duplicate"
             return "backwards"
         return "gap"
 
-    def _lost(self, verdict: str, event: TrtllmEvent) -> None:
-        event_id, last = event.event_id, self.last_id
+    def _lost(self, verdict: str, event: TrtllmEvent, seq: _Sequence) -> None:
+        event_id, last = event.event_id, seq.last
         if verdict == "created":
             self.stats.restarts += 1
             reason = f"trtllm-serve (re)started (created event, id {event_id})"
@@ -238,12 +294,32 @@ class TrtllmSource(EventSource):
             assert last is not None
             reason = f"event id gap: expected {last + 1}, got {event_id} " \
                      f"({event_id - last - 1} lost)"
-        self._reset(reason)
-        self._previous_first = None
+        seq.previous_first = None
+        rank = event.attention_dp_rank
+        if rank is None or self.last_id is None:
+            self._reset(reason)  # no rank, or nothing seen yet: whatever was known goes
+        else:
+            self._clear_rank(rank, f"attention-DP rank {rank}: {reason}")
+
+    def _clear_rank(self, rank: int, reason: str) -> None:
+        """One rank's events were lost (or it restarted): drop that rank's blocks only."""
+        if self._clean:  # nothing applied since the last reset: nothing of the rank either
+            log.info("%s: %s (state already clear)", self.backend, reason)
+            return
+        log.warning("%s: %s: clearing that rank's blocks", self.backend, reason)
+        batch = KvEventBatch(ts=time.time(), events=(AllBlocksCleared(),),
+                             data_parallel_rank=rank)
+        try:
+            self.processor.handle_batch(batch)
+        except Exception as exc:  # a processor bug must not kill the source
+            self.stats.processor_errors += 1
+            log.error("%s: processor failed on a rank's clear (%s); resetting", self.backend,
+                      type(exc).__name__)
+            self._reset(f"processor error ({type(exc).__name__})")
 
     def _flush(self, run: list[TrtllmEvent]) -> None:
         neutral: list[KvEvent] = [e for event in run for e in event.events]
-        if not neutral:  # only ``updated``/unknown kinds: nothing for the processor
+        if not neutral:  # only priority updates, unknown or malformed: nothing to apply
             return
         batch = KvEventBatch(ts=time.time(), events=tuple(neutral),
                              data_parallel_rank=run[0].attention_dp_rank,

@@ -56,9 +56,13 @@ from listener.model import (
     PrefixEvent,
 )
 
-#: ``(group_idx, block_hash)``: vLLM hashes are per request, so one hash can be stored by
-#: several KV-cache groups; keying by group keeps their lifetimes apart.
-BlockKey = tuple[int | None, int]
+#: A block's pool: the event's ``group_idx``, or ``(attention-DP rank, group_idx)`` for a
+#: TensorRT-LLM event that carries a rank (each rank has its own cache and event manager).
+GroupKey = int | tuple[int, int | None] | None
+#: ``(group, block_hash)``: vLLM hashes are per request, so one hash can be stored by
+#: several KV-cache groups (TensorRT-LLM: window pools, attention-DP ranks); keying by group
+#: keeps their lifetimes apart.
+BlockKey = tuple[GroupKey, int]
 
 GPU_BIT = 1
 ALL_MEDIA = -1
@@ -272,9 +276,15 @@ class BlockTracker:
             self._delete(key)
         return True
 
-    def remove_medium(self, media: int) -> None:
-        """Drop ``media`` from every block (an engine cleared one tier)."""
-        for key in [k for k, b in self.blocks.items() if b.media & media]:
+    def remove_medium(self, media: int, rank: int | None = None) -> None:
+        """Drop ``media`` from every block (an engine cleared one tier); with ``rank``, only
+        from the blocks of that attention-DP rank (groups ``(rank, group_idx)``)."""
+        if rank is None:
+            keys = [k for k, b in self.blocks.items() if b.media & media]
+        else:
+            keys = [k for k, b in self.blocks.items() if b.media & media
+                    and isinstance(k[0], tuple) and k[0][0] == rank]
+        for key in keys:
             self.remove(key, media)
 
     def clear(self) -> None:

@@ -707,6 +707,62 @@ def test_trtllm_first_poll_mid_stream_is_lost_state(hub: EventHub) -> None:
         server.close()
 
 
+def test_trtllm_a_malformed_event_costs_only_itself_over_http(hub: EventHub) -> None:
+    """A reply with one bad event (a ``removed`` whose hashes are booleans) beside good
+    stores: the stores are applied, the bad event counted, and its id still counts, so the
+    next reply is no gap (before, the whole reply was refused and, the drain being
+    destructive, its stores were lost for good)."""
+    bad = {"event_id": 2, "data": {"type": "removed", "block_hashes": [True]}}
+    server = Scripted([(200, {}, [envelope(0, "created"), envelope(1), bad, envelope(3)]),
+                       (200, {}, [envelope(4)])])
+    processor = StubProcessor(hub.publisher(BACKEND))
+    session = requests.Session()
+    source = TrtllmSource(trtllm_config(server.url + "/kv_cache_events"), processor,
+                          session=session)
+    try:
+        assert source.poll_once() and source.poll_once()
+        assert [e.block_hashes for e in processor.stored()] == [(1,), (3,), (4,)]
+        assert (source.stats.malformed_events, source.stats.decode_errors) == (1, 0)
+        assert (source.stats.sequence_gaps, len(processor.resets)) == (0, 1)  # created's
+        assert source.last_id == 4 and source.stats.poll_errors == {}
+    finally:
+        source.stop()
+        session.close()
+        server.close()
+
+
+def test_trtllm_attention_dp_ranks_have_their_own_ids_over_http(hub: EventHub) -> None:
+    """Rank 0 forwards rank 1's events in its replies, each rank counting from its own 0:
+    batches go out per rank with their rank, and no rank's ids read as another's gap or
+    restart (one ``last_id`` for all ranks reset the backend on nearly every reply)."""
+    def on(rank: int, doc: dict[str, Any]) -> dict[str, Any]:
+        return {**doc, "attention_dp_rank": rank}
+
+    server = Scripted([
+        (200, {}, [on(0, envelope(0, "created")), on(0, envelope(1, h=10)),
+                   on(0, envelope(2, h=11)), on(1, envelope(0, "created")),
+                   on(1, envelope(1, h=20))]),
+        (200, {}, [on(1, envelope(2, h=21)), on(0, envelope(3, h=12))]),
+    ])
+    processor = StubProcessor(hub.publisher(BACKEND))
+    session = requests.Session()
+    source = TrtllmSource(trtllm_config(server.url + "/kv_cache_events"), processor,
+                          session=session)
+    try:
+        assert source.poll_once() and source.poll_once()
+        # rank 1's created clears rank 1's blocks only: a batch of that rank, no reset
+        assert [(b.data_parallel_rank, b.seq) for b in processor.batches] == [
+            (0, 1), (1, None), (1, 1), (1, 2), (0, 3)]
+        assert processor.batches[1].events == (AllBlocksCleared(),)
+        assert len(processor.resets) == 1  # the source's first event only
+        assert (source.stats.sequence_gaps, source.stats.restarts) == (0, 2)
+        assert source.health()["last_event_ids"] == {"0": 3, "1": 2}
+    finally:
+        source.stop()
+        session.close()
+        server.close()
+
+
 def test_trtllm_redirects_are_refused_not_followed(hub: EventHub) -> None:
     target = Scripted([(200, {}, [envelope(0, "created"), envelope(1)])])
     redirect = Scripted([(307, {"Location": target.url + "/kv_cache_events"}, {}),

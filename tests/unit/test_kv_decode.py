@@ -28,11 +28,13 @@ from continuum.sim.kv_wire import PROFILES, encode_zmq_payload, get_profile
 from listener.decode import (
     STORED_FIELDS,
     DecodeError,
+    TrtllmEvent,
     canonical_block_hash,
     decode_trtllm_events,
     decode_zmq_frames,
     decode_zmq_payload,
 )
+from listener.decode_trtllm import MALFORMED
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "kv-events"
 TS = 1760000000.5
@@ -392,7 +394,10 @@ def test_trtllm_partial_blocks_salt_mm_keys_and_updates() -> None:
                     group_idx=256),
     )
     assert (stored.window_size, stored.attention_dp_rank) == (256, 1)
-    assert updated.events == () and updated.update is not None
+    # a cache-level change is a move: the hash alone stored on the new level, removed from
+    # the old one (as vLLM's offloading reports it)
+    assert updated.events == (BlockStored((2,), None, (), 0, medium="CPU"),
+                              BlockRemoved((2,), medium="GPU")) and updated.update is not None
     assert (updated.update.block_hash, updated.update.cache_level, updated.update.priority) == (
         2, (0, 1), None)
     assert (unknown.kind, unknown.event_id, unknown.events) == ("evicted_to_disk", 7, ())
@@ -405,15 +410,68 @@ def test_trtllm_partial_blocks_salt_mm_keys_and_updates() -> None:
 @pytest.mark.parametrize(("body", "where"), [
     (b"[{", r"^\$: not valid JSON"),
     (b"{}", r"^\$: expected an array"),
-    (b'[{"data": {"type": "created"}}]', r"^\$\[0\]\.event_id: "),
-    (b'[{"event_id": 0, "data": {"type": "stored", "parent_hash": null, "blocks": [{"block_hash"'
-     b': 1.5, "tokens": [1]}]}}]', r"^\$\[0\]\.data\.blocks\[0\]\.block_hash: "),
-    (b'[{"event_id": 0, "data": {"type": "removed", "block_hashes": [1e400]}}]',
-     r"^\$\[0\]\.data\.block_hashes\[0\]: "),
 ])
 def test_trtllm_errors_say_what_and_where(body: bytes, where: str) -> None:
     with pytest.raises(DecodeError, match=where):
         decode_trtllm_events(body)
+
+
+def _removed_env(event_id: int, *hashes: Any) -> dict[str, Any]:
+    return {"event_id": event_id, "data": {"type": "removed", "block_hashes": list(hashes)}}
+
+
+@pytest.mark.parametrize(("bad", "where", "kept"), [
+    ({"event_id": 2, "data": {"type": "stored", "parent_hash": None, "blocks": [
+        {"block_hash": 1.5, "tokens": [1]}]}}, "$[1].data.blocks[0].block_hash", MALFORMED),
+    ({"event_id": 2, "data": {"type": "stored", "parent_hash": None, "blocks": [
+        {"block_hash": 1, "tokens": []}]}}, "$[1].data.blocks[0].tokens", MALFORMED),
+    (_removed_env(2, float("inf")), "$[1].data.block_hashes[0]", MALFORMED),
+    ({"event_id": 2, "data": {"type": "updated", "block_hash": 1, "cache_level": {
+        "old_value": 0, "new_value": -1}}}, "$[1].data.cache_level.new_value", MALFORMED),
+    ({**_removed_env(2, 1), "window_size": "wide"}, "$[1].window_size", MALFORMED),
+    ({"event_id": 2, "data": "removed"}, "$[1].data", MALFORMED),
+    # a restart whatever its pool sizes
+    ({"event_id": 2, "data": {"type": "created", "num_blocks_per_cache_level": "many"}},
+     "$[1].data.num_blocks_per_cache_level", "created"),
+    # without a readable id (or rank) it cannot keep its place: the id hole is a gap
+    ({"data": {"type": "created"}}, "$[1].event_id", None),
+    ({**_removed_env(2, 1), "attention_dp_rank": -1}, "$[1].attention_dp_rank", None),
+    (7, "$[1]", None),
+])
+def test_trtllm_malformed_event_costs_only_itself(bad: Any, where: str,
+                                                   kept: str | None) -> None:
+    """The drain is destructive: refusing the reply would lose its good events for good. The
+    bad one is counted (the first one's location kept for the log) and, when its id can be
+    read, kept without neutral events so that its id still counts."""
+    body = [_removed_env(1, 5), bad, _removed_env(3, 6), _removed_env(4, True)]
+    events = decode_trtllm_events(json.dumps(body))
+    assert (events.malformed, events.malformed_at, events.skipped) == (2, where, 0)
+    good = [TrtllmEvent(1, "removed", (BlockRemoved((5,)),)),
+            TrtllmEvent(3, "removed", (BlockRemoved((6,)),))]
+    last = TrtllmEvent(4, MALFORMED)
+    if kept is None:
+        assert events == [*good, last]
+    else:
+        middle = TrtllmEvent(2, kept, (AllBlocksCleared(),) if kept == "created" else ())
+        assert events == [good[0], middle, good[1], last]
+
+
+def test_trtllm_updates_decode_to_cache_level_moves() -> None:
+    def update(level: Any, priority: Any = None, **envelope: Any) -> TrtllmEvent:
+        diff = [None if d is None else {"type": "event_diff", "old_value": d[0],
+                                        "new_value": d[1]} for d in (level, priority)]
+        (event,) = decode_trtllm_events(json.dumps([{
+            "event_id": 1, **envelope, "data": {"type": "updated", "block_hash": 7,
+                                                "cache_level": diff[0], "priority": diff[1]}}]))
+        return event
+
+    moved = update((1, 0), window_size=512, attention_dp_rank=3)
+    assert moved.events == (BlockStored((7,), None, (), 0, medium="GPU", group_idx=512),
+                            BlockRemoved((7,), medium="CPU", group_idx=512))
+    assert moved.attention_dp_rank == 3 and moved.update is not None
+    assert update((0, 2)).events[0] == BlockStored((7,), None, (), 0, medium="CACHE_LEVEL_2")
+    # priority-only, or no change at all: nothing for prefixes
+    assert update(None, (35, 80)).events == () and update((1, 1)).events == ()
 
 
 def test_trtllm_queue_merges_removals_clears_and_overflows() -> None:
