@@ -290,9 +290,11 @@ def test_the_worker_freezes_what_it_loaded_and_collects_the_young_less_often(
     assert ours["threshold"][0] == GC_YOUNG_THRESHOLD
     assert ours["threshold"][1:] == theirs["threshold"][1:] == [10, 10]
     assert ours["frozen"] > 10_000  # the modules, gunicorn, gevent, the app
-    # CPython's own thresholds: (700, 10, 10) up to 3.12, (2000, 10, 10) in 3.13
-    fresh = subprocess.run([sys.executable, "-c", "import gc; print(*gc.get_threshold())"],
+    # CPython's own setup: thresholds (700, 10, 10) up to 3.12, (2000, 10, 10) in 3.13;
+    # nothing frozen, but 3.12.1 starts with 375 objects in the permanent generation
+    fresh = subprocess.run([sys.executable, "-c", "import gc; print(*gc.get_threshold(), "
+                            "gc.get_freeze_count())"],
                            capture_output=True, text=True, check=True, timeout=60)
-    default = [int(part) for part in fresh.stdout.split()]
-    assert default[0] < GC_YOUNG_THRESHOLD
-    assert theirs == {"threshold": default, "frozen": 0}
+    *default, frozen = [int(part) for part in fresh.stdout.split()]
+    assert default[0] < GC_YOUNG_THRESHOLD and frozen < 1_000
+    assert theirs == {"threshold": default, "frozen": frozen}

@@ -8,13 +8,14 @@ Run::
     python -m tools.bench.bytecodes --strategy RoundRobin --concurrency 1 --top 30
 
 The router (one worker, prefix routing on for PrefixAwareHash) runs with a
-``sitecustomize`` that traces every frame's opcodes (``sys.settrace`` with
-``f_trace_opcodes``). A signal starts the count after a warm-up and another stops it after
-the measured requests, non-streaming; the worker then writes, per function, the opcodes
-it ran and the calls it made. Tracing makes the worker many times slower: the counts are
-what to read, never its speed. Frames already running when the count starts (the
-connection loops) are counted from their next call on, so a function that runs for the
-whole connection shows few calls.
+``sitecustomize`` that counts every frame's opcodes (``sys.settrace`` with
+``f_trace_opcodes`` up to CPython 3.11; ``sys.monitoring``'s instruction events from 3.12,
+whose counts differ from 3.11's as its bytecode does). A signal starts the count after a
+warm-up and another stops it after the measured requests, non-streaming; the worker then
+writes, per function, the opcodes it ran and the calls it made. Tracing makes the worker
+many times slower: the counts are what to read, never its speed. Frames already running
+when the count starts (the connection loops) are counted from their next call on, so a
+function that runs for the whole connection shows few calls.
 """
 
 from __future__ import annotations
@@ -40,21 +41,39 @@ import collections, json, os, signal, sys
 _opcodes = collections.Counter()
 _calls = collections.Counter()
 _on = [False]
-def _trace(frame, event, arg):
-    frame.f_trace_opcodes = True
-    frame.f_trace_lines = False
-    key = (frame.f_code.co_filename, frame.f_code.co_name)
-    if _on[0]:
-        _calls[key] += 1
-    def local(frame, event, arg):
-        if event == "opcode" and _on[0]:
-            _opcodes[key] += 1
+_monitoring = getattr(sys, "monitoring", None)
+if _monitoring is not None:
+    # CPython 3.12+: sys.monitoring (PEP 669); there, f_trace_opcodes set from a trace
+    # function's call event gives no opcode events (3.12.1 none at all).
+    _TOOL = _monitoring.PROFILER_ID
+    _E = _monitoring.events
+    def _instruction(code, offset):
+        _opcodes[(code.co_filename, code.co_name)] += 1
+    def _start(code, offset):
+        _calls[(code.co_filename, code.co_name)] += 1
+    def _switch(on):
+        _monitoring.set_events(_TOOL, (_E.INSTRUCTION | _E.PY_START | _E.PY_RESUME)
+                               if on else 0)
+else:
+    def _trace(frame, event, arg):
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        key = (frame.f_code.co_filename, frame.f_code.co_name)
+        if _on[0]:
+            _calls[key] += 1
+        def local(frame, event, arg):
+            if event == "opcode" and _on[0]:
+                _opcodes[key] += 1
+            return local
         return local
-    return local
+    def _switch(on):
+        pass
 def _toggle(signum, frame):
     if not _on[0]:
         _opcodes.clear(); _calls.clear(); _on[0] = True
+        _switch(True)
         return
+    _switch(False)
     _on[0] = False
     path = os.environ["BYTECODES_OUT"] + "." + str(os.getpid())
     with open(path + ".tmp", "w") as f:
@@ -62,7 +81,13 @@ def _toggle(signum, frame):
     os.replace(path + ".tmp", path)
 if os.environ.get("BYTECODES_OUT"):
     signal.signal(signal.SIGRTMIN, _toggle)
-    sys.settrace(_trace)
+    if _monitoring is not None:
+        _monitoring.use_tool_id(_TOOL, "bytecodes")
+        _monitoring.register_callback(_TOOL, _E.INSTRUCTION, _instruction)
+        _monitoring.register_callback(_TOOL, _E.PY_START, _start)
+        _monitoring.register_callback(_TOOL, _E.PY_RESUME, _start)
+    else:
+        sys.settrace(_trace)
 '''
 
 
