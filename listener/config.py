@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from continuum.config.addresses import check_host_port, check_url, port_problem
+from continuum.config.addresses import MAX_PORT, check_host_port, check_url, port_problem
 from continuum.config.fields import (
     Issues,
     build_section,
@@ -27,6 +27,9 @@ from listener.bus_config import BusClientConfig
 SOURCE_NAME = r"[A-Za-z0-9_-]{1,64}"
 ENGINES = ("vllm", "sglang", "trtllm")
 TEMPLATES = ("auto", "chatml", "llama3")
+#: Most data-parallel ranks one ZMQ source subscribes to (``data_parallel_size``).
+MAX_DATA_PARALLEL = 256
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,11 @@ class SourceConfig:
     zmq_mode: str = setting("bind", doc="bind (engines connect to us) or connect",
                             choices=("bind", "connect"))
     zmq_topic: str = setting("", doc="topic filter (engines default to the empty topic)")
+    data_parallel_size: int = setting(
+        1, doc="vLLM/SGLang data-parallel ranks behind this one backend: rank r publishes on "
+        "zmq_endpoint (and replay_endpoint) offset by r as the engines do (tcp port + r, "
+        "inproc name + _dp<r>); the source takes every rank's stream and keys blocks per rank",
+        min=1, max=MAX_DATA_PARALLEL)
     replay_endpoint: str | None = setting(
         None, doc="the engine's ROUTER replay endpoint, asked at start and after a "
         "sequence gap", credentials=True)
@@ -168,6 +176,11 @@ class SourceConfig:
             if self.require_salt is False:
                 issues.error(join(path, "require_salt"), "trtllm-serve has no /detokenize: "
                              "router-issued salts are the only way to attribute its blocks")
+            if self.data_parallel_size > 1:
+                issues.error(join(path, "data_parallel_size"), "must be 1 for engine: trtllm "
+                             "(trtllm-serve reports every attention-DP rank in one "
+                             "/kv_cache_events reply, each event tagged with its rank)",
+                             self.data_parallel_size)
         else:
             if not self.zmq_endpoint:
                 issues.error(join(path, "zmq_endpoint"), f"is required for engine: {self.engine}")
@@ -176,8 +189,12 @@ class SourceConfig:
                              "inproc:// endpoint", self.zmq_endpoint)
             else:
                 check_tcp_port(join(path, "zmq_endpoint"), self.zmq_endpoint, issues)
+                check_rank_endpoints(join(path, "zmq_endpoint"), self.zmq_endpoint,
+                                     self.data_parallel_size, issues)
             if self.replay_endpoint:
                 check_tcp_port(join(path, "replay_endpoint"), self.replay_endpoint, issues)
+                check_rank_endpoints(join(path, "replay_endpoint"), self.replay_endpoint,
+                                     self.data_parallel_size, issues)
             if not self.salt_required and not self.detokenize_endpoint:
                 issues.error(join(path, "detokenize_endpoint"),
                              "is required unless require_salt: true")
@@ -197,6 +214,81 @@ def check_tcp_port(path: str, endpoint: str, issues: Issues) -> None:
         issues.error(path, "must be tcp://host:port (the host without spaces)", endpoint)
     elif port not in ("*", "!") and (problem := port_problem(port, 0)):
         issues.error(path, problem, endpoint)
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """The endpoint data-parallel rank ``rank`` of vLLM or SGLang uses for ``endpoint``
+    (``docs/kv-events.md`` §1.1, both the PUB and the replay endpoint): rank 0 keeps it, a
+    ``tcp://`` port gains ``rank``, an ``inproc://`` name gains ``_dp<rank>``. The endpoint
+    must pass :func:`rank_endpoint_problem`."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    base, _, port = endpoint.rpartition(":")
+    return f"{base}:{int(port) + rank}"
+
+
+def rank_endpoint_problem(endpoint: str, ranks: int) -> str | None:
+    """Why the engines' per-rank rule cannot give ``ranks`` endpoints from ``endpoint``, or
+    None (always None for one rank; a malformed tcp port is :func:`check_tcp_port`'s)."""
+    if ranks <= 1 or endpoint.startswith("inproc://"):
+        return None
+    if not endpoint.startswith("tcp://"):
+        return ("vLLM and SGLang offset only tcp:// ports and inproc:// names per data-parallel "
+                "rank (their ranks > 0 cannot use this endpoint): use tcp:// or inproc://")
+    if "inproc" in endpoint:
+        return ("the engines offset an endpoint containing 'inproc' as an inproc:// name "
+                "(rank r appends _dp<r>): name the host differently")
+    port = endpoint.rpartition(":")[2]
+    if port in ("*", "!"):
+        return (f"a wildcard port cannot be offset per rank (data_parallel_size: {ranks}): "
+                "name rank 0's port")
+    if not (port.isascii() and port.isdigit()) or int(port) > MAX_PORT:
+        return None  # check_tcp_port's error
+    if int(port) == 0:
+        return (f"port 0 cannot be offset per rank (data_parallel_size: {ranks}; vLLM from "
+                "0.31 keeps port 0 for every rank): name rank 0's port")
+    last = int(port) + ranks - 1
+    if last > MAX_PORT:
+        return (f"ranks 0..{ranks - 1} need ports {port}..{last} (data_parallel_size: "
+                f"{ranks}), beyond {MAX_PORT}")
+    return None
+
+
+def check_rank_endpoints(path: str, endpoint: str, ranks: int, issues: Issues) -> None:
+    """Record :func:`rank_endpoint_problem` of ``endpoint`` at ``path``."""
+    problem = rank_endpoint_problem(endpoint, ranks)
+    if problem:
+        issues.error(path, problem, endpoint)
+
+
+def rank_endpoints(endpoint: str, ranks: int) -> list[str]:
+    """Every rank's endpoint, rank 0 first (see :func:`offset_endpoint`).
+
+    Raises:
+        ValueError: The endpoint cannot be offset ``ranks`` times.
+    """
+    problem = rank_endpoint_problem(endpoint, ranks)
+    if problem:
+        raise ValueError(f"{endpoint}: {problem}")
+    return [offset_endpoint(endpoint, rank) for rank in range(ranks)]
+
+
+def _bound_ports(source: SourceConfig) -> list[tuple[str, int, int]]:
+    """``(host, port, rank)`` of every tcp port a bind-mode ZMQ source binds (none for port
+    0, wildcards or malformed endpoints)."""
+    endpoint = source.zmq_endpoint
+    if (source.engine == "trtllm" or source.zmq_mode != "bind" or not endpoint
+            or not endpoint.startswith("tcp://")
+            or rank_endpoint_problem(endpoint, source.data_parallel_size)):
+        return []
+    host, _, port = endpoint[len("tcp://"):].rsplit(";", 1)[-1].rpartition(":")
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) <= MAX_PORT:
+        return []
+    first = int(port)
+    return [(host, first + rank, rank) for rank in range(source.data_parallel_size)
+            if first + rank <= MAX_PORT]
 
 
 @dataclass(frozen=True)
@@ -237,8 +329,31 @@ class ListenerConfig:
             if source.salt_required and self.cache_salt.resolved() is None:
                 issues.error(f"sources[{i}].require_salt",
                              "needs cache_salt.secret (or secret_env) to verify salts")
+            streams = self.limits.max_sequence_streams
+            if source.engine != "trtllm" and source.data_parallel_size > streams:
+                issues.error(f"sources[{i}].data_parallel_size", "needs "
+                             f"limits.max_sequence_streams of at least {source.data_parallel_size}"
+                             f" (one sequence counter per rank), not {streams}",
+                             source.data_parallel_size)
+        self._check_bound_ports(issues)
         if not self.sources:
             issues.warn("sources", "no sources: the listener will serve empty streams")
+
+    def _check_bound_ports(self, issues: Issues) -> None:
+        """Two bind-mode sources may not bind one port (data-parallel ranks included)."""
+        taken: dict[int, list[tuple[str, int, int]]] = {}  # port → (host, source, rank)
+        for i, source in enumerate(self.sources):
+            if source is None:
+                continue
+            for host, port, rank in _bound_ports(source):
+                for other_host, other, other_rank in taken.get(port, ()):
+                    if other != i and (host == other_host or host in _WILDCARD_HOSTS
+                                       or other_host in _WILDCARD_HOSTS):
+                        issues.error(f"sources[{i}].zmq_endpoint", f"port {port} (rank {rank}) "
+                                     f"is also bound by sources[{other}] (rank {other_rank})",
+                                     source.zmq_endpoint)
+                        return
+                taken.setdefault(port, []).append((host, i, rank))
 
 
 def check_listener_config(data: Any, source: str = "<config>") -> tuple[

@@ -40,12 +40,16 @@ tainted, ``mismatched_blocks`` counts the event and one warning per source is lo
 drops a block from every cache level. ``AllBlocksCleared`` without a medium is a reset;
 with one, that medium is dropped from every block.
 
-TensorRT-LLM under attention data parallelism: each rank has its own cache, so a batch's
-``data_parallel_rank`` (the events' ``attention_dp_rank``) is part of its blocks' keys, group
-``(rank, window_size)``: a removal on one rank leaves the copy another rank holds, and the
-prefix goes when the last rank drops it. An ``AllBlocksCleared`` in such a batch (the source
-lost that rank's events, or the rank restarted) drops that rank's blocks only; if none are
-left at all it is a reset. Batches without a rank key blocks as before. A TensorRT-LLM
+Data parallelism: each rank has its own cache, so for a TensorRT-LLM source (attention DP)
+and for a vLLM/SGLang source with ``data_parallel_size`` > 1 (one backend, one stream per
+rank) a batch's ``data_parallel_rank`` (vLLM's ``data_parallel_rank``, SGLang's
+``attn_dp_rank``, TensorRT-LLM's ``attention_dp_rank``) is part of its blocks' keys, group
+``(rank, group_idx)`` (TensorRT-LLM: ``(rank, window_size)``): a removal on one rank leaves
+the copy another rank holds, and the prefix goes when the last rank drops it. An
+``AllBlocksCleared`` in such a batch (the engine reset that rank's cache, or the source lost
+that rank's events or saw it restart) drops that rank's blocks only; if none are left at all
+it is a reset. Batches without a rank key blocks as before, and so does every batch of a
+vLLM/SGLang source with one rank (its keys stay ``(group_idx, hash)``). A TensorRT-LLM
 ``updated`` cache-level change arrives as a placeholder store on the new medium and a removal
 from the old one (``listener.decode_trtllm``): the block moves tier, an unknown block is
 skipped (``placeholder_blocks``).
@@ -140,8 +144,9 @@ class DefaultSourceProcessor:
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self._group_kinds: dict[int, str] = {}
         self._warned_mismatch = False
-        #: TensorRT-LLM: blocks are keyed per attention-DP rank (see the module docstring)
-        self._per_rank = source.engine == "trtllm"
+        #: Blocks are keyed per data-parallel rank (see the module docstring): TensorRT-LLM
+        #: (attention DP), and vLLM/SGLang sources that take several ranks' streams
+        self._per_rank = source.engine == "trtllm" or source.data_parallel_size > 1
 
     # -- SourceProcessor ---------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import gevent
 
-from continuum.kv_events import KvEventBatch
+from continuum.kv_events import AllBlocksCleared, KvEventBatch
 from listener.config import SourceConfig
 from listener.model import SourceProcessor
 
@@ -130,6 +130,24 @@ class EventSource:
         # the location only: the reason could quote token values
         self._warn_once("malformed-event", "%s: skipping %d malformed event(s) of a %s, its "
                         "others applied (first at %s)", self.backend, count, unit, where)
+
+    def _clear_rank(self, rank: int, reason: str) -> None:
+        """One data-parallel rank's events were lost (or it restarted) while the other ranks'
+        streams are intact: drop that rank's blocks only (a batch of that rank holding
+        ``AllBlocksCleared``; the processor keys such a source's blocks per rank)."""
+        if self._clean:  # nothing applied since the last reset: nothing of the rank either
+            log.info("%s: %s (state already clear)", self.backend, reason)
+            return
+        log.warning("%s: %s: clearing that rank's blocks", self.backend, reason)
+        batch = KvEventBatch(ts=time.time(), events=(AllBlocksCleared(),),
+                             data_parallel_rank=rank)
+        try:
+            self.processor.handle_batch(batch)
+        except Exception as exc:  # a processor bug must not kill the source
+            self.stats.processor_errors += 1
+            log.error("%s: processor failed on a rank's clear (%s); resetting", self.backend,
+                      type(exc).__name__)
+            self._reset(f"processor error ({type(exc).__name__})")
 
     def _reset(self, reason: str) -> None:
         if self._clean:

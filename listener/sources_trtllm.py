@@ -56,7 +56,7 @@ import gevent
 import requests
 
 from continuum.config.addresses import redact_url
-from continuum.kv_events import AllBlocksCleared, KvEvent, KvEventBatch
+from continuum.kv_events import KvEvent, KvEventBatch
 from listener.config import LimitsConfig, SourceConfig
 from listener.decode import DecodeError, TrtllmEvent, decode_trtllm_events
 from listener.model import SourceProcessor
@@ -300,22 +300,6 @@ class TrtllmSource(EventSource):
             self._reset(reason)  # no rank, or nothing seen yet: whatever was known goes
         else:
             self._clear_rank(rank, f"attention-DP rank {rank}: {reason}")
-
-    def _clear_rank(self, rank: int, reason: str) -> None:
-        """One rank's events were lost (or it restarted): drop that rank's blocks only."""
-        if self._clean:  # nothing applied since the last reset: nothing of the rank either
-            log.info("%s: %s (state already clear)", self.backend, reason)
-            return
-        log.warning("%s: %s: clearing that rank's blocks", self.backend, reason)
-        batch = KvEventBatch(ts=time.time(), events=(AllBlocksCleared(),),
-                             data_parallel_rank=rank)
-        try:
-            self.processor.handle_batch(batch)
-        except Exception as exc:  # a processor bug must not kill the source
-            self.stats.processor_errors += 1
-            log.error("%s: processor failed on a rank's clear (%s); resetting", self.backend,
-                      type(exc).__name__)
-            self._reset(f"processor error ({type(exc).__name__})")
 
     def _flush(self, run: list[TrtllmEvent]) -> None:
         neutral: list[KvEvent] = [e for event in run for e in event.events]

@@ -13,6 +13,20 @@ reaches the decoder (counted as ``rejected_publishers``). ``ipc://``/``inproc://
 no IP address; the socket's file permissions guard them. In connect mode the endpoint's host
 must itself be listed (:func:`zmq_source_issues`, checked by ``--check`` and at start).
 
+**Data parallelism** (``data_parallel_size`` N > 1, ``docs/kv-events.md`` §1.1): a vLLM or
+SGLang engine with N data-parallel ranks behind one HTTP endpoint is one backend whose cache
+is the union of its ranks' caches, but each rank publishes its own stream, rank ``r`` on
+``zmq_endpoint`` offset by ``r`` (``tcp://`` port + r, ``inproc://`` name + ``_dp<r>``;
+:func:`~listener.config.offset_endpoint`). The source's one SUB socket binds (bind mode) or
+connects to (connect mode) all N endpoints, so the ZAP domain, ``ZMQ_MAXMSGSIZE`` and the
+topic filter apply to every rank alike. The engines offset ``replay_endpoint`` by the same
+rule (each rank's ROUTER replays that rank's buffer), so rank ``r``'s gaps are replayed from
+rank ``r``'s replay endpoint and the start-up replay asks every rank's (concurrently).
+Blocks are keyed per rank (:mod:`listener.processor`), and state lost on one rank (a gap
+that cannot be replayed, a restart) clears that rank's blocks only; only while nothing has
+been applied yet, or for a batch without a rank, is it a reset of the backend. With N = 1
+nothing of this applies: one endpoint, one replay endpoint, keys without the rank.
+
 **Sequence numbers** are tracked per ``(topic, data-parallel rank)``. Decisions, with ``E``
 the next expected number (none before the first message) and ``F`` the first number of
 the last replay while its duplicates may still arrive:
@@ -22,20 +36,21 @@ received ``seq``                           action
 =========================================  ==================================================
 ``== E`` (or ``0`` before the first)       apply
 ``> E`` (or ``> 0`` before the first)      lost state: replay from ``E`` (0) when
-                                           ``replay_endpoint`` is set, else reset; apply
+                                           ``replay_endpoint`` is set, else reset (N > 1:
+                                           clear that rank); apply
 ``F <= seq < E`` (just after a replay)     duplicate: drop
-``< E`` otherwise                          the publisher restarted: reset, then as before
-                                           the first message
+``< E`` otherwise                          the publisher restarted: reset (N > 1: clear
+                                           that rank), then as before the first message
 =========================================  ==================================================
 
 A replay (§1.3, both reply layouts) is asked from a fresh DEALER socket; its batches are
 applied in order, duplicates dropped; if it does not reach back to ``E`` (or returns a hole)
-the state is reset before applying what it returned. A malformed message is counted
-(``decode_errors``) and skipped; the hole it leaves is then a gap like any other. A
-malformed event in a readable batch costs only itself (``malformed_events``): the batch's
-other events are applied and its sequence number counts. A reset
-calls :meth:`~listener.model.SourceProcessor.reset`, which emits ``cache_cleared``; two
-resets with nothing applied in between collapse into one. The table keeps the
+the state is reset (N > 1: that rank's) before applying what it returned. A malformed
+message is counted (``decode_errors``) and skipped; the hole it leaves is then a gap like
+any other. A malformed event in a readable batch costs only itself (``malformed_events``):
+the batch's other events are applied and its sequence number counts. A reset calls
+:meth:`~listener.model.SourceProcessor.reset`, which emits ``cache_cleared``; two resets
+with nothing applied in between collapse into one. The table keeps the
 ``limits.max_sequence_streams`` most recently used keys (counted in ``pruned_streams`` when
 one is dropped): a key seen again after that starts over as a first message.
 
@@ -44,6 +59,10 @@ libzmq refuses a larger message part from its length header, before allocating i
 drops that publisher's connection (the engine reconnects at once). libzmq gives no reason
 for a disconnect, so it is counted with every other one in ``publisher_disconnects``; the
 lost batch then shows up as a sequence gap.
+
+**Peers.** The socket's monitor counts the publishers whose handshake succeeded, per
+endpoint (so per rank), until they disconnect; ``/health`` shows the total and, with N > 1,
+each rank's endpoint, peers and next expected sequence number.
 """
 
 from __future__ import annotations
@@ -51,14 +70,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
+import gevent
 import zmq.green as zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from continuum.errors import ConfigIssue
 from continuum.kv_events import KvEventBatch
-from listener.config import LimitsConfig, SourceConfig
+from listener.config import LimitsConfig, SourceConfig, rank_endpoints
 from listener.decode import DecodeError, decode_zmq_frames, decode_zmq_payload
 from listener.model import SourceProcessor
 from listener.sources import EventSource, SourceStats
@@ -86,6 +107,12 @@ REPLAY_MAX_BATCHES = 1_000_000
 #: Receive high-water mark: the engines' default send HWM.
 RCVHWM = 100_000
 _POLL_MS = 500
+#: Monitor events the peer count follows.
+_MONITORED = (zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+              | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_DISCONNECTED)
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 def zmq_endpoint_host(endpoint: str) -> str | None:
@@ -129,6 +156,14 @@ def zmq_source_issues(source: SourceConfig, path: str) -> list[ConfigIssue]:
                 f"{path}.{key}", f"host {host} is not in allowed_publishers (the listener "
                 "connects to it, so it must be listed)", endpoint))
     return issues
+
+
+def _port_of(endpoint: str) -> int | None:
+    """The port of a ``tcp://`` endpoint (the destination's), else None."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    port = endpoint.rpartition(":")[2]
+    return int(port) if port.isascii() and port.isdigit() else None
 
 
 def fetch_replay(context: Any, endpoint: str, start_seq: int, *,
@@ -203,13 +238,29 @@ class ZmqSource(EventSource):
             raise ValueError("; ".join(issue.render("config") for issue in issues))
         if config.zmq_mode == "bind" and zap is None:
             raise ValueError("bind mode needs a ZapAuthenticator to enforce allowed_publishers")
-        self.endpoint = config.zmq_endpoint
+        #: Data-parallel ranks whose streams this source takes (``data_parallel_size``).
+        self.ranks = config.data_parallel_size
+        try:
+            #: Every rank's PUB endpoint, rank 0 first (bound ones resolved by start()).
+            self.endpoints = rank_endpoints(config.zmq_endpoint, self.ranks)
+            #: Every rank's replay endpoint (empty without replay).
+            self.replay_endpoints = ([] if not config.replay_endpoint else
+                                     rank_endpoints(config.replay_endpoint, self.ranks))
+        except ValueError as exc:
+            raise ValueError(f"source {self.backend}: {exc}") from None
+        self.endpoint = self.endpoints[0]
         self._context = context
         self._zap = zap
         self._domain = f"continuum-kv/{self.backend}"
         self._socket: Any = None
         self._monitor: Any = None
-        self._peers: set[int] = set()
+        # Peers per monitor endpoint: connections waiting for their handshake (oldest
+        # first) and established ones (fd → endpoint). A handshake event carries no fd (its
+        # value is 0), so it settles the oldest waiting connection of its endpoint; two
+        # handshakes on one endpoint that end out of order (a refused peer beside the
+        # engine) can be miscounted until one of them reconnects.
+        self._waiting: dict[bytes, list[int]] = {}
+        self._peers: dict[int, bytes] = {}
         limits = limits or LimitsConfig()
         self.max_message_bytes = limits.max_message_bytes
         self.max_streams = limits.max_sequence_streams
@@ -226,30 +277,43 @@ class ZmqSource(EventSource):
             sock.setsockopt(zmq.RCVHWM, RCVHWM)
             sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             sock.setsockopt(zmq.SUBSCRIBE, self.config.zmq_topic.encode())
-            self._monitor = sock.get_monitor_socket(
-                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            self._monitor = sock.get_monitor_socket(_MONITORED)
             if self.config.zmq_mode == "bind":
                 assert self._zap is not None
                 local = self.endpoint.startswith(("ipc://", "inproc://"))
+                # The domain is the socket's: every rank's endpoint is bound behind it.
                 self._zap.register(self._domain, frozenset(self.config.allowed_publishers),
                                    any_local=local, on_reject=self._rejected)
                 sock.setsockopt(zmq.ZAP_DOMAIN, self._domain.encode())
-                sock.bind(self.endpoint)
-                self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+                for rank, endpoint in enumerate(self.endpoints):
+                    self._open(sock.bind, rank, endpoint)
+                    self.endpoints[rank] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
                 self.state = "listening"
             else:
-                sock.connect(self.endpoint)
+                for rank, endpoint in enumerate(self.endpoints):
+                    self._open(sock.connect, rank, endpoint)
                 self.state = "connecting"
+            self.endpoint = self.endpoints[0]
         except BaseException:
             self._socket = sock
             self._close_sockets()
             raise
         self._socket = sock
         log.info("%s: %s %s (topic %r)", self.backend,
-                 "bound" if self.config.zmq_mode == "bind" else "connecting to", self.endpoint,
-                 self.config.zmq_topic)
+                 "bound" if self.config.zmq_mode == "bind" else "connecting to",
+                 ", ".join(self.endpoints), self.config.zmq_topic)
         self._spawn(self._receive_loop)
         self._spawn(self._monitor_loop)
+
+    def _open(self, how: Any, rank: int, endpoint: str) -> None:
+        """Bind or connect ``endpoint`` (data-parallel rank ``rank``), naming it on failure."""
+        try:
+            how(endpoint)
+        except zmq.ZMQError as exc:
+            which = f" (data-parallel rank {rank})" if self.ranks > 1 else ""
+            log.error("%s: cannot %s %s%s: %s", self.backend, how.__name__, endpoint, which,
+                      exc)
+            raise
 
     def stop(self) -> None:
         """Stop receiving and close the sockets; idempotent."""
@@ -270,12 +334,36 @@ class ZmqSource(EventSource):
             self._monitor.close(linger=0)
 
     def health(self) -> dict[str, Any]:
-        """Connection state, peers and the last sequence number per stream."""
+        """Connection state, peers and the number of sequence streams; with several
+        data-parallel ranks also each rank's endpoint, peers and next sequence number."""
         doc = super().health()
         doc.update(mode=self.config.zmq_mode, endpoint=self.endpoint, peers=len(self._peers),
                    rejected_publishers=self.stats.rejected_publishers,
                    sequence_streams=len(self._expected))
+        if self.ranks > 1:
+            peers = [0] * self.ranks
+            for endpoint in self._peers.values():
+                rank = self._rank_of(endpoint)
+                if rank is not None:
+                    peers[rank] += 1
+            following: dict[int | None, int] = {}
+            for (_topic, rank), seq in reversed(self._expected.items()):  # most recent first
+                following.setdefault(rank, seq)
+            doc.update(data_parallel_size=self.ranks, ranks={
+                str(rank): {"endpoint": endpoint, "peers": peers[rank],
+                            "next_seq": following.get(rank)}
+                for rank, endpoint in enumerate(self.endpoints)})
         return doc
+
+    def _rank_of(self, endpoint: bytes) -> int | None:
+        """The rank whose endpoint a monitor event names (tcp: by port, the address of a
+        connection accepted on a wildcard being the interface's), or None."""
+        text = endpoint.decode("utf-8", "replace")
+        port = _port_of(text)
+        for rank, own in enumerate(self.endpoints):
+            if own == text or (port is not None and _port_of(own) == port):
+                return rank
+        return None
 
     def _rejected(self, peer: str) -> None:
         self.stats.rejected_publishers += 1
@@ -286,17 +374,36 @@ class ZmqSource(EventSource):
         while not self._stopping:
             if not self._monitor.poll(_POLL_MS):
                 continue
-            event = parse_monitor_message(self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._peers.add(event["value"])
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
-                self._peers.discard(event["value"])
-                self.stats.publisher_disconnects += 1
-            idle = "listening" if self.config.zmq_mode == "bind" else "connecting"
-            self.state = "connected" if self._peers else idle
+            self.on_monitor_event(parse_monitor_message(self._monitor.recv_multipart()))
+
+    def on_monitor_event(self, event: Mapping[str, Any]) -> None:
+        """Follow one socket monitor event: a connection opens (accepted, connected: its fd),
+        completes or fails its handshake (no fd: the oldest waiting connection of that
+        endpoint), or closes (its fd)."""
+        kind, value, endpoint = event["event"], event["value"], event["endpoint"]
+        if kind in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
+            self._waiting.setdefault(endpoint, []).append(value)
+        elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED or kind & _HANDSHAKE_FAILED:
+            waiting = self._waiting.get(endpoint)
+            if waiting:
+                fd = waiting.pop(0)
+                if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._peers[fd] = endpoint
+            if not waiting:
+                self._waiting.pop(endpoint, None)
+        elif kind == zmq.EVENT_DISCONNECTED:
+            self.stats.publisher_disconnects += 1
+            if self._peers.pop(value, None) is None:
+                waiting = self._waiting.get(endpoint)
+                if waiting and value in waiting:
+                    waiting.remove(value)
+                    if not waiting:
+                        del self._waiting[endpoint]
+        idle = "listening" if self.config.zmq_mode == "bind" else "connecting"
+        self.state = "connected" if self._peers else idle
 
     def _receive_loop(self) -> None:
-        if self.config.replay_endpoint:
+        if self.replay_endpoints:
             # Catch up before the first live message: an engine that stays idle after a
             # listener (re)start would otherwise be missing from the index until it
             # publishes again. Live messages queue in the socket meanwhile; the sequence
@@ -344,7 +451,7 @@ class ZmqSource(EventSource):
                 self.stats.duplicates += 1
                 return
             self.stats.restarts += 1
-            self._reset(f"publisher restarted: sequence went back from {expected} to {seq}")
+            self._lost(key, f"publisher restarted: sequence went back from {expected} to {seq}")
             self._dup_floor.pop(key, None)
             expected = None
         start = 0 if expected is None else expected
@@ -352,17 +459,42 @@ class ZmqSource(EventSource):
             self.stats.sequence_gaps += 1
             what = (f"first sequence number is {seq}, not 0" if expected is None else
                     f"sequence gap: expected {expected}, got {seq} ({seq - expected} lost)")
-            log.warning("%s: %s", self.backend, what)
-            if self.config.replay_endpoint and self._replay(key, start):
+            log.warning("%s: %s%s", self.backend, what, self._of_rank(key))
+            replay = self._replay_endpoint(key[1])
+            if replay and self._replay(key, start, replay):
                 start = self._expected[key]
                 if seq < start:  # the replay included this batch
                     self.stats.duplicates += 1
                     return
             if seq > start:
-                self._reset(what)
+                self._lost(key, what)
         self._apply(batch)
         self._set_expected(key, seq + 1)
         self._dup_floor.pop(key, None)
+
+    def _of_rank(self, key: _Key) -> str:
+        """`` (data-parallel rank r)`` for a log line of a source with several ranks."""
+        return f" (data-parallel rank {key[1]})" if self.ranks > 1 else ""
+
+    def _replay_endpoint(self, rank: int | None) -> str | None:
+        """The replay endpoint of ``rank``'s stream: the configured one with one rank; with
+        several, that rank's (offset like its PUB endpoint); None without replay or for a
+        rank outside ``0..data_parallel_size-1``."""
+        if self.ranks == 1:
+            return self.config.replay_endpoint
+        if rank is None or not self.replay_endpoints or rank >= self.ranks:
+            return None
+        return self.replay_endpoints[rank]
+
+    def _lost(self, key: _Key, reason: str) -> None:
+        """The stream ``key`` lost state. With several ranks, clear that rank's blocks (the
+        other ranks' streams are intact), unless nothing was applied yet or the batch has no
+        rank; otherwise reset the backend."""
+        rank = key[1]
+        if self.ranks > 1 and rank is not None and self.stats.batches:
+            self._clear_rank(rank, f"data-parallel rank {rank}: {reason}")
+        else:
+            self._reset(reason)
 
     def _set_expected(self, key: _Key, following: int) -> None:
         """Record the next number of ``key`` as its most recent use; drop the least
@@ -378,17 +510,34 @@ class ZmqSource(EventSource):
     def catch_up(self) -> int:
         """Replay the engine's whole buffer at start; return how many batches were applied.
 
-        The stream key (topic, rank) is learned from the first replayed batch; a buffer
-        that no longer reaches back to 0 is applied from where it starts (the tracker is
-        empty anyway, so nothing stale remains).
+        With several data-parallel ranks every rank's replay endpoint is asked at once and
+        the answers are applied rank by rank. The stream key (topic, rank) is learned from
+        the replayed batches; a buffer that no longer reaches back to 0 is applied from where
+        it starts (the tracker is empty anyway, so nothing stale remains).
         """
-        assert self.config.replay_endpoint
-        self.stats.replays += 1
-        got = fetch_replay(self._context, self.config.replay_endpoint, 0)
-        if got is None:
-            self.stats.replay_failures += 1
-            log.info("%s: no start-up replay from %s", self.backend, self.config.replay_endpoint)
-            return 0
+        assert self.replay_endpoints
+        endpoints = self.replay_endpoints
+        if len(endpoints) == 1:
+            answers = [fetch_replay(self._context, endpoints[0], 0)]
+        else:
+            jobs = [gevent.spawn(fetch_replay, self._context, endpoint, 0)
+                    for endpoint in endpoints]
+            gevent.joinall(jobs)
+            answers = [job.value if job.successful() else None for job in jobs]
+        applied = 0
+        for rank, (endpoint, got) in enumerate(zip(endpoints, answers, strict=True)):
+            self.stats.replays += 1
+            if got is None:
+                self.stats.replay_failures += 1
+                log.info("%s: no start-up replay from %s%s", self.backend, endpoint,
+                         self._of_rank((b"", rank)))
+                continue
+            applied += self._apply_start_up(got)
+        log.info("%s: start-up replay applied %d batch(es)", self.backend, applied)
+        return applied
+
+    def _apply_start_up(self, got: list[tuple[bytes | None, int, bytes]]) -> int:
+        """Apply one start-up replay's batches by the sequence table; how many were."""
         applied = 0
         for wire_topic, seq, payload in got:
             try:
@@ -404,23 +553,22 @@ class ZmqSource(EventSource):
             if expected is not None and seq < expected:
                 continue
             if expected is not None and seq > expected:
-                self._reset(f"start-up replay has no batches {expected}..{seq - 1}")
+                self._lost(key, f"start-up replay has no batches {expected}..{seq - 1}")
             self._apply(batch)
             self._set_expected(key, seq + 1)
             self._dup_floor[key] = 0
             applied += 1
-        log.info("%s: start-up replay applied %d batch(es)", self.backend, applied)
         return applied
 
-    def _replay(self, key: _Key, start: int) -> bool:
-        """Replay from ``start``; True when it answered (its batches are applied)."""
-        assert self.config.replay_endpoint
+    def _replay(self, key: _Key, start: int, endpoint: str) -> bool:
+        """Replay ``key``'s stream from ``start`` (asked at ``endpoint``); True when it
+        answered (its batches are applied)."""
         self.stats.replays += 1
-        got = fetch_replay(self._context, self.config.replay_endpoint, start)
+        got = fetch_replay(self._context, endpoint, start)
         if got is None:
             self.stats.replay_failures += 1
-            log.warning("%s: replay from %d failed (no answer within %.0f s)", self.backend,
-                        start, REPLAY_TIMEOUT)
+            log.warning("%s: replay from %d failed (no answer within %.0f s)%s", self.backend,
+                        start, REPLAY_TIMEOUT, self._of_rank(key))
             return False
         topic, rank = key
         following = start
@@ -438,11 +586,12 @@ class ZmqSource(EventSource):
             if batch.data_parallel_rank != rank:
                 continue
             if seq > following:
-                self._reset(f"replay has no batches {following}..{seq - 1}")
+                self._lost(key, f"replay has no batches {following}..{seq - 1}")
             self._apply(batch)
             applied += 1
             following = seq + 1
-        log.info("%s: replayed %d batch(es) from %d", self.backend, applied, start)
+        log.info("%s: replayed %d batch(es) from %d%s", self.backend, applied, start,
+                 self._of_rank(key))
         self._set_expected(key, following)
         self._dup_floor[key] = start
         return True

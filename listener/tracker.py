@@ -56,8 +56,9 @@ from listener.model import (
     PrefixEvent,
 )
 
-#: A block's pool: the event's ``group_idx``, or ``(attention-DP rank, group_idx)`` for a
-#: TensorRT-LLM event that carries a rank (each rank has its own cache and event manager).
+#: A block's pool: the event's ``group_idx``, or ``(data-parallel rank, group_idx)`` for an
+#: event that carries a rank from a source keyed per rank (TensorRT-LLM attention DP, a
+#: vLLM/SGLang source with ``data_parallel_size`` > 1: each rank has its own cache).
 GroupKey = int | tuple[int, int | None] | None
 #: ``(group, block_hash)``: vLLM hashes are per request, so one hash can be stored by
 #: several KV-cache groups (TensorRT-LLM: window pools, attention-DP ranks); keying by group
@@ -278,7 +279,7 @@ class BlockTracker:
 
     def remove_medium(self, media: int, rank: int | None = None) -> None:
         """Drop ``media`` from every block (an engine cleared one tier); with ``rank``, only
-        from the blocks of that attention-DP rank (groups ``(rank, group_idx)``)."""
+        from the blocks of that data-parallel rank (groups ``(rank, group_idx)``)."""
         if rank is None:
             keys = [k for k, b in self.blocks.items() if b.media & media]
         else:
