@@ -18,13 +18,10 @@ import requests
 from continuum.caching.gemini_context import TRANSIENT_BACKOFF_SECONDS
 from continuum.devtools.gemini_fake import FakeGeminiProcess
 from continuum.devtools.procs import wait_until
+from tests.integration.test_gemini_e2e import CHAT, KEY, LONG_SYSTEM, MODEL, _client, _config
 
 pytestmark = pytest.mark.e2e
 
-KEY = "AIza-upstream-key"
-MODEL = "gemini-2.5-flash"
-LONG_SYSTEM = "You are the support assistant of the router; answer from its manual. " * 40
-CHAT = "/v1beta/openai/chat/completions"
 NATIVE = ":generateContent"
 LET_THROUGH = [{"category": "HARM_CATEGORY_DANGEROUS_CONTENT", "threshold": "BLOCK_NONE"}]
 
@@ -38,16 +35,7 @@ def fake(tmp_path: Path) -> Iterator[FakeGeminiProcess]:
 
 def _router(router_factory: Callable[..., Any], fake: FakeGeminiProcess,
             **cache: Any) -> Any:
-    return router_factory({
-        "backends": [{"name": "gem", "url": fake.url, "type": "gemini", "api_key": KEY,
-                      "models": [MODEL]}],
-        "health_check": {"interval_seconds": 0.5},
-        "gemini_context_cache": {"enabled": True, "min_prefix_bytes": 1024, **cache},
-    })
-
-
-def _client(router: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=router.url + "/v1", api_key="client", max_retries=0)
+    return router_factory(_config(fake, **cache))
 
 
 def _google(**fields: Any) -> dict[str, Any]:

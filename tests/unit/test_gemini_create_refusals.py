@@ -20,18 +20,11 @@ from continuum.metrics import RouterMetrics
 from continuum.routing.backends import Backend
 from continuum.routing.gemini_dispatch import GeminiMetrics
 from continuum.sim.gemini import build_parser
+from tests.unit.test_gemini_context import Clock
 
 MODEL = "gemini-2.5-flash"
 PROMPT = "Answer questions about the router from its manual, citing pages. " * 20
 NEGATIVE_TTL = 300
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture(scope="module")
