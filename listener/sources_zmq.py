@@ -28,31 +28,59 @@ been applied yet, or for a batch without a rank, is it a reset of the backend. W
 nothing of this applies: one endpoint, one replay endpoint, keys without the rank.
 
 **Sequence numbers** are tracked per ``(topic, data-parallel rank)``. Decisions, with ``E``
-the next expected number (none before the first message) and ``F`` the first number of
-the last replay while its duplicates may still arrive:
+the next expected number (none before the first message), ``L`` the payload of the batch
+``E - 1`` last applied, and ``F`` the first number of the last replay while its duplicates
+may still arrive; "lost" is a reset (N > 1: that rank's blocks cleared):
 
 =========================================  ==================================================
 received ``seq``                           action
 =========================================  ==================================================
 ``== E`` (or ``0`` before the first)       apply
-``> E`` (or ``> 0`` before the first)      lost state: replay from ``E`` (0) when
-                                           ``replay_endpoint`` is set, else reset (N > 1:
-                                           clear that rank); apply
+``> E`` (or ``> 0`` before the first)      without ``replay_endpoint``: lost; apply.
+                                           With it: before the first, or ``L`` unknown,
+                                           replay from ``E`` (0); else replay from ``E - 1``
+                                           and compare its first batch with ``L`` (next
+                                           rows). Then apply it unless the replay did; a
+                                           replay that fails: lost, apply
+replay's first is ``E - 1``, bytes ``L``   the same publisher: drop that overlap batch,
+                                           apply the rest (a hole in it: lost)
+replay's first is ``E - 1``, other bytes   the publisher restarted (``restarts``): lost,
+                                           then apply its history from 0 (replayed again
+                                           from 0, unless ``E - 1`` was 0)
+replay's first is above ``E - 1``, or      buffer wrapped: a gap cannot be told from a
+the replay is empty                        restart: lost, apply the replay from its start
 ``F <= seq < E`` (just after a replay)     duplicate: drop
-``< E`` otherwise                          the publisher restarted: reset (N > 1: clear
-                                           that rank), then as before the first message
+``< E`` otherwise                          the publisher restarted: lost, then as before
+                                           the first message
 =========================================  ==================================================
 
+Why the overlap: a restarted engine numbers from 0 again with an empty cache (§1.2). When
+the listener misses its first batches and then gets one numbered above ``E``, a replay
+from ``E`` would be answered by the *new* process's buffer just as contiguously as by the
+old one's, and the old process's blocks would stay in the index for good. A replay
+returns the very payload bytes that were published (the engines buffer what they send),
+and every payload carries the engine's wall-clock ``ts`` (§2), so batch ``E - 1`` of the
+same process replays byte for byte while another process's batch ``E - 1`` does not. What
+is kept of ``L`` is cheap on the hot path and bounded: a reference to the received bytes
+up to :data:`INLINE_PAYLOAD_BYTES`, else their BLAKE2b-128 digest (about 1-2 % of the
+batch's decoding), one per stream in the table. Batches applied from any replay (start-up
+included) set ``L`` too; :meth:`ZmqSource.handle_batch` without the payload leaves it
+unknown, and the next gap is then replayed from ``E`` unchecked. Not covered: a restarted
+engine whose first batch the listener gets is numbered exactly ``E`` (it looks in order,
+and no replay is asked), and a restart with no replay endpoint whose first seen number is
+above ``E`` (lost anyway: reset).
+
 A replay (§1.3, both reply layouts) is asked from a fresh DEALER socket; its batches are
-applied in order, duplicates dropped; if it does not reach back to ``E`` (or returns a hole)
-the state is reset (N > 1: that rank's) before applying what it returned. A malformed
-message is counted (``decode_errors``) and skipped; the hole it leaves is then a gap like
-any other. A malformed event in a readable batch costs only itself (``malformed_events``):
-the batch's other events are applied and its sequence number counts. A reset calls
-:meth:`~listener.model.SourceProcessor.reset`, which emits ``cache_cleared``; two resets
-with nothing applied in between collapse into one. The table keeps the
-``limits.max_sequence_streams`` most recently used keys (counted in ``pruned_streams`` when
-one is dropped): a key seen again after that starts over as a first message.
+applied in order, duplicates dropped. At start-up every rank's buffer is replayed from 0
+and applied from where it begins (nothing is known yet, so nothing to compare). A
+malformed message is counted (``decode_errors``) and skipped; the hole it leaves is then a
+gap like any other. A malformed event in a readable batch costs only itself
+(``malformed_events``): the batch's other events are applied and its sequence number
+counts. A reset calls :meth:`~listener.model.SourceProcessor.reset`, which emits
+``cache_cleared``; two resets with nothing applied in between collapse into one. The table
+keeps the ``limits.max_sequence_streams`` most recently used keys, with their ``L``
+(counted in ``pruned_streams`` when one is dropped): a key seen again after that starts
+over as a first message.
 
 **Message size.** The SUB socket has ``ZMQ_MAXMSGSIZE`` = ``limits.max_message_bytes``:
 libzmq refuses a larger message part from its length header, before allocating it, and
@@ -67,10 +95,12 @@ each rank's endpoint, peers and next expected sequence number.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import gevent
@@ -107,6 +137,10 @@ REPLAY_MAX_BATCHES = 1_000_000
 #: Receive high-water mark: the engines' default send HWM.
 RCVHWM = 100_000
 _POLL_MS = 500
+#: Payloads up to this size are kept as they are to compare with a replay (a reference to
+#: the received bytes: nothing to compute per batch); larger ones as a BLAKE2b-128 digest.
+#: At most this much (plus a digest) per sequence stream, ``limits.max_sequence_streams``.
+INLINE_PAYLOAD_BYTES = 4096
 #: Monitor events the peer count follows.
 _MONITORED = (zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -266,6 +300,9 @@ class ZmqSource(EventSource):
         self.max_streams = limits.max_sequence_streams
         self._expected: OrderedDict[_Key, int] = OrderedDict()  # least recently used first
         self._dup_floor: dict[_Key, int] = {}
+        # The last applied batch of each stream in ``_expected``: (seq, size, payload or its
+        # digest, see _fingerprint); a gap's replay compares it to tell a restart.
+        self._last: dict[_Key, tuple[int, int, bytes]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -437,10 +474,15 @@ class ZmqSource(EventSource):
             self._warn_once("decode", "%s: skipping a malformed message (at %s)",
                             self.backend, exc.path)
             return
-        self.handle_batch(batch)
+        self.handle_batch(batch, frames[2])
 
-    def handle_batch(self, batch: KvEventBatch) -> None:
-        """Apply one decoded live batch (``seq`` set) by the sequence table."""
+    def handle_batch(self, batch: KvEventBatch, payload: bytes | None = None) -> None:
+        """Apply one decoded live batch (``seq`` set) by the sequence table.
+
+        ``payload`` is the batch's payload frame as received: kept (or its digest) as the
+        stream's last applied batch, so that a later gap's replay can tell the same publisher
+        from a restarted one. Without it the next gap is replayed from ``E`` unchecked.
+        """
         assert batch.seq is not None
         key: _Key = (batch.topic or b"", batch.data_parallel_rank)
         seq = batch.seq
@@ -453,6 +495,7 @@ class ZmqSource(EventSource):
             self.stats.restarts += 1
             self._lost(key, f"publisher restarted: sequence went back from {expected} to {seq}")
             self._dup_floor.pop(key, None)
+            self._last.pop(key, None)
             expected = None
         start = 0 if expected is None else expected
         if seq > start:
@@ -461,15 +504,17 @@ class ZmqSource(EventSource):
                     f"sequence gap: expected {expected}, got {seq} ({seq - expected} lost)")
             log.warning("%s: %s%s", self.backend, what, self._of_rank(key))
             replay = self._replay_endpoint(key[1])
-            if replay and self._replay(key, start, replay):
-                start = self._expected[key]
+            cleared = False
+            answer = self._replay(key, start, replay) if replay else None
+            if answer is not None:
+                start, cleared = answer
                 if seq < start:  # the replay included this batch
                     self.stats.duplicates += 1
                     return
-            if seq > start:
+            if seq > start and not cleared:
                 self._lost(key, what)
         self._apply(batch)
-        self._set_expected(key, seq + 1)
+        self._set_expected(key, seq + 1, payload)
         self._dup_floor.pop(key, None)
 
     def _of_rank(self, key: _Key) -> str:
@@ -496,15 +541,21 @@ class ZmqSource(EventSource):
         else:
             self._reset(reason)
 
-    def _set_expected(self, key: _Key, following: int) -> None:
-        """Record the next number of ``key`` as its most recent use; drop the least
-        recently used key beyond ``max_sequence_streams``."""
+    def _set_expected(self, key: _Key, following: int, payload: bytes | None) -> None:
+        """Record the next number of ``key`` as its most recent use, and the payload of the
+        batch ``following - 1`` just applied (None: unknown); drop the least recently used
+        key beyond ``max_sequence_streams``."""
         expected = self._expected
         expected[key] = following
         expected.move_to_end(key)
+        if payload is None:
+            self._last.pop(key, None)
+        else:
+            self._last[key] = (following - 1, *_fingerprint(payload))
         while len(expected) > self.max_streams:
             old, _ = expected.popitem(last=False)
             self._dup_floor.pop(old, None)
+            self._last.pop(old, None)
             self.stats.pruned_streams += 1
 
     def catch_up(self) -> int:
@@ -555,26 +606,93 @@ class ZmqSource(EventSource):
             if expected is not None and seq > expected:
                 self._lost(key, f"start-up replay has no batches {expected}..{seq - 1}")
             self._apply(batch)
-            self._set_expected(key, seq + 1)
+            self._set_expected(key, seq + 1, payload)
             self._dup_floor[key] = 0
             applied += 1
         return applied
 
-    def _replay(self, key: _Key, start: int, endpoint: str) -> bool:
-        """Replay ``key``'s stream from ``start`` (asked at ``endpoint``); True when it
-        answered (its batches are applied)."""
+    def _replay(self, key: _Key, start: int, endpoint: str) -> tuple[int, bool] | None:
+        """Replay ``key``'s stream from ``start`` (asked at ``endpoint``) and apply it.
+
+        When the payload of the batch ``start - 1`` last applied is known, the replay is asked
+        from ``start - 1`` and its first batch compared with it: the same bytes are the same
+        publisher (the overlap is dropped, the rest applied); other bytes are a restarted
+        publisher (a restart: the stream's state is lost, and the new publisher's buffer is
+        applied from 0, asked again unless this replay already began at 0); a replay that
+        does not reach back to ``start - 1`` cannot tell, so the state counts as lost and the
+        replay is applied from where it begins.
+
+        Returns:
+            ``(next expected number, cleared)`` when the replay answered (its batches are
+            applied; ``cleared``: the stream's state was dropped and nothing was lost since),
+            None when it did not.
+        """
+        last = self._last.get(key)
+        check = last is not None and start > 0 and last[0] == start - 1
+        ask = start - 1 if check else start
+        got = self._fetch(key, ask, endpoint)
+        if got is None:
+            return None
+        batches = self._stream_batches(key, got, ask)
+        following, cleared, floor = start, False, ask
+        if check:
+            assert last is not None
+            first = next(batches, None)
+            if first is not None and first[0] == ask and _fingerprint(first[2]) == last[1:]:
+                first = None  # the same publisher: the overlap batch, applied already
+            elif first is not None and first[0] == ask:
+                self.stats.restarts += 1
+                self._lost(key, f"publisher restarted: its batch {ask} is not the one applied "
+                           f"(seen in a replay from {ask})")
+                if ask > 0:  # the new publisher's earlier batches: ask from 0
+                    first, floor = None, 0
+                    got = self._fetch(key, 0, endpoint)
+                    batches = self._stream_batches(key, got or [], 0)
+                following, cleared = 0, True
+            else:
+                begins = "nothing" if first is None else f"batch {first[0]}"
+                self._lost(key, f"replay from {ask} begins with {begins}: cannot tell a gap "
+                           "from a restart")
+                following, cleared = 0, True
+            if first is not None:
+                batches = itertools.chain([first], batches)
+        applied = 0
+        last_payload: bytes | None = None
+        for seq, batch, payload in batches:
+            if seq < following:
+                continue
+            if seq > following and not (cleared and applied == 0):
+                self._lost(key, f"replay has no batches {following}..{seq - 1}")
+            self._apply(batch)
+            applied += 1
+            following = seq + 1
+            last_payload = payload
+        log.info("%s: replayed %d batch(es) from %d%s", self.backend, applied, floor,
+                 self._of_rank(key))
+        if applied:
+            self._set_expected(key, following, last_payload)
+            self._dup_floor[key] = floor
+        return following, cleared and not applied
+
+    def _fetch(self, key: _Key, start: int,
+               endpoint: str) -> list[tuple[bytes | None, int, bytes]] | None:
+        """Ask ``endpoint`` for ``key``'s stream from ``start``, counting the replay (and its
+        failure); the answer, or None."""
         self.stats.replays += 1
         got = fetch_replay(self._context, endpoint, start)
         if got is None:
             self.stats.replay_failures += 1
             log.warning("%s: replay from %d failed (no answer within %.0f s)%s", self.backend,
                         start, REPLAY_TIMEOUT, self._of_rank(key))
-            return False
+        return got
+
+    def _stream_batches(self, key: _Key, got: list[tuple[bytes | None, int, bytes]],
+                        since: int) -> Iterator[tuple[int, KvEventBatch, bytes]]:
+        """``(seq, batch, payload)`` of the replayed batches of ``key``'s stream from
+        ``since`` on, decoded one at a time (a malformed one is counted and skipped)."""
         topic, rank = key
-        following = start
-        applied = 0
         for wire_topic, seq, payload in got:
-            if seq < following or (wire_topic is not None and wire_topic != topic):
+            if seq < since or (wire_topic is not None and wire_topic != topic):
                 continue
             try:
                 batch = decode_zmq_payload(payload, seq=seq, topic=wire_topic or topic)
@@ -583,15 +701,15 @@ class ZmqSource(EventSource):
                 self._warn_once("decode", "%s: skipping a malformed replayed batch (at %s)",
                                 self.backend, exc.path)
                 continue
-            if batch.data_parallel_rank != rank:
-                continue
-            if seq > following:
-                self._lost(key, f"replay has no batches {following}..{seq - 1}")
-            self._apply(batch)
-            applied += 1
-            following = seq + 1
-        log.info("%s: replayed %d batch(es) from %d%s", self.backend, applied, start,
-                 self._of_rank(key))
-        self._set_expected(key, following)
-        self._dup_floor[key] = start
-        return True
+            if batch.data_parallel_rank == rank:
+                yield seq, batch, payload
+
+
+def _fingerprint(payload: bytes) -> tuple[int, bytes]:
+    """What identifies a batch's payload bytes: their length and, up to
+    :data:`INLINE_PAYLOAD_BYTES`, the bytes themselves (a reference, nothing computed), else
+    their BLAKE2b-128 digest."""
+    size = len(payload)
+    if size <= INLINE_PAYLOAD_BYTES:
+        return size, payload if type(payload) is bytes else bytes(payload)
+    return size, hashlib.blake2b(payload, digest_size=16).digest()
