@@ -11,9 +11,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+import zmq.green as zmq
 
 from continuum.devtools.redis_server import RedisServer, redis_available, unique_prefix
 from continuum.wire.sse import SseTransport
+from listener.sources_zmq import ZapAuthenticator
 
 REQUIRE_REDIS_ENV = "CONTINUUM_REQUIRE_REDIS"
 
@@ -197,3 +199,19 @@ def streams() -> Iterator[EventStreams]:
     s = EventStreams()
     yield s
     s.close()
+
+
+@pytest.fixture
+def ctx() -> Iterator[Any]:
+    """A gevent-friendly ZeroMQ context for listener sources, destroyed at the end."""
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def zap(ctx: Any) -> Iterator[ZapAuthenticator]:
+    """The ZAP handler of ``ctx`` that bind-mode sources register their publishers with."""
+    auth = ZapAuthenticator(ctx)
+    yield auth
+    auth.close()

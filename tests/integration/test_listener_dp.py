@@ -158,20 +158,6 @@ class Dp:
         wait_until(lambda: self.next_seq(rank.rank) == rank.seq, f"rank {rank.rank}")
 
 
-@pytest.fixture
-def ctx() -> Iterator[Any]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
-def zap(ctx: Any) -> Iterator[ZapAuthenticator]:
-    auth = ZapAuthenticator(ctx)
-    yield auth
-    auth.close()
-
-
 @contextlib.contextmanager
 def two_ranks(ctx: Any, zap: ZapAuthenticator, mode: str,
               replay: str | None = None) -> Iterator[tuple[Dp, Rank, Rank]]:

@@ -169,20 +169,6 @@ class Listener:
 
 
 @pytest.fixture
-def ctx() -> Iterator[Any]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
-def zap(ctx: Any) -> Iterator[ZapAuthenticator]:
-    auth = ZapAuthenticator(ctx)
-    yield auth
-    auth.close()
-
-
-@pytest.fixture
 def asked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The start numbers of the replays the source asks for (the real ``fetch_replay``)."""
     starts: list[int] = []

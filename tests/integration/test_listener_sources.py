@@ -128,20 +128,6 @@ def stream_events(hub: EventHub, since: str) -> list[tuple[str, str | None]]:
 
 
 @pytest.fixture
-def ctx() -> Iterator[Any]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
-def zap(ctx: Any) -> Iterator[ZapAuthenticator]:
-    auth = ZapAuthenticator(ctx)
-    yield auth
-    auth.close()
-
-
-@pytest.fixture
 def hub() -> EventHub:
     return EventHub([BACKEND, "other"], epoch="e1")
 
