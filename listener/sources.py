@@ -114,12 +114,16 @@ class EventSource:
             self._malformed(batch.malformed, batch.malformed_at, "batch")
         self.last_event_at = time.time()
         self._clean = False
+        self._handle(batch, "a batch")
+
+    def _handle(self, batch: KvEventBatch, what: str) -> None:
+        """Give ``batch`` to the processor; a processor error resets the source's state."""
         try:
             self.processor.handle_batch(batch)
         except Exception as exc:  # a processor bug must not kill the source
             self.stats.processor_errors += 1
             # the type only: a message could quote event contents
-            log.error("%s: processor failed on a batch (%s); resetting", self.backend,
+            log.error("%s: processor failed on %s (%s); resetting", self.backend, what,
                       type(exc).__name__)
             self._reset(f"processor error ({type(exc).__name__})")
 
@@ -139,15 +143,8 @@ class EventSource:
             log.info("%s: %s (state already clear)", self.backend, reason)
             return
         log.warning("%s: %s: clearing that rank's blocks", self.backend, reason)
-        batch = KvEventBatch(ts=time.time(), events=(AllBlocksCleared(),),
-                             data_parallel_rank=rank)
-        try:
-            self.processor.handle_batch(batch)
-        except Exception as exc:  # a processor bug must not kill the source
-            self.stats.processor_errors += 1
-            log.error("%s: processor failed on a rank's clear (%s); resetting", self.backend,
-                      type(exc).__name__)
-            self._reset(f"processor error ({type(exc).__name__})")
+        self._handle(KvEventBatch(ts=time.time(), events=(AllBlocksCleared(),),
+                                  data_parallel_rank=rank), "a rank's clear")
 
     def _reset(self, reason: str) -> None:
         if self._clean:
