@@ -54,8 +54,9 @@ class LimitsConfig:
         8 * 1024 * 1024, doc="largest ZMQ message part accepted (ZMQ_MAXMSGSIZE); a larger "
         "one drops the publisher's connection, which reconnects", min=65536, max=1024**3)
     max_sequence_streams: int = setting(
-        1024, doc="(topic, rank) sequence counters kept (trtllm: attention-DP ranks); least "
-        "recently used dropped first",
+        1024, doc="(topic, rank) sequence counters kept per source, least recently used "
+        "dropped first; a ZMQ source's data_parallel_size and a TensorRT-LLM engine's "
+        "attention-DP ranks each need one per rank",
         min=1, max=1_000_000)
 
 
@@ -195,12 +196,72 @@ class SourceConfig:
                 check_tcp_port(join(path, "replay_endpoint"), self.replay_endpoint, issues)
                 check_rank_endpoints(join(path, "replay_endpoint"), self.replay_endpoint,
                                      self.data_parallel_size, issues)
+                self._check_replay_ports(join(path, "replay_endpoint"), issues)
             if not self.salt_required and not self.detokenize_endpoint:
                 issues.error(join(path, "detokenize_endpoint"),
                              "is required unless require_salt: true")
         if self.detokenize_endpoint:
             check_url(join(path, "detokenize_endpoint"), self.detokenize_endpoint, issues,
                       ("http", "https"), "an http(s) URL")
+
+
+    def rank_ports(self, key: str) -> tuple[str, int, int] | None:
+        """``(host, first port, ranks)`` of the tcp ports every rank uses for ``key``
+        (``zmq_endpoint`` or ``replay_endpoint``): P .. P + N - 1 on ``host``; None for a
+        trtllm source, an endpoint that is not ``tcp://host:port`` with a port from 1 or
+        one whose ranks cannot be offset (errors of their own)."""
+        endpoint = getattr(self, key)
+        ranks = self.data_parallel_size
+        if self.engine == "trtllm" or not endpoint or rank_endpoint_problem(endpoint, ranks):
+            return None
+        found = _tcp_host_port(endpoint)
+        return None if found is None else (found[0], found[1], ranks)
+
+    def _check_replay_ports(self, path: str, issues: Issues) -> None:
+        """The ranks' PUB ports and replay ports may not overlap on one host: rank ``r``'s
+        PUB port would be rank ``s``'s replay port (e.g. PUB 5557 and replay 5558 with two
+        ranks: rank 1 publishes on 5558)."""
+        pub, replay = self.rank_ports("zmq_endpoint"), self.rank_ports("replay_endpoint")
+        if pub is None or replay is None or not same_host(pub[0], replay[0]):
+            return
+        first_pub, first_replay, ranks = pub[1], replay[1], pub[2]
+        if abs(first_pub - first_replay) >= ranks:
+            return
+        port = max(first_pub, first_replay)
+        if ranks == 1:
+            message = f"port {port} is zmq_endpoint's port too, on the same host"
+        else:
+            message = (f"rank {port - first_replay}'s replay port {port} is rank "
+                       f"{port - first_pub}'s zmq_endpoint port on the same host (ports "
+                       f"{first_replay}..{first_replay + ranks - 1} overlap "
+                       f"{first_pub}..{first_pub + ranks - 1}; data_parallel_size: {ranks})")
+        issues.error(path, message, self.replay_endpoint)
+
+
+def _tcp_host_port(endpoint: str) -> tuple[str, int] | None:
+    """``(host, port)`` of ``tcp://host:port`` (the destination of ``source;destination``,
+    a bracketed host without its brackets) with a port from 1 to 65535, else None."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://"):].rsplit(";", 1)[-1].rpartition(":")
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) <= MAX_PORT:
+        return None
+    return (host[1:-1] if host.startswith("[") and host.endswith("]") else host), int(port)
+
+
+_LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+def same_host(a: str, b: str) -> bool:
+    """Whether two endpoint hosts certainly share their ports: the same text, a wildcard
+    bind (every local address) and a loopback or wildcard one, or two names of the
+    loopback. Anything else may be two machines (or two addresses of one)."""
+    if a == b:
+        return True
+    local = _WILDCARD_HOSTS + _LOOPBACK
+    if a in _WILDCARD_HOSTS or b in _WILDCARD_HOSTS:
+        return (a in local or a.startswith("127.")) and (b in local or b.startswith("127."))
+    return a in _LOOPBACK and b in _LOOPBACK
 
 
 def check_tcp_port(path: str, endpoint: str, issues: Issues) -> None:
@@ -336,6 +397,7 @@ class ListenerConfig:
                              f" (one sequence counter per rank), not {streams}",
                              source.data_parallel_size)
         self._check_bound_ports(issues)
+        self._check_listen_port(issues)
         if not self.sources:
             issues.warn("sources", "no sources: the listener will serve empty streams")
 
@@ -354,6 +416,28 @@ class ListenerConfig:
                                      source.zmq_endpoint)
                         return
                 taken.setdefault(port, []).append((host, i, rank))
+
+    def _check_listen_port(self, issues: Issues) -> None:
+        """No rank's PUB or replay port may be the listener's own HTTP port (``listen``) on
+        the same host: the listener (bind mode) or the engine could not bind it, or the
+        listener would dial its own HTTP server."""
+        found = _tcp_host_port(f"tcp://{self.listen}")
+        if found is None:  # port 0 (any free port) or malformed (check_host_port's error)
+            return
+        host, port = found
+        for i, source in enumerate(self.sources):
+            if source is None:
+                continue
+            for key in ("zmq_endpoint", "replay_endpoint"):
+                ranks = source.rank_ports(key)
+                if ranks is None or not same_host(ranks[0], host):
+                    continue
+                first, count = ranks[1], ranks[2]
+                if first <= port < first + count:
+                    rank = f" (data-parallel rank {port - first})" if count > 1 else ""
+                    issues.error(f"sources[{i}].{key}", f"port {port}{rank} is the "
+                                 f"listener's own HTTP port (listen: {self.listen})",
+                                 getattr(source, key))
 
 
 def check_listener_config(data: Any, source: str = "<config>") -> tuple[

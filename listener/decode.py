@@ -44,6 +44,7 @@ from continuum.kv_events import (
     KvEventBatch,
 )
 from listener.decode_trtllm import (
+    MALFORMED_REMOVAL,
     TrtllmBlockUpdated,
     TrtllmEvent,
     TrtllmEventList,
@@ -63,6 +64,7 @@ from listener.wire_fields import (
 )
 
 __all__ = [
+    "MALFORMED_REMOVAL",
     "REMOVED_FIELDS",
     "STORED_FIELDS",
     "DecodeError",

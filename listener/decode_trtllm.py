@@ -28,10 +28,15 @@ modules small. Each envelope becomes a :class:`TrtllmEvent` carrying its ``event
   id jump knows events were really lost (buffer overflow), not merely unknown.
 * a **malformed** event costs only itself (the drain is destructive: refusing the reply
   would lose its good events for good). It is counted in the list's ``malformed`` (the first
-  one's location in ``malformed_at``) and kept as an entry of kind :data:`MALFORMED` without
-  neutral events, so that its id still counts; a malformed ``created`` stays a ``created``
-  (a restart whatever its pool sizes). An envelope whose ``event_id`` or
-  ``attention_dp_rank`` cannot be read is dropped: the hole in its ids is then a gap.
+  one's location in ``malformed_at``) and kept as an entry without neutral events, so that
+  its id still counts: of kind :data:`MALFORMED` when what it lost is only a hit (a
+  ``stored``, an ``updated`` tier move, an unknown type); of kind
+  :data:`MALFORMED_REMOVAL` when its ``data.type`` is ``removed`` or cannot be read at all,
+  since a lost removal would leave its blocks indexed for good: the source treats that
+  entry like a gap of its rank (that rank's blocks cleared; without ranks, a reset). A
+  malformed ``created`` stays a ``created`` (a restart whatever its pool sizes). An
+  envelope whose ``event_id`` or ``attention_dp_rank`` cannot be read is dropped: the hole
+  in its ids is then a gap.
 """
 
 from __future__ import annotations
@@ -56,6 +61,9 @@ from listener.wire_fields import (
 
 #: ``kind`` of the entry kept for a malformed event (see the module docstring).
 MALFORMED = "malformed"
+#: ``kind`` of the entry kept for a malformed event that may have been a removal (its
+#: ``data.type`` is ``removed`` or unreadable): its blocks' removal is lost.
+MALFORMED_REMOVAL = "malformed-removal"
 _KINDS = frozenset(("created", "stored", "removed", "updated"))
 
 #: TensorRT-LLM cache levels (``kPrimaryLevel``, ``kSecondaryLevel``) as neutral media.
@@ -263,7 +271,8 @@ def _event(value: object, path: str) -> TrtllmEvent:
 
 def _malformed(value: object) -> TrtllmEvent | None:
     """What is kept of an envelope that failed to decode: its id and rank, so that the id
-    sequence stays contiguous; None when either cannot be read."""
+    sequence stays contiguous, and whether it was (or may have been) a ``created`` or a
+    removal; None when its id or rank cannot be read."""
     if not isinstance(value, dict):
         return None
     try:
@@ -272,8 +281,11 @@ def _malformed(value: object) -> TrtllmEvent | None:
     except DecodeError:
         return None
     data = value.get("data")
-    if isinstance(data, dict) and data.get("type") == "created":
+    kind = data.get("type") if isinstance(data, dict) else None
+    if kind == "created":
         return TrtllmEvent(event_id, "created", (AllBlocksCleared(),), attention_dp_rank=rank)
+    if kind == "removed" or not isinstance(kind, str):
+        return TrtllmEvent(event_id, MALFORMED_REMOVAL, attention_dp_rank=rank)
     return TrtllmEvent(event_id, MALFORMED, attention_dp_rank=rank)
 
 

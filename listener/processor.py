@@ -38,7 +38,8 @@ configured ``block_size``, is mismatched: its blocks keep only their chain lengt
 tainted, ``mismatched_blocks`` counts the event and one warning per source is logged. A
 ``BlockRemoved`` without a medium means the GPU, except for TensorRT-LLM, whose ``removed``
 drops a block from every cache level. ``AllBlocksCleared`` without a medium is a reset;
-with one, that medium is dropped from every block.
+with one, that medium is dropped from every block (a reset if that leaves no block, nothing
+to emit if there was none).
 
 Data parallelism: each rank has its own cache, so for a TensorRT-LLM source (attention DP)
 and for a vLLM/SGLang source with ``data_parallel_size`` > 1 (one backend, one stream per
@@ -47,9 +48,11 @@ rank) a batch's ``data_parallel_rank`` (vLLM's ``data_parallel_rank``, SGLang's
 ``(rank, group_idx)`` (TensorRT-LLM: ``(rank, window_size)``): a removal on one rank leaves
 the copy another rank holds, and the prefix goes when the last rank drops it. An
 ``AllBlocksCleared`` in such a batch (the engine reset that rank's cache, or the source lost
-that rank's events or saw it restart) drops that rank's blocks only; if none are left at all
-it is a reset. Batches without a rank key blocks as before, and so does every batch of a
-vLLM/SGLang source with one rank (its keys stay ``(group_idx, hash)``). A TensorRT-LLM
+that rank's events or saw it restart) drops that rank's blocks only; if that leaves no block
+at all it is a reset (``cache_cleared``), but a clear that finds the tracker empty already
+emits nothing (a rank cleared twice, or before anything was stored). Batches without a rank
+key blocks as before, and so does every batch of a vLLM/SGLang source with one rank (its
+keys stay ``(group_idx, hash)``). A TensorRT-LLM
 ``updated`` cache-level change arrives as a placeholder store on the new medium and a removal
 from the old one (``listener.decode_trtllm``): the block moves tier, an unknown block is
 skipped (``placeholder_blocks``).
@@ -357,8 +360,13 @@ class DefaultSourceProcessor:
     def _cleared(self, event: AllBlocksCleared, rank: int | None) -> None:
         if event.medium is not None or rank is not None:
             media = ALL_MEDIA if event.medium is None else self.tracker.medium_bit(event.medium)
+            held = self.tracker.tracked_blocks
             self.tracker.remove_medium(media, rank)
             if self.tracker.tracked_blocks:
+                return
+            if not held:  # it was empty already: nothing to tell the router
+                self.tracker.clear()
+                self.chain.clear()
                 return
         self.tracker.clear()
         self.chain.clear()

@@ -69,6 +69,8 @@ class EventSource:
         self._greenlets: list[gevent.Greenlet] = []
         self._stopping = False
         self._clean = False  # True right after a reset, until a batch is applied
+        # Data-parallel ranks cleared since a batch of theirs was last applied
+        self._clean_ranks: set[int | None] = set()
         self._warned: set[str] = set()
 
     @property
@@ -114,6 +116,8 @@ class EventSource:
             self._malformed(batch.malformed, batch.malformed_at, "batch")
         self.last_event_at = time.time()
         self._clean = False
+        if self._clean_ranks:
+            self._clean_ranks.discard(batch.data_parallel_rank)
         self._handle(batch, "a batch")
 
     def _handle(self, batch: KvEventBatch, what: str) -> None:
@@ -138,10 +142,13 @@ class EventSource:
     def _clear_rank(self, rank: int, reason: str) -> None:
         """One data-parallel rank's events were lost (or it restarted) while the other ranks'
         streams are intact: drop that rank's blocks only (a batch of that rank holding
-        ``AllBlocksCleared``; the processor keys such a source's blocks per rank)."""
-        if self._clean:  # nothing applied since the last reset: nothing of the rank either
+        ``AllBlocksCleared``; the processor keys such a source's blocks per rank). Like
+        resets, repeats collapse: a rank cleared with no batch of it applied since (one
+        loss seen twice: a restart, then its first number above 0) is not cleared again."""
+        if self._clean or rank in self._clean_ranks:  # nothing of the rank applied since
             log.info("%s: %s (state already clear)", self.backend, reason)
             return
+        self._clean_ranks.add(rank)
         log.warning("%s: %s: clearing that rank's blocks", self.backend, reason)
         self._handle(KvEventBatch(ts=time.time(), events=(AllBlocksCleared(),),
                                   data_parallel_rank=rank), "a rank's clear")
@@ -153,6 +160,7 @@ class EventSource:
         self.stats.resets += 1
         log.warning("%s: %s: clearing the backend's prefixes", self.backend, reason)
         self._clean = True
+        self._clean_ranks.clear()  # ``_clean`` covers every rank until a batch is applied
         try:
             self.processor.reset(reason)
         except Exception as exc:

@@ -27,6 +27,7 @@ first event ever, id > 0, not ``created``              lost state (drained befor
                                                        restarted: reset, then apply
 ``id > L + 1``                                         gap (the server's buffer overflowed
                                                        or a reply was lost): reset, apply
+``id == L + 1``, a malformed removal                   its removal is lost: reset
 =====================================================  ===================================
 
 ``created`` itself is not passed to the processor (the reset already emits
@@ -34,14 +35,21 @@ first event ever, id > 0, not ``created``              lost state (drained befor
 blocks only (a batch of that rank holding ``AllBlocksCleared``; the processor keys blocks per
 rank), since the other ranks' sequences are intact; only the first event the source ever
 sees resets the whole backend, as does any reset for events without a rank. The table keeps
-the ``limits.max_sequence_streams`` most recently used ranks (``pruned_streams``).
+the ``limits.max_sequence_streams`` most recently used ranks (``pruned_streams``): each
+attention-DP rank takes one of them, so the limit must be at least the engine's rank count
+(trtllm config has no rank count to check it against; the first rank pruned logs a warning,
+since it means the limit is below the ranks in use). Repeated losses of one rank collapse:
+a rank already cleared, with nothing of it applied since, is not cleared again.
 
 Consecutive applied events with the same attention-DP rank go to the processor as one
 :class:`~continuum.kv_events.KvEventBatch` whose ``seq`` is the first event's id and whose
 ``data_parallel_rank`` is that rank; a cache-level ``updated`` carries the neutral events of
 the move, a priority-only one and unknown kinds none (only counted). A malformed event costs
 only itself (``malformed_events``, the first one's location logged once); its id still counts
-when it can be read (:mod:`listener.decode_trtllm`).
+when it can be read (:mod:`listener.decode_trtllm`). One whose ``data.type`` is ``removed``
+or unreadable (:data:`~listener.decode.MALFORMED_REMOVAL`) lost a removal, which would leave
+its blocks indexed for good: it is a gap of its rank (last table row; the events before it
+are applied first).
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ import requests
 from continuum.config.addresses import redact_url
 from continuum.kv_events import KvEvent, KvEventBatch
 from listener.config import LimitsConfig, SourceConfig
-from listener.decode import DecodeError, TrtllmEvent, decode_trtllm_events
+from listener.decode import MALFORMED_REMOVAL, DecodeError, TrtllmEvent, decode_trtllm_events
 from listener.model import SourceProcessor
 from listener.sources import EventSource
 
@@ -235,12 +243,12 @@ class TrtllmSource(EventSource):
             if verdict == "duplicate":
                 self.stats.duplicates += 1
                 continue
-            if verdict != "apply":
+            if verdict != "apply" or event.kind == MALFORMED_REMOVAL:
                 self._flush(run)
                 run = []
-                self._lost(verdict, event, seq)
+                self._lost(verdict if verdict != "apply" else "removal", event, seq)
             seq.last = self.last_id = event.event_id
-            if event.kind != "created":
+            if event.kind != "created" and event.kind != MALFORMED_REMOVAL:
                 run.append(event)
         self._flush(run)
         for rank, first in firsts.items():
@@ -258,8 +266,12 @@ class TrtllmSource(EventSource):
             return seq
         seq = sequences[rank] = _Sequence()
         while len(sequences) > self.max_ranks:
-            sequences.popitem(last=False)
+            old, _ = sequences.popitem(last=False)
             self.stats.pruned_streams += 1
+            self._warn_once("pruned-rank", "%s: dropped the event-id sequence of attention-DP "
+                            "rank %s: limits.max_sequence_streams (%d) is below the ranks in "
+                            "use (each rank needs one); raise it, or every dropped rank's next "
+                            "event is lost state", self.backend, old, self.max_ranks)
         return seq
 
     @staticmethod
@@ -289,12 +301,15 @@ class TrtllmSource(EventSource):
         elif verdict == "backwards":
             self.stats.restarts += 1
             reason = f"event ids went back from {last} to {event_id}: trtllm-serve restarted"
+        elif verdict == "removal":
+            reason = f"event {event_id} is a malformed removal: the blocks it removed are unknown"
         else:
             self.stats.sequence_gaps += 1
             assert last is not None
             reason = f"event id gap: expected {last + 1}, got {event_id} " \
                      f"({event_id - last - 1} lost)"
-        seq.previous_first = None
+        if verdict != "removal":  # the ids themselves are intact after a lost removal
+            seq.previous_first = None
         rank = event.attention_dp_rank
         if rank is None or self.last_id is None:
             self._reset(reason)  # no rank, or nothing seen yet: whatever was known goes

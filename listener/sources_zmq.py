@@ -21,16 +21,19 @@ is the union of its ranks' caches, but each rank publishes its own stream, rank 
 connects to (connect mode) all N endpoints, so the ZAP domain, ``ZMQ_MAXMSGSIZE`` and the
 topic filter apply to every rank alike. The engines offset ``replay_endpoint`` by the same
 rule (each rank's ROUTER replays that rank's buffer), so rank ``r``'s gaps are replayed from
-rank ``r``'s replay endpoint and the start-up replay asks every rank's (concurrently).
+rank ``r``'s replay endpoint and the start-up replay asks every rank's, one after another
+(each reply applied and let go before the next is asked: at most one rank's reply is held).
 Blocks are keyed per rank (:mod:`listener.processor`), and state lost on one rank (a gap
-that cannot be replayed, a restart) clears that rank's blocks only; only while nothing has
-been applied yet, or for a batch without a rank, is it a reset of the backend. With N = 1
-nothing of this applies: one endpoint, one replay endpoint, keys without the rank.
+that cannot be replayed, a restart) clears that rank's blocks only, once: a rank cleared
+with nothing of it applied since is not cleared again (as two resets collapse); only while
+nothing has been applied yet, or for a batch without a rank, is it a reset of the backend.
+With N = 1 nothing of this applies: one endpoint, one replay endpoint, keys without the rank.
 
 **Sequence numbers** are tracked per ``(topic, data-parallel rank)``. Decisions, with ``E``
 the next expected number (none before the first message), ``L`` the payload of the batch
-``E - 1`` last applied, and ``F`` the first number of the last replay while its duplicates
-may still arrive; "lost" is a reset (N > 1: that rank's blocks cleared):
+``E - 1`` last applied, and ``R`` the batches the stream's last replay applied (number and
+payload), kept while their live copies may still arrive, that is until a live batch
+numbered ``E`` or more is applied; "lost" is a reset (N > 1: that rank's blocks cleared):
 
 =========================================  ==================================================
 received ``seq``                           action
@@ -49,10 +52,18 @@ replay's first is ``E - 1``, other bytes   the publisher restarted (``restarts``
                                            from 0, unless ``E - 1`` was 0)
 replay's first is above ``E - 1``, or      buffer wrapped: a gap cannot be told from a
 the replay is empty                        restart: lost, apply the replay from its start
-``F <= seq < E`` (just after a replay)     duplicate: drop
-``< E`` otherwise                          the publisher restarted: lost, then as before
-                                           the first message
+``< E``, in ``R`` with the same bytes      the live copy of a replayed batch: drop it
+``< E`` otherwise                          the publisher restarted (``restarts``): lost,
+                                           then as before the first message
 =========================================  ==================================================
+
+Why ``R`` holds the bytes: a publisher that restarts after a replay (the start-up one, or
+one that found a restart: a crash loop) numbers from 0 again, within the replayed range,
+while no live batch may have gone past it yet (the engine was idle). A number alone would
+read its batches as duplicates of the old process's, drop them, and leave the old blocks
+indexed for good. Bounded: one fingerprint (see below) per batch of one replay per stream
+(a replay is at most :data:`REPLAY_MAX_BATCHES`), each taken by its live copy, all dropped
+with the first live batch past the replay, on a restart, or with the stream.
 
 Why the overlap: a restarted engine numbers from 0 again with an empty cache (§1.2). When
 the listener misses its first batches and then gets one numbered above ``E``, a replay
@@ -86,11 +97,15 @@ over as a first message.
 libzmq refuses a larger message part from its length header, before allocating it, and
 drops that publisher's connection (the engine reconnects at once). libzmq gives no reason
 for a disconnect, so it is counted with every other one in ``publisher_disconnects``; the
-lost batch then shows up as a sequence gap.
+lost batch then shows up as a sequence gap. Every replay's DEALER socket has the same
+limit: a replayed batch above it drops the replay's connection, which fails the replay
+(``replay_failures``) at once instead of at :data:`REPLAY_TIMEOUT`.
 
-**Peers.** The socket's monitor counts the publishers whose handshake succeeded, per
-endpoint (so per rank), until they disconnect; ``/health`` shows the total and, with N > 1,
-each rank's endpoint, peers and next expected sequence number.
+**Peers.** The socket's monitor counts, per rank's endpoint, the publishers whose
+handshake succeeded and that have not disconnected (:class:`_Links`: open connections less
+those still handshaking or refused, exact whatever order two handshakes end in, never
+negative); ``/health`` shows the total and, with N > 1, each rank's endpoint, peers and
+next expected sequence number.
 """
 
 from __future__ import annotations
@@ -103,7 +118,6 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import gevent
 import zmq.green as zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -137,6 +151,9 @@ REPLAY_MAX_BATCHES = 1_000_000
 #: Receive high-water mark: the engines' default send HWM.
 RCVHWM = 100_000
 _POLL_MS = 500
+#: Seconds a replay waits for the rest of its reply once its connection dropped (libzmq
+#: reports the disconnect before it hands over the messages read just before it).
+_DROP_GRACE = 0.1
 #: Payloads up to this size are kept as they are to compare with a replay (a reference to
 #: the received bytes: nothing to compute per batch); larger ones as a BLAKE2b-128 digest.
 #: At most this much (plus a digest) per sequence stream, ``limits.max_sequence_streams``.
@@ -201,7 +218,8 @@ def _port_of(endpoint: str) -> int | None:
 
 
 def fetch_replay(context: Any, endpoint: str, start_seq: int, *,
-                 timeout: float | None = None) -> list[tuple[bytes | None, int, bytes]] | None:
+                 timeout: float | None = None, max_message_bytes: int | None = None
+                 ) -> list[tuple[bytes | None, int, bytes]] | None:
     """Ask an engine's ROUTER replay socket for every batch from ``start_seq`` (§1.3).
 
     Args:
@@ -209,22 +227,42 @@ def fetch_replay(context: Any, endpoint: str, start_seq: int, *,
         endpoint: The engine's replay endpoint.
         start_seq: The first sequence number wanted.
         timeout: Seconds for the whole replay (default :data:`REPLAY_TIMEOUT`).
+        max_message_bytes: The DEALER's ``ZMQ_MAXMSGSIZE`` (the source passes
+            ``limits.max_message_bytes``, its SUB socket's): libzmq refuses a larger part
+            from its length header, before allocating it, and drops the connection.
 
     Returns:
         ``(topic or None, seq, payload)`` per batch up to the end marker, or None when the
-        replay timed out, could not be sent or was too long.
+        replay timed out, could not be sent, was too long (more than
+        :data:`REPLAY_MAX_BATCHES`), or its connection dropped before the end marker (a
+        message over ``max_message_bytes``, or the engine went away): a dropped connection
+        fails the replay within :data:`_DROP_GRACE` rather than at the timeout.
     """
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if max_message_bytes is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    monitor: Any = None
     out: list[tuple[bytes | None, int, bytes]] = []
     try:
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         sock.connect(endpoint)
         sock.send_multipart([b"", start_seq.to_bytes(8, "big")], zmq.NOBLOCK)
         deadline = time.monotonic() + (REPLAY_TIMEOUT if timeout is None else timeout)
         while len(out) <= REPLAY_MAX_BATCHES:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+            if remaining <= 0:
                 return None
+            ready = dict(poller.poll(int(remaining * 1000) + 1))
+            if sock not in ready:
+                if monitor in ready:  # dropped: what was read before it may still come
+                    monitor.recv_multipart()
+                    poller.unregister(monitor)
+                    deadline = min(deadline, time.monotonic() + _DROP_GRACE)
+                continue
             frames = sock.recv_multipart()
             if frames and frames[0] == b"":
                 frames = frames[1:]
@@ -242,10 +280,69 @@ def fetch_replay(context: Any, endpoint: str, start_seq: int, *,
     except zmq.ZMQError:
         return None
     finally:
+        if monitor is not None:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            monitor.close(linger=0)
         sock.close(linger=0)
 
 
 _Key = tuple[bytes, "int | None"]
+
+
+class _Links:
+    """The connections of one rank's endpoint, counted from the socket monitor's events.
+
+    libzmq reports every connection in this order: it opens (``ACCEPTED``/``CONNECTED``,
+    value: its fd), gets one handshake outcome (``HANDSHAKE_SUCCEEDED`` or
+    ``HANDSHAKE_FAILED_*``; a connection dropped while handshaking fails too), then closes
+    (``DISCONNECTED``, its fd). An outcome names no connection (its value is 0 or an error
+    code), so none is pinned on an fd: with a refused publisher reconnecting beside the
+    engine, the two handshakes may end in either order. Counted instead: the open fds,
+    ``pending`` (opened, no outcome yet) and ``failed`` (failed, not closed yet); the peers
+    are the open connections that are neither. A refused connection closes right after its
+    failure, so a close takes a failed one first (were it an established one, the count is
+    one too high until the failed one closes, its next event). Both counts stay within the
+    open fds, so the peers never go negative, and all is 0 once no fd is open: the count
+    converges after disconnects even if events were lost.
+    """
+
+    __slots__ = ("failed", "fds", "pending")
+
+    def __init__(self) -> None:
+        self.fds: set[int] = set()
+        self.pending = 0
+        self.failed = 0
+
+    @property
+    def peers(self) -> int:
+        """Open connections whose handshake succeeded."""
+        return len(self.fds) - self.pending - self.failed
+
+    def opened(self, fd: int) -> None:
+        """A connection opened (an fd still open: its close was missed)."""
+        if fd in self.fds:
+            self.closed(fd)
+        self.fds.add(fd)
+        self.pending += 1
+
+    def settled(self, succeeded: bool) -> None:
+        """A handshake ended (an outcome without a pending connection is ignored)."""
+        if self.pending:
+            self.pending -= 1
+            self.failed += not succeeded
+
+    def closed(self, fd: int) -> bool:
+        """The connection ``fd`` closed (an unknown fd is ignored); whether none is open."""
+        if fd in self.fds:
+            self.fds.discard(fd)
+            if self.failed:
+                self.failed -= 1
+            self.pending = min(self.pending, len(self.fds))
+            self.failed = min(self.failed, len(self.fds) - self.pending)
+        return not self.fds
 
 
 class ZmqSource(EventSource):
@@ -288,18 +385,17 @@ class ZmqSource(EventSource):
         self._domain = f"continuum-kv/{self.backend}"
         self._socket: Any = None
         self._monitor: Any = None
-        # Peers per monitor endpoint: connections waiting for their handshake (oldest
-        # first) and established ones (fd → endpoint). A handshake event carries no fd (its
-        # value is 0), so it settles the oldest waiting connection of its endpoint; two
-        # handshakes on one endpoint that end out of order (a refused peer beside the
-        # engine) can be miscounted until one of them reconnects.
-        self._waiting: dict[bytes, list[int]] = {}
-        self._peers: dict[int, bytes] = {}
+        # Connections per rank (an endpoint the ranks do not know: per endpoint), see
+        # on_monitor_event.
+        self._links: dict[int | bytes, _Links] = {}
         limits = limits or LimitsConfig()
         self.max_message_bytes = limits.max_message_bytes
         self.max_streams = limits.max_sequence_streams
         self._expected: OrderedDict[_Key, int] = OrderedDict()  # least recently used first
-        self._dup_floor: dict[_Key, int] = {}
+        # The batches the last replay of a stream applied, while their live copies may still
+        # arrive (until a live batch numbered E or more is applied): seq → fingerprint (see
+        # _fingerprint), at most one replay's batches per stream in ``_expected``.
+        self._replayed: dict[_Key, dict[int, tuple[int, bytes]]] = {}
         # The last applied batch of each stream in ``_expected``: (seq, size, payload or its
         # digest, see _fingerprint); a gap's replay compares it to tell a restart.
         self._last: dict[_Key, tuple[int, int, bytes]] = {}
@@ -374,15 +470,11 @@ class ZmqSource(EventSource):
         """Connection state, peers and the number of sequence streams; with several
         data-parallel ranks also each rank's endpoint, peers and next sequence number."""
         doc = super().health()
-        doc.update(mode=self.config.zmq_mode, endpoint=self.endpoint, peers=len(self._peers),
+        doc.update(mode=self.config.zmq_mode, endpoint=self.endpoint, peers=self.peers(),
                    rejected_publishers=self.stats.rejected_publishers,
                    sequence_streams=len(self._expected))
         if self.ranks > 1:
-            peers = [0] * self.ranks
-            for endpoint in self._peers.values():
-                rank = self._rank_of(endpoint)
-                if rank is not None:
-                    peers[rank] += 1
+            peers = [self.peers(rank) for rank in range(self.ranks)]
             following: dict[int | None, int] = {}
             for (_topic, rank), seq in reversed(self._expected.items()):  # most recent first
                 following.setdefault(rank, seq)
@@ -391,6 +483,13 @@ class ZmqSource(EventSource):
                             "next_seq": following.get(rank)}
                 for rank, endpoint in enumerate(self.endpoints)})
         return doc
+
+    def peers(self, rank: int | None = None) -> int:
+        """Publishers connected with a completed handshake: all, or ``rank``'s."""
+        if rank is not None:
+            links = self._links.get(rank)
+            return 0 if links is None else links.peers
+        return sum(links.peers for links in self._links.values())
 
     def _rank_of(self, endpoint: bytes) -> int | None:
         """The rank whose endpoint a monitor event names (tcp: by port, the address of a
@@ -414,30 +513,27 @@ class ZmqSource(EventSource):
             self.on_monitor_event(parse_monitor_message(self._monitor.recv_multipart()))
 
     def on_monitor_event(self, event: Mapping[str, Any]) -> None:
-        """Follow one socket monitor event: a connection opens (accepted, connected: its fd),
-        completes or fails its handshake (no fd: the oldest waiting connection of that
-        endpoint), or closes (its fd)."""
+        """Follow one socket monitor event by the rank its endpoint names (see
+        :class:`_Links`): a connection opens (accepted, connected: its fd), completes or
+        fails its handshake (no fd), or closes (its fd)."""
         kind, value, endpoint = event["event"], event["value"], event["endpoint"]
+        rank = self._rank_of(endpoint)
+        where: int | bytes = endpoint if rank is None else rank
+        links = self._links.get(where)
         if kind in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
-            self._waiting.setdefault(endpoint, []).append(value)
-        elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED or kind & _HANDSHAKE_FAILED:
-            waiting = self._waiting.get(endpoint)
-            if waiting:
-                fd = waiting.pop(0)
-                if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self._peers[fd] = endpoint
-            if not waiting:
-                self._waiting.pop(endpoint, None)
+            if links is None:
+                links = self._links[where] = _Links()
+            links.opened(value)
         elif kind == zmq.EVENT_DISCONNECTED:
             self.stats.publisher_disconnects += 1
-            if self._peers.pop(value, None) is None:
-                waiting = self._waiting.get(endpoint)
-                if waiting and value in waiting:
-                    waiting.remove(value)
-                    if not waiting:
-                        del self._waiting[endpoint]
+            if links is not None and links.closed(value):
+                del self._links[where]
+        elif links is not None and kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            links.settled(True)
+        elif links is not None and kind & _HANDSHAKE_FAILED:
+            links.settled(False)
         idle = "listening" if self.config.zmq_mode == "bind" else "connecting"
-        self.state = "connected" if self._peers else idle
+        self.state = "connected" if self.peers() else idle
 
     def _receive_loop(self) -> None:
         if self.replay_endpoints:
@@ -488,13 +584,12 @@ class ZmqSource(EventSource):
         seq = batch.seq
         expected = self._expected.get(key)
         if expected is not None and seq < expected:
-            floor = self._dup_floor.get(key)
-            if floor is not None and seq >= floor:
+            if self._duplicate(key, seq, payload):
                 self.stats.duplicates += 1
                 return
             self.stats.restarts += 1
             self._lost(key, f"publisher restarted: sequence went back from {expected} to {seq}")
-            self._dup_floor.pop(key, None)
+            self._replayed.pop(key, None)
             self._last.pop(key, None)
             expected = None
         start = 0 if expected is None else expected
@@ -515,8 +610,19 @@ class ZmqSource(EventSource):
                 self._lost(key, what)
         self._apply(batch)
         self._set_expected(key, seq + 1, payload)
-        self._dup_floor.pop(key, None)
+        self._replayed.pop(key, None)
 
+    def _duplicate(self, key: _Key, seq: int, payload: bytes | None) -> bool:
+        """Whether a live batch numbered below ``E`` is the live copy of a batch the
+        stream's last replay applied: that number with the same bytes (each copy is taken
+        once; without the payload, the number alone). Any other is a restarted publisher's
+        (one that restarted after a replay numbers from 0 again, within the replayed range)."""
+        replayed = self._replayed.get(key)
+        if replayed is None:
+            return False
+        fingerprint = replayed.pop(seq, None)
+        return fingerprint is not None and (payload is None
+                                            or _fingerprint(payload) == fingerprint)
     def _of_rank(self, key: _Key) -> str:
         """`` (data-parallel rank r)`` for a log line of a source with several ranks."""
         return f" (data-parallel rank {key[1]})" if self.ranks > 1 else ""
@@ -554,36 +660,32 @@ class ZmqSource(EventSource):
             self._last[key] = (following - 1, *_fingerprint(payload))
         while len(expected) > self.max_streams:
             old, _ = expected.popitem(last=False)
-            self._dup_floor.pop(old, None)
+            self._replayed.pop(old, None)
             self._last.pop(old, None)
             self.stats.pruned_streams += 1
 
     def catch_up(self) -> int:
         """Replay the engine's whole buffer at start; return how many batches were applied.
 
-        With several data-parallel ranks every rank's replay endpoint is asked at once and
-        the answers are applied rank by rank. The stream key (topic, rank) is learned from
-        the replayed batches; a buffer that no longer reaches back to 0 is applied from where
-        it starts (the tracker is empty anyway, so nothing stale remains).
+        With several data-parallel ranks the ranks' replay endpoints are asked one after
+        another, each reply applied (and let go) before the next is asked, so that at most
+        one rank's reply is held. The stream key (topic, rank) is learned from the replayed
+        batches; a buffer that no longer reaches back to 0 is applied from where it starts
+        (the tracker is empty anyway, so nothing stale remains).
         """
         assert self.replay_endpoints
-        endpoints = self.replay_endpoints
-        if len(endpoints) == 1:
-            answers = [fetch_replay(self._context, endpoints[0], 0)]
-        else:
-            jobs = [gevent.spawn(fetch_replay, self._context, endpoint, 0)
-                    for endpoint in endpoints]
-            gevent.joinall(jobs)
-            answers = [job.value if job.successful() else None for job in jobs]
         applied = 0
-        for rank, (endpoint, got) in enumerate(zip(endpoints, answers, strict=True)):
+        for rank, endpoint in enumerate(self.replay_endpoints):
             self.stats.replays += 1
+            got = fetch_replay(self._context, endpoint, 0,
+                               max_message_bytes=self.max_message_bytes)
             if got is None:
                 self.stats.replay_failures += 1
                 log.info("%s: no start-up replay from %s%s", self.backend, endpoint,
                          self._of_rank((b"", rank)))
                 continue
             applied += self._apply_start_up(got)
+            del got
         log.info("%s: start-up replay applied %d batch(es)", self.backend, applied)
         return applied
 
@@ -607,7 +709,10 @@ class ZmqSource(EventSource):
                 self._lost(key, f"start-up replay has no batches {expected}..{seq - 1}")
             self._apply(batch)
             self._set_expected(key, seq + 1, payload)
-            self._dup_floor[key] = 0
+            replayed = self._replayed.get(key)
+            if replayed is None:
+                replayed = self._replayed[key] = {}
+            replayed[seq] = _fingerprint(payload)
             applied += 1
         return applied
 
@@ -656,30 +761,31 @@ class ZmqSource(EventSource):
                 following, cleared = 0, True
             if first is not None:
                 batches = itertools.chain([first], batches)
-        applied = 0
+        replayed: dict[int, tuple[int, bytes]] = {}
         last_payload: bytes | None = None
         for seq, batch, payload in batches:
             if seq < following:
                 continue
-            if seq > following and not (cleared and applied == 0):
+            if seq > following and not (cleared and not replayed):
                 self._lost(key, f"replay has no batches {following}..{seq - 1}")
             self._apply(batch)
-            applied += 1
+            replayed[seq] = _fingerprint(payload)
             following = seq + 1
             last_payload = payload
-        log.info("%s: replayed %d batch(es) from %d%s", self.backend, applied, floor,
+        log.info("%s: replayed %d batch(es) from %d%s", self.backend, len(replayed), floor,
                  self._of_rank(key))
-        if applied:
+        if replayed:
             self._set_expected(key, following, last_payload)
-            self._dup_floor[key] = floor
-        return following, cleared and not applied
+            self._replayed[key] = replayed
+        return following, cleared and not replayed
 
     def _fetch(self, key: _Key, start: int,
                endpoint: str) -> list[tuple[bytes | None, int, bytes]] | None:
         """Ask ``endpoint`` for ``key``'s stream from ``start``, counting the replay (and its
         failure); the answer, or None."""
         self.stats.replays += 1
-        got = fetch_replay(self._context, endpoint, start)
+        got = fetch_replay(self._context, endpoint, start,
+                           max_message_bytes=self.max_message_bytes)
         if got is None:
             self.stats.replay_failures += 1
             log.warning("%s: replay from %d failed (no answer within %.0f s)%s", self.backend,

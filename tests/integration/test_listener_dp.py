@@ -327,6 +327,52 @@ def test_each_rank_is_replayed_from_its_own_replay_endpoint(ctx: Any,
             pub.close()
 
 
+def test_the_start_up_replay_holds_one_ranks_reply_at_a_time(
+        ctx: Any, zap: ZapAuthenticator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank's start-up replay is asked only once the previous rank's reply has been
+    applied (and let go), so at most one rank's reply is held; every replay's DEALER gets
+    the source's ``limits.max_message_bytes``. (Before, every rank's reply was fetched at
+    once and held until all had arrived.)"""
+    import listener.sources_zmq as sources_zmq
+
+    port, replay = free_port_run(3), free_port_run(3)
+    pubs = [ZmqKvPublisher(PROFILE, f"tcp://127.0.0.1:{port}", bind=True,
+                           replay_endpoint=f"tcp://127.0.0.1:{replay}", dp_rank=r, context=ctx)
+            for r in range(3)]
+    dp = Dp(ctx, zap, f"tcp://127.0.0.1:{port}", "connect", ranks=3,
+            replay=f"tcp://127.0.0.1:{replay}")
+    steps: list[tuple[str, int]] = []
+    real_fetch, real_handle = sources_zmq.fetch_replay, dp.processor.handle_batch
+
+    def fetch(context: Any, endpoint: str, start: int, **kw: Any) -> Any:
+        assert kw["max_message_bytes"] == dp.source.max_message_bytes
+        steps.append(("asked", int(endpoint.rpartition(":")[2]) - replay))
+        got = real_fetch(context, endpoint, start, **kw)
+        steps.append(("answered", int(endpoint.rpartition(":")[2]) - replay))
+        return got
+
+    def handle(batch: Any) -> None:
+        steps.append(("applied", batch.data_parallel_rank))
+        real_handle(batch)
+
+    monkeypatch.setattr(sources_zmq, "fetch_replay", fetch)
+    monkeypatch.setattr(dp.processor, "handle_batch", handle)
+    try:
+        for pub in pubs:
+            pub.start_replay_server()
+            pub.publish([salted((10 + pub.dp_rank,), P)])
+            pub.publish([removed(HEARTBEAT)])
+        assert dp.source.catch_up() == 6
+        assert steps == [step for r in range(3) for step in (
+            ("asked", r), ("answered", r), ("applied", r), ("applied", r))]
+        assert dp.source.stats.replays == 3 and dp.source.stats.replay_failures == 0
+        assert (dp.next_seq(0), dp.next_seq(1), dp.next_seq(2)) == (2, 2, 2)
+    finally:
+        dp.source.stop()
+        for pub in pubs:
+            pub.close()
+
+
 def test_allowed_publishers_guard_every_ranks_endpoint(ctx: Any,
                                                       zap: ZapAuthenticator) -> None:
     """The ZAP domain is the socket's, so it guards rank 1's port as it does rank 0's: a
@@ -371,3 +417,38 @@ def test_one_rank_keeps_its_keys_and_behaviour(ctx: Any, zap: ZapAuthenticator) 
     assert dp.out[1:] == [PrefixEvent(CACHE_CLEARED)]
     health = dp.source.health()
     assert "ranks" not in health and "data_parallel_size" not in health
+
+
+def test_a_rank_lost_twice_at_once_is_cleared_once(ctx: Any, zap: ZapAuthenticator) -> None:
+    """Without a replay endpoint, rank 1's numbers go back from 5 to 3: a restart, and its
+    first number after it is not 0, lost state too. That rank is cleared once, not twice
+    (like two resets with nothing applied between), and the router hears one
+    ``cache_cleared`` (rank 1 held the backend's only blocks). A rank is cleared again
+    once a batch of it was applied since; another rank's clear is not held back."""
+    dp = Dp(ctx, zap, "tcp://127.0.0.1:1", "bind")
+    clears: list[int | None] = []
+    real = dp.processor.handle_batch
+
+    def handle(batch: Any) -> None:
+        if any(type(e).__name__ == "AllBlocksCleared" for e in batch.events):
+            clears.append(batch.data_parallel_rank)
+        real(batch)
+
+    dp.processor.handle_batch = handle  # type: ignore[method-assign]
+    for seq in range(5):
+        dp.source.handle_frames(frames(1, seq, salted((11 + seq,), Q) if seq == 0 else
+                                       salted((11 + seq,), Q, parent=10 + seq)))
+    assert dp.blocks() == {((1, None), 11 + s) for s in range(5)}
+    mark = len(dp.out)
+    dp.source.handle_frames(frames(1, 3, salted((31,), P)))
+    stats = dp.source.stats
+    assert (stats.restarts, stats.sequence_gaps, stats.resets) == (1, 1, 0)
+    assert clears == [1]
+    assert dp.since(mark) == [PrefixEvent(CACHE_CLEARED), PrefixEvent(CACHE_CREATED, P, 2)]
+    assert dp.blocks() == {((1, None), 31)}
+    # rank 1's batch 3 was applied: a later loss clears it again; rank 0's own clear too
+    dp.source.handle_frames(frames(0, 0, salted((41,), Q)))
+    dp.source.handle_frames(frames(1, 9, removed(HEARTBEAT)))
+    dp.source.handle_frames(frames(0, 4, removed(HEARTBEAT)))
+    assert clears == [1, 1, 0] and stats.resets == 0
+    assert dp.blocks() == set()

@@ -39,7 +39,7 @@ from continuum.sim.kv_wire import encode_zmq_payload
 from listener.config import DetokenizeConfig, LimitsConfig, SourceConfig
 from listener.model import CACHE_CLEARED, CACHE_CREATED, CACHE_EVICTED, PrefixEvent
 from listener.processor import DefaultSourceProcessor
-from listener.sources_zmq import ZapAuthenticator, ZmqSource
+from listener.sources_zmq import ZapAuthenticator, ZmqSource, fetch_replay
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -435,3 +435,166 @@ def test_the_kept_payloads_are_bounded_by_the_sequence_table(
         lst.source.handle_frames([b"t%d" % i, (0).to_bytes(8, "big"), body])
     assert lst.source.health()["sequence_streams"] == 8
     assert len(lst.source._last) == 8 and set(lst.source._last) == set(lst.source._expected)
+
+
+# -- a restart after a replay: the replayed range holds the old process's numbers ----------
+
+
+#: Block hashes of a third process (C), the one after B.
+C = 9000
+
+
+def published(ctx: Any, engine: Engine) -> list[list[bytes]]:
+    """Every batch ``engine`` published, as the live messages it sent: the engines' replay
+    buffer holds the very payload bytes they sent (§1.3), so a replay from 0 read with the
+    real ``fetch_replay`` (not the ``asked`` spy) gives them back for the test to hand to
+    the source as if they had arrived live."""
+    got = fetch_replay(ctx, str(engine.pub.replay_endpoint), 0)
+    assert got is not None and [seq for _, seq, _ in got] == list(range(engine.seq))
+    return [[engine.pub.topic, seq.to_bytes(8, "big"), payload] for _, seq, payload in got]
+
+
+def test_a_restart_right_after_the_start_up_replay_is_found(
+        ctx: Any, zap: ZapAuthenticator, asked: list[int], compare: str) -> None:
+    """The start-up replay applies A's batches 0..4 (E = 5); A's live copies of some of
+    them arrive after it (duplicates: same numbers, same bytes, dropped). A stays idle,
+    then restarts as B, and B's live batches 0..5 arrive. B's 0..4 are numbered within the
+    replayed range but are not the batches replayed: B's 0 is a restart (A's blocks
+    cleared) and B's batches are applied in order. Before, every live number in the
+    replayed range was a duplicate until one numbered 5 or more was applied: B's first
+    five batches were dropped and A's blocks stayed indexed for good."""
+    with engine_and_tap(ctx, zap) as (lst, a, _tap, reopen):
+        a.publish(5)
+        assert lst.source.catch_up() == 5
+        old = published(ctx, a)
+        for message in old[3:]:  # A's live copies of what the replay brought
+            lst.source.handle_frames(message)
+        assert lst.stats.duplicates == 2 and lst.blocks() == a.keys(range(5))
+        mark = len(lst.out)
+
+        b = reopen(B)
+        b.publish(6)
+        for message in published(ctx, b):
+            lst.source.handle_frames(message)
+
+        assert (lst.stats.restarts, lst.stats.resets, lst.stats.duplicates) == (1, 1, 2)
+        assert lst.blocks() == b.keys(range(6))
+        assert lst.out[mark:] == [PrefixEvent(CACHE_CLEARED), *b.created(range(6))]
+        assert lst.stats.sequence_gaps == 0 and asked == [0]  # B's 0 came: nothing to ask
+        assert lst.source._replayed == {}  # let go once a live batch went past the replay
+
+
+def test_a_crash_loop_after_a_restart_seen_in_a_replay_is_found(
+        ctx: Any, zap: ZapAuthenticator, asked: list[int], compare: str) -> None:
+    """A restart found by a gap's replay applies the new process's history from 0 (B's
+    0..n-1). B stays idle and restarts too, as C: C's live batches, numbered within B's
+    replayed 0..n-1, are not B's: C's 0 is another restart. Before, they were dropped as
+    duplicates of B's replay (and C's first n batches never indexed)."""
+    with engine_and_tap(ctx, zap) as (lst, a, tap, reopen):
+        a.publish(4)
+        assert lst.source.catch_up() == 4
+        b = reopen(B)
+        lst.source.handle_frames(tap.until(b, 4 + 2))  # B's history is replayed from 0
+        assert (lst.stats.restarts, lst.stats.resets) == (1, 1)
+        assert lst.blocks() == b.keys(range(b.seq)) and asked == [0, 3, 0]
+        n = b.seq
+        mark = len(lst.out)
+
+        c = reopen(C)
+        c.publish(n + 1)
+        for message in published(ctx, c):
+            lst.source.handle_frames(message)
+
+        assert (lst.stats.restarts, lst.stats.resets) == (2, 2)
+        assert lst.blocks() == c.keys(range(n + 1))
+        assert lst.out[mark:] == [PrefixEvent(CACHE_CLEARED), *c.created(range(n + 1))]
+        assert asked == [0, 3, 0]
+
+
+def test_a_rank_that_restarts_after_the_start_up_replay_is_cleared(
+        ctx: Any, zap: ZapAuthenticator, asked: list[int]) -> None:
+    """Two ranks, both caught up at start (each rank's E = 3). Rank 1 restarts and its new
+    process's live batches 0..3 arrive: rank 1's old blocks go (evictions, no
+    ``cache_cleared``), its new ones are indexed, rank 0's stay."""
+    port, replay_port = free_port_block(2), free_port_block(2)
+    ranks = [Engine(ctx, port, replay_port, base=A + 1000 * r, rank=r) for r in (0, 1)]
+    lst = Listener(ctx, zap, port, replay_port, ranks=2)
+    try:
+        for engine in ranks:
+            engine.publish(3)
+        assert lst.source.catch_up() == 6
+        old = ranks[1]
+        mark = len(lst.out)
+        old.close()
+        new = Engine(ctx, port, replay_port, base=B, rank=1)
+        ranks.append(new)
+        new.publish(4)
+        for message in published(ctx, new):
+            lst.source.handle_frames(message)
+        assert (lst.stats.restarts, lst.stats.resets, lst.stats.duplicates) == (1, 0, 0)
+        assert lst.blocks() == ranks[0].keys(range(3), 0) | new.keys(range(4), 1)
+        evicted = [e for e in lst.out[mark:] if e.type == CACHE_EVICTED]
+        assert {e.prefix_hash for e in evicted} == {prefix(old.base + s) for s in range(3)}
+        assert [e for e in lst.out[mark:] if e.type != CACHE_EVICTED] == new.created(range(4))
+        assert CACHE_CLEARED not in {e.type for e in lst.out} and asked == [0, 0]
+    finally:
+        lst.source.stop()
+        for engine in ranks:
+            engine.close()
+
+
+def test_an_engine_restarted_while_idle_after_the_start_up_replay_replaces_it(
+        ctx: Any, zap: ZapAuthenticator) -> None:
+    """The source's own loop (connect mode): its start-up replay applies A's 40 batches;
+    A stays idle, then stops, and B starts on the same ports. Whichever of B's batches the
+    source hears first is numbered below 40, within the replayed range, and its bytes are
+    not A's: a restart. A's blocks end up gone and B's all indexed (before, B's batches up
+    to 39 were dropped as duplicates, and A's blocks stayed)."""
+    port, replay_port = free_port(), free_port()
+    a = Engine(ctx, port, replay_port, base=A)
+    engines = [a]
+    lst = Listener(ctx, zap, port, replay_port)
+    try:
+        a.publish(40)
+        lst.source.start()
+        wait_until(lambda: lst.blocks() == a.keys(range(40)), "A's start-up replay")
+        wait_until(lambda: lst.source.health()["peers"] == 1, "the connection to A")
+        a.close()
+        wait_until(lambda: lst.stats.publisher_disconnects >= 1, "A's disconnection")
+        b = Engine(ctx, port, replay_port, base=B)
+        engines.append(b)
+        while not lst.stats.restarts and b.seq < 30:  # until the source has heard B
+            b.publish()
+            gevent.sleep(0.02)
+        wait_until(lambda: lst.blocks() == b.keys(range(b.seq)), "B's blocks only")
+        assert lst.stats.restarts == 1 and lst.stats.resets == 1
+        assert PrefixEvent(CACHE_CLEARED) in lst.out
+    finally:
+        lst.source.stop()
+        for engine in engines:
+            engine.close()
+
+
+def test_the_fingerprints_of_a_replay_are_bounded_and_let_go(
+        ctx: Any, zap: ZapAuthenticator) -> None:
+    """One fingerprint per batch a replay applied, only for the streams the table keeps;
+    each live copy takes its own, and the stream's are dropped once a live batch goes past
+    the replay, or with the stream."""
+    with engine_and_tap(ctx, zap) as (lst, a, _tap, _reopen):
+        a.publish(5)
+        assert lst.source.catch_up() == 5
+        key = (b"", 0)
+        assert sorted(lst.source._replayed[key]) == [0, 1, 2, 3, 4]
+        live = published(ctx, a)
+        lst.source.handle_frames(live[4])
+        assert sorted(lst.source._replayed[key]) == [0, 1, 2, 3]
+        a.publish()
+        lst.source.handle_frames(published(ctx, a)[5])  # past the replay: E
+        assert lst.source._replayed == {} and lst.stats.duplicates == 1
+        assert lst.blocks() == a.keys(range(6)) and lst.stats.restarts == 0
+    # a stream pruned from the table takes its fingerprints with it
+    lst = Listener(ctx, zap, 1, 2, limits=LimitsConfig(max_sequence_streams=2))
+    for i in range(3):
+        body = encode_zmq_payload([store(A + i)], PROFILE, ts=time.time(), dp_rank=0)
+        lst.source._apply_start_up([(b"t%d" % i, 0, body)])
+    assert set(lst.source._replayed) == set(lst.source._expected) == {(b"t1", 0), (b"t2", 0)}

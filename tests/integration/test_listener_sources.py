@@ -496,6 +496,62 @@ def test_zap_refuses_publishers_outside_allowed_publishers(ctx: Any, zap: ZapAut
         source.stop()
 
 
+def test_a_connection_failing_its_handshake_beside_the_engine_leaves_its_peer_count(
+        ctx: Any, zap: ZapAuthenticator, hub: EventHub) -> None:
+    """A connection that opens before the engine's but ends its handshake after it (here a
+    plain TCP client that never speaks ZMTP, as a port scan or a TCP health check; a
+    refused publisher's handshake can end as late), then closes: the engine's success is
+    not taken for the other connection's, so the engine stays counted (``peers`` 1,
+    connected) while it streams, and 0 once it goes. A refused publisher beside it changes
+    nothing either. (A handshake event names no connection: the engine's success used to
+    be pinned on the oldest waiting connection, the TCP client's, and left with it.)"""
+    import socket
+
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    processor = StubProcessor(hub.publisher(BACKEND))
+    source = ZmqSource(zmq_config(endpoint, allowed=("127.0.0.2",)), processor, context=ctx,
+                       zap=zap)
+    sockets: list[Any] = []
+    silent = None
+    try:
+        source.start()
+        silent = socket.create_connection(("127.0.0.1", port), timeout=5)
+        gevent.sleep(0.2)  # accepted (and reported) before the engine connects
+        engine = ctx.socket(zmq.PUB)
+        engine.setsockopt(zmq.LINGER, 0)
+        sockets.append(engine)
+        engine.connect(f"tcp://127.0.0.2:0;127.0.0.1:{port}")
+        _publish_until(engine, lambda: bool(processor.batches))
+        wait_until(lambda: bool(processor.batches), "the engine's first batch")
+        assert source.health()["peers"] == 1
+        silent.close()  # its handshake fails now, after the engine's succeeded
+        refused = ctx.socket(zmq.PUB)
+        refused.setsockopt(zmq.LINGER, 0)
+        sockets.append(refused)
+        refused.connect(f"tcp://127.0.0.1:0;127.0.0.1:{port}")
+        samples = []
+        seq = processor.seqs()[-1] + 1
+        for _ in range(25):  # the engine streams on
+            engine.send_multipart(frames(seq, stored(seq)))
+            refused.send_multipart(frames(seq, stored(seq)))
+            seq += 1
+            gevent.sleep(0.02)
+            samples.append(source.health()["peers"])
+        assert source.stats.publisher_disconnects >= 1 and source.stats.rejected_publishers
+        assert set(samples) == {1} and source.connected
+        assert processor.seqs()[-1] == seq - 1
+        engine.close(linger=0)
+        wait_until(lambda: source.health()["peers"] == 0, "the engine's peer gone")
+        assert not source.connected
+    finally:
+        if silent is not None:
+            silent.close()
+        for sock in sockets:
+            sock.close(linger=0)
+        source.stop()
+
+
 def test_zap_answers_by_domain(ctx: Any) -> None:
     auth = ZapAuthenticator(ctx)
     refused: list[str] = []
@@ -694,23 +750,33 @@ def test_trtllm_first_poll_mid_stream_is_lost_state(hub: EventHub) -> None:
 
 
 def test_trtllm_a_malformed_event_costs_only_itself_over_http(hub: EventHub) -> None:
-    """A reply with one bad event (a ``removed`` whose hashes are booleans) beside good
+    """A reply with one bad event (a ``stored`` whose hash is a boolean) beside good
     stores: the stores are applied, the bad event counted, and its id still counts, so the
     next reply is no gap (before, the whole reply was refused and, the drain being
-    destructive, its stores were lost for good)."""
-    bad = {"event_id": 2, "data": {"type": "removed", "block_hashes": [True]}}
+    destructive, its stores were lost for good). A bad ``removed`` is not skipped silently:
+    the blocks it removed would stay indexed for good, so the source resets (the events
+    before it applied first, those after it too, and no gap)."""
+    bad = envelope(2)
+    bad["data"]["blocks"][0]["block_hash"] = True
+    lost = {"event_id": 5, "data": {"type": "removed", "block_hashes": [True]}}
     server = Scripted([(200, {}, [envelope(0, "created"), envelope(1), bad, envelope(3)]),
-                       (200, {}, [envelope(4)])])
+                       (200, {}, [envelope(4), lost, envelope(6)])])
     processor = StubProcessor(hub.publisher(BACKEND))
     session = requests.Session()
     source = TrtllmSource(trtllm_config(server.url + "/kv_cache_events"), processor,
                           session=session)
     try:
-        assert source.poll_once() and source.poll_once()
-        assert [e.block_hashes for e in processor.stored()] == [(1,), (3,), (4,)]
+        assert source.poll_once()
+        assert [e.block_hashes for e in processor.stored()] == [(1,), (3,)]
         assert (source.stats.malformed_events, source.stats.decode_errors) == (1, 0)
         assert (source.stats.sequence_gaps, len(processor.resets)) == (0, 1)  # created's
-        assert source.last_id == 4 and source.stats.poll_errors == {}
+        assert source.poll_once()
+        assert [e.block_hashes for e in processor.stored()] == [(1,), (3,), (4,), (6,)]
+        assert source.stats.malformed_events == 2 and len(processor.resets) == 2
+        assert "event 5 is a malformed removal" in processor.resets[-1]
+        assert processor.seqs(None)[-2:] == [4, 6]  # 4 before the reset, 6 after it
+        assert source.stats.sequence_gaps == 0
+        assert source.last_id == 6 and source.stats.poll_errors == {}
     finally:
         source.stop()
         session.close()
@@ -865,6 +931,75 @@ def test_oversize_message_is_dropped_and_the_source_keeps_working(
     finally:
         pub.close(linger=0)
         source.stop()
+
+
+class ScriptedRouter:
+    """A replay ROUTER on 127.0.0.1 that answers every request with ``answer`` (the
+    frames of each message after the requester's identity and delimiter), from a greenlet."""
+
+    def __init__(self, ctx: Any, answer: list[list[bytes]]) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.requests: list[int] = []
+        self.answer = answer
+        self.server = gevent.spawn(self._serve)
+
+    def _serve(self) -> None:
+        while True:
+            identity, _, start = self.sock.recv_multipart()
+            self.requests.append(int.from_bytes(start, "big"))
+            for message in self.answer:
+                self.sock.send_multipart([identity, b"", *message])
+
+    def close(self) -> None:
+        self.server.kill()
+        self.sock.close(linger=0)
+
+
+END = [b"", b"\xff" * 8, b""]
+
+
+def test_a_replay_message_over_the_limit_fails_the_replay(
+        ctx: Any, zap: ZapAuthenticator, hub: EventHub) -> None:
+    """``limits.max_message_bytes`` is the replay DEALER's ``ZMQ_MAXMSGSIZE`` too, as it is
+    the live SUB's: a replayed batch above it is refused by libzmq from its length header
+    (never allocated), the connection drops, and the replay fails at once (not after the
+    replay timeout): counted, nothing applied, no crash. A gap's replay that fails so
+    resets, and the live batch is applied. Replies within the limit still come through."""
+    import listener.sources_zmq as sources_zmq
+
+    big = [BlockStored((777,), None, tuple(range(1_000_000, 1_300_000)), 16, medium="GPU")]
+    oversize = frames(0, big)
+    assert len(oversize[2]) > 1024 * 1024
+    router = ScriptedRouter(ctx, [oversize, END])
+    limits = LimitsConfig(max_message_bytes=65536)
+    processor = StubProcessor(hub.publisher(BACKEND))
+    source = ZmqSource(zmq_config("tcp://127.0.0.1:1", replay=router.endpoint), processor,
+                       context=ctx, zap=zap, limits=limits)
+    try:
+        started = time.monotonic()
+        assert source.catch_up() == 0
+        assert time.monotonic() - started < sources_zmq.REPLAY_TIMEOUT / 2  # the drop ends it
+        assert (source.stats.replays, source.stats.replay_failures) == (1, 1)
+        assert processor.batches == [] and source.stats.decode_errors == 0
+        assert router.requests == [0]
+        # a gap's replay alike: failed, reset, the live batch applied
+        live = frames(3, stored(3))
+        source.handle_frames(live)
+        assert (source.stats.replays, source.stats.replay_failures) == (2, 2)
+        assert processor.seqs() == [3] and len(processor.resets) == 1
+        # the same source takes a replay within its limit (from 3, the batch applied)
+        router.answer = [live, frames(4, stored(4)), frames(5, stored(5)), END]
+        source.handle_frames(frames(6, stored(6)))
+        assert (source.stats.replays, source.stats.replay_failures) == (3, 2)
+        assert processor.seqs() == [3, 4, 5, 6] and len(processor.resets) == 1
+        assert router.requests == [0, 0, 3]
+    finally:
+        source.stop()
+        router.close()
 
 
 def test_sequence_table_keeps_the_most_recently_used_streams(

@@ -34,7 +34,7 @@ from listener.decode import (
     decode_zmq_frames,
     decode_zmq_payload,
 )
-from listener.decode_trtllm import MALFORMED
+from listener.decode_trtllm import MALFORMED, MALFORMED_REMOVAL
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "kv-events"
 TS = 1760000000.5
@@ -425,11 +425,17 @@ def _removed_env(event_id: int, *hashes: Any) -> dict[str, Any]:
         {"block_hash": 1.5, "tokens": [1]}]}}, "$[1].data.blocks[0].block_hash", MALFORMED),
     ({"event_id": 2, "data": {"type": "stored", "parent_hash": None, "blocks": [
         {"block_hash": 1, "tokens": []}]}}, "$[1].data.blocks[0].tokens", MALFORMED),
-    (_removed_env(2, float("inf")), "$[1].data.block_hashes[0]", MALFORMED),
     ({"event_id": 2, "data": {"type": "updated", "block_hash": 1, "cache_level": {
         "old_value": 0, "new_value": -1}}}, "$[1].data.cache_level.new_value", MALFORMED),
-    ({**_removed_env(2, 1), "window_size": "wide"}, "$[1].window_size", MALFORMED),
-    ({"event_id": 2, "data": "removed"}, "$[1].data", MALFORMED),
+    ({"event_id": 2, "data": {"type": "unknown-to-us", "block_hash": True},
+      "window_size": "wide"}, "$[1].window_size", MALFORMED),
+    # a removal, or what may have been one: its removal is lost (the source clears)
+    (_removed_env(2, float("inf")), "$[1].data.block_hashes[0]", MALFORMED_REMOVAL),
+    ({**_removed_env(2, 1), "window_size": "wide"}, "$[1].window_size", MALFORMED_REMOVAL),
+    ({"event_id": 2, "data": "removed"}, "$[1].data", MALFORMED_REMOVAL),
+    ({"event_id": 2, "data": {"type": 3, "block_hashes": [1]}}, "$[1].data.type",
+     MALFORMED_REMOVAL),
+    ({"event_id": 2, "data": {"block_hashes": [1]}}, "$[1].data.type", MALFORMED_REMOVAL),
     # a restart whatever its pool sizes
     ({"event_id": 2, "data": {"type": "created", "num_blocks_per_cache_level": "many"}},
      "$[1].data.num_blocks_per_cache_level", "created"),
@@ -442,13 +448,14 @@ def test_trtllm_malformed_event_costs_only_itself(bad: Any, where: str,
                                                    kept: str | None) -> None:
     """The drain is destructive: refusing the reply would lose its good events for good. The
     bad one is counted (the first one's location kept for the log) and, when its id can be
-    read, kept without neutral events so that its id still counts."""
+    read, kept without neutral events so that its id still counts; a removal (or an event
+    whose type cannot be read) is kept as a lost removal."""
     body = [_removed_env(1, 5), bad, _removed_env(3, 6), _removed_env(4, True)]
     events = decode_trtllm_events(json.dumps(body))
     assert (events.malformed, events.malformed_at, events.skipped) == (2, where, 0)
     good = [TrtllmEvent(1, "removed", (BlockRemoved((5,)),)),
             TrtllmEvent(3, "removed", (BlockRemoved((6,)),))]
-    last = TrtllmEvent(4, MALFORMED)
+    last = TrtllmEvent(4, MALFORMED_REMOVAL)
     if kept is None:
         assert events == [*good, last]
     else:

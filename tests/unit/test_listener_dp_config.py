@@ -180,3 +180,59 @@ def test_the_documented_examples_pass_the_check() -> None:
         assert errors == [] and config is not None
         assert config.sources[0].data_parallel_size == 4
         assert rank_endpoints(config.sources[0].zmq_endpoint or "", 4)[-1].endswith(":5560")
+
+
+def test_the_ranks_pub_and_replay_ports_may_not_overlap() -> None:
+    """The engine's ranks bind PUB P .. P+N-1 and replay R .. R+N-1 (or the listener binds
+    the PUB ports, on the same host): with PUB 5557 and replay 5558, rank 1 would publish on
+    rank 0's replay port. Either mode, named at ``replay_endpoint``; the ranges side by
+    side, or on another host, are fine."""
+    for mode in ("bind", "connect"):
+        found = errors_of({"zmq_mode": mode, "data_parallel_size": 2,
+                           "replay_endpoint": "tcp://127.0.0.1:5558"})
+        assert list(found) == ["sources[0].replay_endpoint"], mode
+        assert ("rank 0's replay port 5558 is rank 1's zmq_endpoint port" in
+                found["sources[0].replay_endpoint"])
+    found = errors_of({"data_parallel_size": 4, "replay_endpoint": "tcp://127.0.0.1:5555"})
+    assert "rank 2's replay port 5557 is rank 0's zmq_endpoint port" in found[
+        "sources[0].replay_endpoint"]
+    assert "5555..5558 overlap 5557..5560" in found["sources[0].replay_endpoint"]
+    # one rank: the very same port
+    assert list(errors_of({"replay_endpoint": "tcp://127.0.0.1:5557"})) == [
+        "sources[0].replay_endpoint"]
+    # a wildcard bind and a loopback engine are one machine; localhost is 127.0.0.1
+    assert list(errors_of({"zmq_endpoint": "tcp://*:5557", "data_parallel_size": 2,
+                           "replay_endpoint": "tcp://127.0.0.1:5558"})) == [
+        "sources[0].replay_endpoint"]
+    assert list(errors_of({"zmq_endpoint": "tcp://localhost:5557", "zmq_mode": "connect",
+                           "allowed_publishers": ["localhost"], "data_parallel_size": 2,
+                           "replay_endpoint": "tcp://127.0.0.1:5558"})) == [
+        "sources[0].replay_endpoint"]
+    for fine in ({"data_parallel_size": 2, "replay_endpoint": "tcp://127.0.0.1:5559"},
+                 {"data_parallel_size": 2, "replay_endpoint": "tcp://127.0.0.1:5555"},
+                 {"data_parallel_size": 2, "replay_endpoint": "tcp://10.0.0.7:5558",
+                  "allowed_publishers": ["127.0.0.1", "10.0.0.7"]},
+                 {"data_parallel_size": 2, "replay_endpoint": "inproc://replay"}):
+        assert errors_of(fine) == {}, fine
+
+
+def test_no_rank_port_is_the_listeners_own_http_port() -> None:
+    """``listen`` binds the listener's HTTP port: a rank's PUB port (bound by the listener
+    or the engine) or replay port on the same host cannot be it."""
+    def errors(listen: str, **source: Any) -> dict[str, str]:
+        _config, found, _ = check_listener_config(
+            {"listen": listen, "sources": [{**BASE, **source}]})
+        return {issue.path: issue.message for issue in found}
+
+    found = errors("127.0.0.1:5558", data_parallel_size=2)
+    assert list(found) == ["sources[0].zmq_endpoint"]
+    assert ("port 5558 (data-parallel rank 1) is the listener's own HTTP port"
+            in found["sources[0].zmq_endpoint"])
+    assert list(errors("0.0.0.0:5557", zmq_mode="connect")) == ["sources[0].zmq_endpoint"]
+    assert list(errors("[::1]:5568", data_parallel_size=2,
+                       replay_endpoint="tcp://127.0.0.1:5567")) == [
+        "sources[0].replay_endpoint"]
+    assert errors("127.0.0.1:5559", data_parallel_size=2) == {}
+    assert errors("10.0.0.9:5558", data_parallel_size=2) == {}  # another host
+    assert errors("127.0.0.1:0", data_parallel_size=2) == {}  # any free port
+

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from continuum.kv_events import KvEvent, KvEventBatch
+from continuum.kv_events import AllBlocksCleared, KvEvent, KvEventBatch
 from continuum.prefix import request_prefix_key
 from continuum.sim.engine import EngineConfig, GenerationRequest, SimEngine
 from continuum.sim.hashing import hasher_for
@@ -121,3 +121,30 @@ def test_ranks_recover_their_prompts_and_share_the_prefix_until_the_last_drops_i
     assert backend.reset(1) == [PrefixEvent(CACHE_CLEARED)]
     assert backend.processor.tracker.tracked_blocks == 0
     assert backend.processor.stats()["chain_keys"] == 0
+    # a rank's clear on the empty tracker (the same rank again, or the other one): nothing
+    assert backend.reset(1) == [] and backend.reset(0) == []
+    stats = backend.processor.stats()
+    assert stats["events_out"] == len(backend.out)
+
+
+def test_a_rank_clear_says_cache_cleared_only_when_it_empties_the_tracker() -> None:
+    """``AllBlocksCleared`` of one rank (the engine's, or the source's for a lost rank)
+    emits ``cache_cleared`` only when it removed the last blocks: not on a tracker that was
+    empty already (a rank cleared twice used to say it twice), not when nothing of that
+    rank was held (the other rank's blocks remain)."""
+    backend = DpBackend()
+
+    def clear(rank: int) -> list[PrefixEvent]:
+        start = len(backend.out)
+        backend.processor.handle_batch(KvEventBatch(ts=0.0, events=(AllBlocksCleared(),),
+                                                    data_parallel_rank=rank))
+        return backend.out[start:]
+
+    assert clear(1) == []  # nothing stored yet
+    created = backend.serve(0, BODY)
+    assert created and backend.ranks_held() == {0}
+    assert clear(1) == []  # rank 1 holds nothing; rank 0's blocks stay
+    assert backend.ranks_held() == {0}
+    assert clear(0) == [PrefixEvent(CACHE_CLEARED)]  # the last blocks: the backend is empty
+    assert clear(0) == [] and clear(1) == []
+    assert backend.processor.tracker.tracked_blocks == 0

@@ -133,27 +133,68 @@ def updated(h: int, level: tuple[int, int] | None = None,
 
 # -- 1. a malformed event costs only itself ------------------------------------------------
 
+def bad_store(h: int) -> dict[str, Any]:
+    """A ``stored`` whose block has a boolean token id: malformed."""
+    doc = stored([h], None, P2)
+    doc["blocks"][0]["tokens"][0]["token_id"] = True
+    return doc
+
+
 def test_trtllm_malformed_event_costs_only_itself(caplog: pytest.LogCaptureFixture) -> None:
-    """A removal whose hashes are booleans, between two good events of one reply: the
+    """A store whose token id is a boolean, between two good events of one reply: the
     reply's other events are applied (the drain is destructive: refusing the reply lost
     them for good), the bad one is counted and its id still counts, so the next reply is no
-    gap; the first bad one's location is logged once."""
+    gap; the first bad one's location is logged once. (A lost store only loses a hit.)"""
     trt = Trt()
     assert trt.reply(env(0, created()), env(1, stored([11, 12], None, P1))) == [
         PrefixEvent(CACHE_CLEARED), PrefixEvent(CACHE_CREATED, P1, 4)]
     caplog.set_level(logging.DEBUG, logger="listener.sources")
-    out = trt.reply(env(2, removed(True)), env(3, stored([21], None, P2)),
+    out = trt.reply(env(2, bad_store(31)), env(3, stored([21], None, P2)),
                     env(4, removed(11, 12)))
     assert out == [PrefixEvent(CACHE_CREATED, P2, 2), PrefixEvent(CACHE_EVICTED, P1, 4)]
     stats = trt.source.stats
     assert (stats.malformed_events, stats.decode_errors, stats.poll_errors) == (1, 0, {})
-    assert trt.reply(env(5, removed(True)), env(6, removed(21))) == [
+    assert trt.reply(env(5, bad_store(32)), env(6, removed(21))) == [
         PrefixEvent(CACHE_EVICTED, P2, 2)]
     assert stats.malformed_events == 2 and trt.counts() == (0, 1, 1)  # only created's reset
     warned = [r for r in caplog.records if "malformed" in r.getMessage()]
     assert [r.levelno for r in warned] == [logging.WARNING, logging.DEBUG]
-    assert "first at $[0].data.block_hashes[0]" in warned[0].getMessage()
+    assert "first at $[0].data.blocks[0].tokens[0].token_id" in warned[0].getMessage()
     assert trt.source.connected and trt.source.last_error is None
+
+
+@pytest.mark.parametrize("bad", [
+    removed(True),  # a removal whose hashes cannot be read
+    {"type": ["removed"], "block_hashes": [12]},  # a type that cannot be read
+    "removed",  # data that is not an object
+])
+def test_trtllm_a_malformed_removal_clears_its_rank(bad: Any) -> None:
+    """A malformed ``removed`` (or an event whose type cannot be read) lost a removal: were
+    it skipped like a bad store, the blocks it removed would stay indexed for good. Its rank
+    is cleared instead, as for a gap (the events before it applied first, those after it
+    too); another rank keeps its blocks; its id still counts (no gap follows). Without
+    ranks, the backend is reset."""
+    trt = Trt()
+    trt.reply(env(0, created(), 0), env(1, stored([11], None, P1), 0),
+              env(0, created(), 1), env(1, stored([11, 12], None, P1), 1))
+    out = trt.reply(env(2, stored([21], None, P2), 1), env(3, bad, 1),
+                    env(4, stored([41], None, P2), 1), env(2, stored([13], 11, P1), 0))
+    # rank 1's 11, 12, 21 go: P1 is left with rank 0's block 11 (2 tokens), P2 (held by
+    # rank 1 only) is evicted; then rank 1's 41 and rank 0's 13 are applied
+    assert out == [PrefixEvent(CACHE_CREATED, P2, 2), PrefixEvent(CACHE_CREATED, P1, 2),
+                   PrefixEvent(CACHE_EVICTED, P2, 2), PrefixEvent(CACHE_CREATED, P2, 2),
+                   PrefixEvent(CACHE_CREATED, P1, 4)]
+    assert trt.keys() == {((0, WINDOW), 11), ((0, WINDOW), 13), ((1, WINDOW), 41)}
+    assert trt.source.stats.malformed_events == 1
+    assert trt.counts() == (0, 2, 1)  # no gap, no reset: the two created, the first reset
+    assert trt.reply(env(5, removed(41), 1)) == [PrefixEvent(CACHE_EVICTED, P2, 2)]
+    assert trt.counts() == (0, 2, 1)
+    # without ranks: a reset of the backend
+    flat = Trt()
+    flat.reply(env(0, created()), env(1, stored([11], None, P1)))
+    assert flat.reply(env(2, bad), env(3, stored([21], None, P2))) == [
+        PrefixEvent(CACHE_CLEARED), PrefixEvent(CACHE_CREATED, P2, 2)]
+    assert flat.counts() == (0, 1, 2) and flat.keys() == {(WINDOW, 21)}
 
 
 def test_trtllm_malformed_event_without_a_readable_id_leaves_a_gap() -> None:
@@ -234,14 +275,25 @@ def test_trtllm_a_gap_on_one_rank_clears_that_rank_only() -> None:
     assert trt.counts() == (1, 3, 1) and trt.keys() == {((0, WINDOW), 11)}
 
 
-def test_trtllm_ranks_beyond_the_limit_are_dropped_and_start_anew() -> None:
+def test_trtllm_ranks_beyond_the_limit_are_dropped_and_start_anew(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Each attention-DP rank takes one of ``limits.max_sequence_streams`` (trtllm config
+    has no rank count to check it against): a limit below the ranks in use drops a rank's
+    sequence, whose next event is lost state, and the first drop logs a warning (once)."""
+    caplog.set_level(logging.DEBUG, logger="listener.sources")
     trt = Trt(LimitsConfig(max_sequence_streams=2))
     trt.reply(env(0, created(), 0), env(0, created(), 1), env(1, stored([11], None, P1), 1))
+    assert "max_sequence_streams" not in caplog.text
     trt.reply(env(0, created(), 2))  # a third rank: rank 0, the least recently used, goes
     assert trt.source.stats.pruned_streams == 1
     trt.reply(env(1, stored([21], None, P2), 0))  # its ids are unknown now: lost state
     assert trt.source.stats.sequence_gaps == 1 and trt.keys() == {
         ((1, WINDOW), 11), ((0, WINDOW), 21)}
+    assert trt.source.stats.pruned_streams == 2
+    warned = [r for r in caplog.records if "max_sequence_streams" in r.getMessage()]
+    assert [r.levelno for r in warned] == [logging.WARNING, logging.DEBUG]
+    assert "attention-DP rank 0: limits.max_sequence_streams (2) is below the ranks in use" \
+        in warned[0].getMessage()
 
 
 def test_trtllm_replies_without_ranks_keep_one_sequence_and_unranked_keys() -> None:
