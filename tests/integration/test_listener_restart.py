@@ -379,29 +379,29 @@ def test_a_hidden_restart_of_one_rank_clears_that_rank_only(
 # -- the source's own loop: it reconnects to the restarted engine late ----------------------
 
 
-def test_a_restarted_engine_heard_late_replaces_the_old_ones_blocks(
-        ctx: Any, zap: ZapAuthenticator) -> None:
-    """A started source (connect mode) catches A up at start and follows it. A stops; B
-    starts on the same ports and publishes its first batches before the source has
-    reconnected (a PUB without subscribers drops them), then more. Whatever B batch the
-    source hears first, A's blocks end up gone and B's all indexed."""
+def a_restarts_as_b_while_followed(ctx: Any, zap: ZapAuthenticator, *, a_batches: int,
+                                   b_unheard: int, b_most: int) -> None:
+    """A source running its own loop (connect mode) catches engine A's ``a_batches`` up at
+    start and follows A. A stops; B starts on the same ports, publishes ``b_unheard``
+    batches before anyone subscribes (dropped: only B's buffer has them), then one every
+    20 ms until the source counts a restart (at most ``b_most`` in all). A's blocks must end
+    up gone and all of B's indexed, after one restart and one reset."""
     port, replay_port = free_port(), free_port()
     a = Engine(ctx, port, replay_port, base=A)
     engines = [a]
     lst = Listener(ctx, zap, port, replay_port)
     try:
-        a.publish(4)
+        a.publish(a_batches)
         lst.source.start()
-        wait_until(lambda: lst.blocks() == a.keys(range(4)), "A's start-up replay")
+        wait_until(lambda: lst.blocks() == a.keys(range(a_batches)), "A's start-up replay")
         wait_until(lambda: lst.source.health()["peers"] == 1, "the connection to A")
         a.close()
         wait_until(lambda: lst.stats.publisher_disconnects >= 1, "A's disconnection")
         b = Engine(ctx, port, replay_port, base=B)
         engines.append(b)
-        b.publish(4 + 2)  # nobody subscribed yet: dropped, only B's buffer has them
-        for _ in range(500):  # B goes on until the source has heard it
-            if lst.stats.restarts:
-                break
+        if b_unheard:
+            b.publish(b_unheard)
+        while not lst.stats.restarts and b.seq < b_most:  # until the source has heard B
             b.publish()
             gevent.sleep(0.02)
         wait_until(lambda: lst.blocks() == b.keys(range(b.seq)), "B's blocks only")
@@ -411,6 +411,15 @@ def test_a_restarted_engine_heard_late_replaces_the_old_ones_blocks(
         lst.source.stop()
         for engine in engines:
             engine.close()
+
+
+def test_a_restarted_engine_heard_late_replaces_the_old_ones_blocks(
+        ctx: Any, zap: ZapAuthenticator) -> None:
+    """A started source (connect mode) catches A up at start and follows it. A stops; B
+    starts on the same ports and publishes its first batches before the source has
+    reconnected (a PUB without subscribers drops them), then more. Whatever B batch the
+    source hears first, A's blocks end up gone and B's all indexed."""
+    a_restarts_as_b_while_followed(ctx, zap, a_batches=4, b_unheard=6, b_most=506)
 
 
 def test_payload_fingerprints() -> None:
@@ -550,29 +559,7 @@ def test_an_engine_restarted_while_idle_after_the_start_up_replay_replaces_it(
     source hears first is numbered below 40, within the replayed range, and its bytes are
     not A's: a restart. A's blocks end up gone and B's all indexed (before, B's batches up
     to 39 were dropped as duplicates, and A's blocks stayed)."""
-    port, replay_port = free_port(), free_port()
-    a = Engine(ctx, port, replay_port, base=A)
-    engines = [a]
-    lst = Listener(ctx, zap, port, replay_port)
-    try:
-        a.publish(40)
-        lst.source.start()
-        wait_until(lambda: lst.blocks() == a.keys(range(40)), "A's start-up replay")
-        wait_until(lambda: lst.source.health()["peers"] == 1, "the connection to A")
-        a.close()
-        wait_until(lambda: lst.stats.publisher_disconnects >= 1, "A's disconnection")
-        b = Engine(ctx, port, replay_port, base=B)
-        engines.append(b)
-        while not lst.stats.restarts and b.seq < 30:  # until the source has heard B
-            b.publish()
-            gevent.sleep(0.02)
-        wait_until(lambda: lst.blocks() == b.keys(range(b.seq)), "B's blocks only")
-        assert lst.stats.restarts == 1 and lst.stats.resets == 1
-        assert PrefixEvent(CACHE_CLEARED) in lst.out
-    finally:
-        lst.source.stop()
-        for engine in engines:
-            engine.close()
+    a_restarts_as_b_while_followed(ctx, zap, a_batches=40, b_unheard=0, b_most=30)
 
 
 def test_the_fingerprints_of_a_replay_are_bounded_and_let_go(
