@@ -364,10 +364,8 @@ class DefaultSourceProcessor:
             self.tracker.remove_medium(media, rank)
             if self.tracker.tracked_blocks:
                 return
-            if not held:  # it was empty already: nothing to tell the router
-                self.tracker.clear()
-                self.chain.clear()
-                return
+            if not held:  # it was empty already: nothing to tell the router, and the
+                return    # evictions earlier events of the batch queued still go out
         self.tracker.clear()
         self.chain.clear()
         self._send([PrefixEvent(CACHE_CLEARED)])

@@ -118,6 +118,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import gevent.pool
 import zmq.green as zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -148,6 +149,9 @@ END_SEQ = b"\xff" * 8
 REPLAY_TIMEOUT = 5.0
 #: Batches one replay may return (engines keep ``buffer_steps``, 10000 by default).
 REPLAY_MAX_BATCHES = 1_000_000
+#: Start-up replays asked at once for a source with several data-parallel ranks: each reply
+#: is held until it is applied, and a rank that does not answer costs REPLAY_TIMEOUT.
+STARTUP_REPLAYS_AT_ONCE = 4
 #: Receive high-water mark: the engines' default send HWM.
 RCVHWM = 100_000
 _POLL_MS = 500
@@ -239,12 +243,12 @@ def fetch_replay(context: Any, endpoint: str, start_seq: int, *,
         fails the replay within :data:`_DROP_GRACE` rather than at the timeout.
     """
     sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if max_message_bytes is not None:
-        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     monitor: Any = None
     out: list[tuple[bytes | None, int, bytes]] = []
     try:
+        sock.setsockopt(zmq.LINGER, 0)
+        if max_message_bytes is not None:
+            sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -393,8 +397,9 @@ class ZmqSource(EventSource):
         self.max_streams = limits.max_sequence_streams
         self._expected: OrderedDict[_Key, int] = OrderedDict()  # least recently used first
         # The batches the last replay of a stream applied, while their live copies may still
-        # arrive (until a live batch numbered E or more is applied): seq → fingerprint (see
-        # _fingerprint), at most one replay's batches per stream in ``_expected``.
+        # arrive (until a live batch numbered E or more is applied): seq → (size, digest) (see
+        # _digest: never the bytes, which an idle stream would keep for good), at most one
+        # replay's batches per stream in ``_expected``.
         self._replayed: dict[_Key, dict[int, tuple[int, bytes]]] = {}
         # The last applied batch of each stream in ``_expected``: (seq, size, payload or its
         # digest, see _fingerprint); a gap's replay compares it to tell a restart.
@@ -622,7 +627,7 @@ class ZmqSource(EventSource):
             return False
         fingerprint = replayed.pop(seq, None)
         return fingerprint is not None and (payload is None
-                                            or _fingerprint(payload) == fingerprint)
+                                            or _digest(payload) == fingerprint)
     def _of_rank(self, key: _Key) -> str:
         """`` (data-parallel rank r)`` for a log line of a source with several ranks."""
         return f" (data-parallel rank {key[1]})" if self.ranks > 1 else ""
@@ -667,22 +672,28 @@ class ZmqSource(EventSource):
     def catch_up(self) -> int:
         """Replay the engine's whole buffer at start; return how many batches were applied.
 
-        With several data-parallel ranks the ranks' replay endpoints are asked one after
-        another, each reply applied (and let go) before the next is asked, so that at most
-        one rank's reply is held. The stream key (topic, rank) is learned from the replayed
-        batches; a buffer that no longer reaches back to 0 is applied from where it starts
-        (the tracker is empty anyway, so nothing stale remains).
+        With several data-parallel ranks at most :data:`STARTUP_REPLAYS_AT_ONCE` ranks' replay
+        endpoints are asked at a time, and each reply is applied (and let go) as it comes,
+        so at most that many replies are held, and ranks that do not answer cost
+        :data:`REPLAY_TIMEOUT` per that many of them, not each. The stream key (topic, rank)
+        is learned from the replayed batches; a buffer that no longer reaches back to 0 is
+        applied from where it starts (the tracker is empty anyway, so nothing stale
+        remains).
         """
         assert self.replay_endpoints
+
+        def fetch(rank: int) -> tuple[int, list[tuple[bytes | None, int, bytes]] | None]:
+            return rank, fetch_replay(self._context, self.replay_endpoints[rank], 0,
+                                      max_message_bytes=self.max_message_bytes)
+
         applied = 0
-        for rank, endpoint in enumerate(self.replay_endpoints):
+        pool = gevent.pool.Pool(STARTUP_REPLAYS_AT_ONCE)
+        for rank, got in pool.imap_unordered(fetch, range(len(self.replay_endpoints))):
             self.stats.replays += 1
-            got = fetch_replay(self._context, endpoint, 0,
-                               max_message_bytes=self.max_message_bytes)
             if got is None:
                 self.stats.replay_failures += 1
-                log.info("%s: no start-up replay from %s%s", self.backend, endpoint,
-                         self._of_rank((b"", rank)))
+                log.info("%s: no start-up replay from %s%s", self.backend,
+                         self.replay_endpoints[rank], self._of_rank((b"", rank)))
                 continue
             applied += self._apply_start_up(got)
             del got
@@ -712,7 +723,7 @@ class ZmqSource(EventSource):
             replayed = self._replayed.get(key)
             if replayed is None:
                 replayed = self._replayed[key] = {}
-            replayed[seq] = _fingerprint(payload)
+            replayed[seq] = _digest(payload)
             applied += 1
         return applied
 
@@ -769,7 +780,7 @@ class ZmqSource(EventSource):
             if seq > following and not (cleared and not replayed):
                 self._lost(key, f"replay has no batches {following}..{seq - 1}")
             self._apply(batch)
-            replayed[seq] = _fingerprint(payload)
+            replayed[seq] = _digest(payload)
             following = seq + 1
             last_payload = payload
         log.info("%s: replayed %d batch(es) from %d%s", self.backend, len(replayed), floor,
@@ -819,3 +830,10 @@ def _fingerprint(payload: bytes) -> tuple[int, bytes]:
     if size <= INLINE_PAYLOAD_BYTES:
         return size, payload if type(payload) is bytes else bytes(payload)
     return size, hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def _digest(payload: bytes) -> tuple[int, bytes]:
+    """A payload's length and BLAKE2b-128 digest: what is kept of each batch a replay
+    applied (up to :data:`REPLAY_MAX_BATCHES` of them, for as long as the stream stays idle,
+    so never the bytes themselves)."""
+    return len(payload), hashlib.blake2b(payload, digest_size=16).digest()

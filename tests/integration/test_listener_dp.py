@@ -327,34 +327,42 @@ def test_each_rank_is_replayed_from_its_own_replay_endpoint(ctx: Any,
             pub.close()
 
 
-def test_the_start_up_replay_holds_one_ranks_reply_at_a_time(
+def test_the_start_up_replays_hold_a_few_ranks_replies_at_a_time(
         ctx: Any, zap: ZapAuthenticator, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each rank's start-up replay is asked only once the previous rank's reply has been
-    applied (and let go), so at most one rank's reply is held; every replay's DEALER gets
-    the source's ``limits.max_message_bytes``. (Before, every rank's reply was fetched at
-    once and held until all had arrived.)"""
+    """At most ``STARTUP_REPLAYS_AT_ONCE`` (here 2) ranks' start-up replays are asked at a
+    time and each reply is applied as it comes, so at most that many are held; the ranks
+    are asked concurrently (a rank that does not answer costs the timeout once per that
+    many, where asking one after another cost it per rank); every replay's DEALER gets the
+    source's ``limits.max_message_bytes``. (At first every rank's reply was fetched at once
+    and held until all had arrived; then one rank at a time.)"""
     import listener.sources_zmq as sources_zmq
 
-    port, replay = free_port_run(3), free_port_run(3)
+    ranks = 5
+    port, replay = free_port_run(ranks), free_port_run(ranks)
     pubs = [ZmqKvPublisher(PROFILE, f"tcp://127.0.0.1:{port}", bind=True,
                            replay_endpoint=f"tcp://127.0.0.1:{replay}", dp_rank=r, context=ctx)
-            for r in range(3)]
-    dp = Dp(ctx, zap, f"tcp://127.0.0.1:{port}", "connect", ranks=3,
+            for r in range(ranks)]
+    dp = Dp(ctx, zap, f"tcp://127.0.0.1:{port}", "connect", ranks=ranks,
             replay=f"tcp://127.0.0.1:{replay}")
-    steps: list[tuple[str, int]] = []
+    asked: set[int] = set()
+    held: set[int] = set()  # asked, and not yet applied in full
+    most = [0]
     real_fetch, real_handle = sources_zmq.fetch_replay, dp.processor.handle_batch
 
     def fetch(context: Any, endpoint: str, start: int, **kw: Any) -> Any:
         assert kw["max_message_bytes"] == dp.source.max_message_bytes
-        steps.append(("asked", int(endpoint.rpartition(":")[2]) - replay))
-        got = real_fetch(context, endpoint, start, **kw)
-        steps.append(("answered", int(endpoint.rpartition(":")[2]) - replay))
-        return got
+        rank = int(endpoint.rpartition(":")[2]) - replay
+        asked.add(rank)
+        held.add(rank)
+        most[0] = max(most[0], len(held))
+        return real_fetch(context, endpoint, start, **kw)
 
     def handle(batch: Any) -> None:
-        steps.append(("applied", batch.data_parallel_rank))
         real_handle(batch)
+        if HEARTBEAT in getattr(batch.events[-1], "block_hashes", ()):
+            held.discard(batch.data_parallel_rank)  # its reply's last batch
 
+    monkeypatch.setattr(sources_zmq, "STARTUP_REPLAYS_AT_ONCE", 2)
     monkeypatch.setattr(sources_zmq, "fetch_replay", fetch)
     monkeypatch.setattr(dp.processor, "handle_batch", handle)
     try:
@@ -362,11 +370,11 @@ def test_the_start_up_replay_holds_one_ranks_reply_at_a_time(
             pub.start_replay_server()
             pub.publish([salted((10 + pub.dp_rank,), P)])
             pub.publish([removed(HEARTBEAT)])
-        assert dp.source.catch_up() == 6
-        assert steps == [step for r in range(3) for step in (
-            ("asked", r), ("answered", r), ("applied", r), ("applied", r))]
-        assert dp.source.stats.replays == 3 and dp.source.stats.replay_failures == 0
-        assert (dp.next_seq(0), dp.next_seq(1), dp.next_seq(2)) == (2, 2, 2)
+        assert dp.source.catch_up() == 2 * ranks
+        assert asked == set(range(ranks)) and held == set()
+        assert most[0] == 2  # two at a time: concurrent, and never more
+        assert dp.source.stats.replays == ranks and dp.source.stats.replay_failures == 0
+        assert [dp.next_seq(r) for r in range(ranks)] == [2] * ranks
     finally:
         dp.source.stop()
         for pub in pubs:

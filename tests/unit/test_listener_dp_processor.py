@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from continuum.kv_events import AllBlocksCleared, KvEvent, KvEventBatch
+from continuum.kv_events import AllBlocksCleared, BlockRemoved, KvEvent, KvEventBatch
 from continuum.prefix import request_prefix_key
 from continuum.sim.engine import EngineConfig, GenerationRequest, SimEngine
 from continuum.sim.hashing import hasher_for
@@ -22,7 +22,7 @@ from continuum.sim.kv_wire import encode_zmq_payload
 from continuum.sim.latency import LatencyModel
 from listener.config import DetokenizeConfig, LimitsConfig, SourceConfig
 from listener.decode import decode_zmq_payload
-from listener.model import CACHE_CLEARED, CACHE_CREATED, PrefixEvent
+from listener.model import CACHE_CLEARED, CACHE_CREATED, CACHE_EVICTED, PrefixEvent
 from listener.processor import DefaultSourceProcessor
 from tests.unit.test_listener_processor import AppClient
 
@@ -148,3 +148,20 @@ def test_a_rank_clear_says_cache_cleared_only_when_it_empties_the_tracker() -> N
     assert clear(0) == [PrefixEvent(CACHE_CLEARED)]  # the last blocks: the backend is empty
     assert clear(0) == [] and clear(1) == []
     assert backend.processor.tracker.tracked_blocks == 0
+
+
+def test_a_rank_clear_after_the_last_removal_in_its_batch_keeps_the_eviction() -> None:
+    """One batch of a rank removes the tracker's last blocks, then clears the rank: the
+    removal's ``cache_evicted`` still goes out (the clear, finding nothing left, used to
+    wipe the queued eviction and say nothing, so the router kept the prefix for good)."""
+    backend = DpBackend()
+    assert backend.serve(0, BODY)
+    blocks = list(backend.processor.tracker.blocks)
+    removals = tuple(BlockRemoved((block_hash,), group_idx=group[1])
+                     for group, block_hash in blocks)
+    start = len(backend.out)
+    backend.processor.handle_batch(KvEventBatch(
+        ts=0.0, events=(*removals, AllBlocksCleared()), data_parallel_rank=0))
+    out = backend.out[start:]
+    assert backend.processor.tracker.tracked_blocks == 0
+    assert [event.type for event in out] == [CACHE_EVICTED], out
