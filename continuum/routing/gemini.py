@@ -352,10 +352,13 @@ def _google(body: dict[str, Any]) -> dict[str, Any]:
     """The client's ``extra_body.google`` (empty when it gave none).
 
     Raises:
-        RequestError: ``extra_body.google`` is given but is not an object.
+        RequestError: ``extra_body`` or ``extra_body.google`` is given but is not an object.
     """
     extra = body.get("extra_body")
-    google = extra.get("google") if isinstance(extra, dict) else None
+    if extra is not None and not isinstance(extra, dict):
+        raise RequestError("extra_body must be an object", param="extra_body",
+                           code="invalid_type")
+    google = extra.get("google") if extra is not None else None
     if google is None:
         return {}
     if not isinstance(google, dict):
@@ -367,10 +370,14 @@ def _google(body: dict[str, Any]) -> dict[str, Any]:
 def client_cached_content(body: dict[str, Any]) -> Any:
     """The cache the client references itself (``extra_body.google.cached_content``, of any
     type), or None when it references none. A request with one is the client's to manage:
-    the context-cache manager neither adds its own reference nor strips its system prompt."""
-    extra = body.get("extra_body")
-    google = extra.get("google") if isinstance(extra, dict) else None
-    return google.get("cached_content") if isinstance(google, dict) else None
+    the context-cache manager neither adds its own reference nor strips its system prompt.
+
+    Raises:
+        RequestError: ``extra_body`` or ``extra_body.google`` is given but is not an object
+            (checked before the manager is asked: the reference it would inject goes in
+            there).
+    """
+    return _google(body).get("cached_content")
 
 
 def google_fields(body: dict[str, Any]) -> dict[str, Any]:

@@ -138,6 +138,36 @@ def test_a_google_field_of_the_wrong_type_is_a_400_naming_it_and_nothing_is_sent
 
 
 @pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(("extra", "param"), [({"google": "cachedContents/x"},
+                                               "extra_body.google"),
+                                              ("google", "extra_body")])
+def test_an_extra_body_that_is_no_object_is_a_400_before_the_context_cache(
+    fake: FakeGeminiProcess, router_factory: Callable[..., Any], native: bool, extra: Any,
+    param: str
+) -> None:
+    """With a live context-cache resource for the prompt, a request whose ``extra_body`` (or
+    its ``google``) is not an object is a 400 naming it, on either surface, and the manager
+    counts nothing for it (on the compatible surface a hit used to end in a 500: the
+    reference was merged into the string)."""
+    router = _router(router_factory, fake, prefer_native_api=native)
+    client = _client(router)
+    with_system = [{"role": "system", "content": LONG_SYSTEM},
+                   {"role": "user", "content": "How do I clear the cache?"}]
+    client.chat.completions.create(model=MODEL, messages=with_system)  # type: ignore[arg-type]
+    _wait_entries(router, 1)
+    before = _stats(router)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=with_system,  # type: ignore[arg-type]
+            extra_body={"extra_body": extra})
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == param
+    assert error["code"] == "invalid_type"
+    after = _stats(router)
+    assert (after["hits"], after["misses"]) == (before["hits"], before["misses"])
+
+
+@pytest.mark.parametrize("native", [True, False])
 def test_the_clients_reference_wins_over_the_managers(
     fake: FakeGeminiProcess, router_factory: Callable[..., Any], native: bool
 ) -> None:
