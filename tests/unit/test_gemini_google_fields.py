@@ -60,7 +60,10 @@ def test_the_clients_reference_wins_and_its_request_is_translated_as_it_is() -> 
     assert mine["cachedContent"] == "cachedContents/router"
     assert "systemInstruction" not in mine
     assert gemini.client_cached_content(_body({})) is None
-    assert gemini.client_cached_content({"model": MODEL, "extra_body": "x"}) is None
+    for extra, param in (("x", "extra_body"), ({"google": "x"}, "extra_body.google")):
+        with pytest.raises(RequestError) as caught:  # checked before the manager is asked
+            gemini.client_cached_content({"model": MODEL, "extra_body": extra})
+        assert caught.value.param == param
 
 
 @pytest.mark.parametrize(("google", "param"), [
