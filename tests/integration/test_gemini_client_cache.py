@@ -137,6 +137,19 @@ def test_a_google_field_of_the_wrong_type_is_a_400_naming_it_and_nothing_is_sent
     assert fake.received("/v1beta", "POST") == []
 
 
+def _with_live_entry(router_factory: Callable[..., Any], fake: FakeGeminiProcess,
+                     native: bool) -> tuple[Any, openai.OpenAI, list[dict[str, str]]]:
+    """A router (native or compatible surface), its client, and a chat whose system prompt
+    the context cache holds a live resource for (one request made it, none hit it yet)."""
+    router = _router(router_factory, fake, prefer_native_api=native)
+    client = _client(router)
+    with_system = [{"role": "system", "content": LONG_SYSTEM},
+                   {"role": "user", "content": "How do I clear the cache?"}]
+    client.chat.completions.create(model=MODEL, messages=with_system)  # type: ignore[arg-type]
+    _wait_entries(router, 1)
+    return router, client, with_system
+
+
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize(("extra", "param"), [({"google": "cachedContents/x"},
                                                "extra_body.google"),
@@ -149,12 +162,7 @@ def test_an_extra_body_that_is_no_object_is_a_400_before_the_context_cache(
     its ``google``) is not an object is a 400 naming it, on either surface, and the manager
     counts nothing for it (on the compatible surface a hit used to end in a 500: the
     reference was merged into the string)."""
-    router = _router(router_factory, fake, prefer_native_api=native)
-    client = _client(router)
-    with_system = [{"role": "system", "content": LONG_SYSTEM},
-                   {"role": "user", "content": "How do I clear the cache?"}]
-    client.chat.completions.create(model=MODEL, messages=with_system)  # type: ignore[arg-type]
-    _wait_entries(router, 1)
+    router, client, with_system = _with_live_entry(router_factory, fake, native)
     before = _stats(router)
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
@@ -175,12 +183,7 @@ def test_the_clients_reference_wins_over_the_managers(
     own cache still goes with that cache, its system prompt left where the client put it,
     and the manager neither counts a hit nor creates anything for it."""
     name = _clients_cache(fake)
-    router = _router(router_factory, fake, prefer_native_api=native)
-    client = _client(router)
-    with_system = [{"role": "system", "content": LONG_SYSTEM},
-                   {"role": "user", "content": "How do I clear the cache?"}]
-    client.chat.completions.create(model=MODEL, messages=with_system)  # type: ignore[arg-type]
-    _wait_entries(router, 1)
+    router, client, with_system = _with_live_entry(router_factory, fake, native)
     client.chat.completions.create(model=MODEL, messages=with_system)  # type: ignore[arg-type]
     before = _stats(router)
     assert before["hits"] == 1 and before["creates"] == 1

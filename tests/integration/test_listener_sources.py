@@ -435,6 +435,16 @@ def test_replay_that_cannot_cover_the_gap_resets(
 # -- allowed_publishers --------------------------------------------------------------------
 
 
+def _publisher(ctx: Any, source_ip: str, port: int, keep: list[Any]) -> Any:
+    """A PUB socket connected from ``source_ip`` to 127.0.0.1:``port`` (its address is the
+    one ZAP sees), added to ``keep`` for closing."""
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    keep.append(pub)
+    pub.connect(f"tcp://{source_ip}:0;127.0.0.1:{port}")
+    return pub
+
+
 def _publish_until(pub: Any, cond: Callable[[], bool], rounds: int = 250) -> None:
     for seq in range(rounds):
         pub.send_multipart(frames(seq, stored(seq)))
@@ -454,10 +464,7 @@ def test_zap_refuses_publishers_outside_allowed_publishers(ctx: Any, zap: ZapAut
     try:
         source.start()
         # from 127.0.0.1: refused at the handshake, nothing reaches the decoder
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        publishers.append(pub)
-        pub.connect(f"tcp://127.0.0.1:0;127.0.0.1:{port}")
+        pub = _publisher(ctx, "127.0.0.1", port, publishers)
         _publish_until(pub, lambda: source.stats.rejected_publishers > 0)
         wait_until(lambda: source.stats.rejected_publishers > 0, "the refusal")
         for seq in range(20):
@@ -466,10 +473,7 @@ def test_zap_refuses_publishers_outside_allowed_publishers(ctx: Any, zap: ZapAut
         assert processor.batches == [] and source.stats.decode_errors == 0
         assert source.health()["peers"] == 0
         # from 127.0.0.2 (listed): delivered
-        allowed = ctx.socket(zmq.PUB)
-        allowed.setsockopt(zmq.LINGER, 0)
-        publishers.append(allowed)
-        allowed.connect(f"tcp://127.0.0.2:0;127.0.0.1:{port}")
+        allowed = _publisher(ctx, "127.0.0.2", port, publishers)
         _publish_until(allowed, lambda: bool(processor.batches))
         wait_until(lambda: bool(processor.batches), "a batch from the allowed publisher")
     finally:
@@ -518,18 +522,12 @@ def test_a_connection_failing_its_handshake_beside_the_engine_leaves_its_peer_co
         source.start()
         silent = socket.create_connection(("127.0.0.1", port), timeout=5)
         gevent.sleep(0.2)  # accepted (and reported) before the engine connects
-        engine = ctx.socket(zmq.PUB)
-        engine.setsockopt(zmq.LINGER, 0)
-        sockets.append(engine)
-        engine.connect(f"tcp://127.0.0.2:0;127.0.0.1:{port}")
+        engine = _publisher(ctx, "127.0.0.2", port, sockets)
         _publish_until(engine, lambda: bool(processor.batches))
         wait_until(lambda: bool(processor.batches), "the engine's first batch")
         assert source.health()["peers"] == 1
         silent.close()  # its handshake fails now, after the engine's succeeded
-        refused = ctx.socket(zmq.PUB)
-        refused.setsockopt(zmq.LINGER, 0)
-        sockets.append(refused)
-        refused.connect(f"tcp://127.0.0.1:0;127.0.0.1:{port}")
+        refused = _publisher(ctx, "127.0.0.1", port, sockets)
         samples = []
         seq = processor.seqs()[-1] + 1
         for _ in range(25):  # the engine streams on
@@ -593,6 +591,22 @@ def test_connect_mode_host_must_be_allowed(ctx: Any) -> None:
 
 
 # -- trtllm-serve --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def polled(hub: EventHub, server: Any) -> Iterator[tuple[TrtllmSource, StubProcessor]]:
+    """A TensorRT-LLM source polling ``server``'s ``/kv_cache_events`` by hand (``poll_once``)
+    into a stub processor; the source, its session and the server closed at the end."""
+    processor = StubProcessor(hub.publisher(BACKEND))
+    session = requests.Session()
+    source = TrtllmSource(trtllm_config(server.url + "/kv_cache_events"), processor,
+                          session=session)
+    try:
+        yield source, processor
+    finally:
+        source.stop()
+        session.close()
+        server.close()
 
 
 def test_trtllm_sim_is_polled_and_restarts_are_detected(tmp_path: Path, hub: EventHub) -> None:
@@ -705,11 +719,7 @@ def test_trtllm_ids_dedupe_gaps_and_backwards(hub: EventHub) -> None:
         (200, {}, "not a list"),
         (500, {}, {"error": "x"}),
     ])
-    processor = StubProcessor(hub.publisher(BACKEND))
-    session = requests.Session()
-    source = TrtllmSource(trtllm_config(server.url + "/kv_cache_events"), processor,
-                          session=session)
-    try:
+    with polled(hub, server) as (source, processor):
         assert source.poll_once()
         assert processor.seqs(None) == [1] and len(processor.resets) == 1  # created: reset
         assert processor.batches[0].events == (
@@ -727,26 +737,14 @@ def test_trtllm_ids_dedupe_gaps_and_backwards(hub: EventHub) -> None:
         assert not source.poll_once() and source.stats.decode_errors == 1
         assert not source.poll_once()
         assert source.stats.poll_errors == {"decode": 1, "status": 1}
-    finally:
-        source.stop()
-        session.close()
-        server.close()
 
 
 def test_trtllm_first_poll_mid_stream_is_lost_state(hub: EventHub) -> None:
     server = Scripted([(200, {}, [envelope(40), envelope(41)])])
-    processor = StubProcessor(hub.publisher(BACKEND))
-    session = requests.Session()
-    source = TrtllmSource(trtllm_config(server.url + "/kv_cache_events"), processor,
-                          session=session)
-    try:
+    with polled(hub, server) as (source, processor):
         assert source.poll_once()
         assert processor.seqs(None) == [40] and len(processor.resets) == 1
         assert "first event id is 40" in processor.resets[0]
-    finally:
-        source.stop()
-        session.close()
-        server.close()
 
 
 def test_trtllm_a_malformed_event_costs_only_itself_over_http(hub: EventHub) -> None:
@@ -761,11 +759,7 @@ def test_trtllm_a_malformed_event_costs_only_itself_over_http(hub: EventHub) -> 
     lost = {"event_id": 5, "data": {"type": "removed", "block_hashes": [True]}}
     server = Scripted([(200, {}, [envelope(0, "created"), envelope(1), bad, envelope(3)]),
                        (200, {}, [envelope(4), lost, envelope(6)])])
-    processor = StubProcessor(hub.publisher(BACKEND))
-    session = requests.Session()
-    source = TrtllmSource(trtllm_config(server.url + "/kv_cache_events"), processor,
-                          session=session)
-    try:
+    with polled(hub, server) as (source, processor):
         assert source.poll_once()
         assert [e.block_hashes for e in processor.stored()] == [(1,), (3,)]
         assert (source.stats.malformed_events, source.stats.decode_errors) == (1, 0)
@@ -777,10 +771,6 @@ def test_trtllm_a_malformed_event_costs_only_itself_over_http(hub: EventHub) -> 
         assert processor.seqs(None)[-2:] == [4, 6]  # 4 before the reset, 6 after it
         assert source.stats.sequence_gaps == 0
         assert source.last_id == 6 and source.stats.poll_errors == {}
-    finally:
-        source.stop()
-        session.close()
-        server.close()
 
 
 def test_trtllm_attention_dp_ranks_have_their_own_ids_over_http(hub: EventHub) -> None:
@@ -796,11 +786,7 @@ def test_trtllm_attention_dp_ranks_have_their_own_ids_over_http(hub: EventHub) -
                    on(1, envelope(1, h=20))]),
         (200, {}, [on(1, envelope(2, h=21)), on(0, envelope(3, h=12))]),
     ])
-    processor = StubProcessor(hub.publisher(BACKEND))
-    session = requests.Session()
-    source = TrtllmSource(trtllm_config(server.url + "/kv_cache_events"), processor,
-                          session=session)
-    try:
+    with polled(hub, server) as (source, processor):
         assert source.poll_once() and source.poll_once()
         # rank 1's created clears rank 1's blocks only: a batch of that rank, no reset
         assert [(b.data_parallel_rank, b.seq) for b in processor.batches] == [
@@ -809,10 +795,6 @@ def test_trtllm_attention_dp_ranks_have_their_own_ids_over_http(hub: EventHub) -
         assert len(processor.resets) == 1  # the source's first event only
         assert (source.stats.sequence_gaps, source.stats.restarts) == (0, 2)
         assert source.health()["last_event_ids"] == {"0": 3, "1": 2}
-    finally:
-        source.stop()
-        session.close()
-        server.close()
 
 
 def test_trtllm_redirects_are_refused_not_followed(hub: EventHub) -> None:
