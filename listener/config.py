@@ -344,10 +344,10 @@ def _bound_ports(source: SourceConfig) -> list[tuple[str, int, int]]:
             or not endpoint.startswith("tcp://")
             or rank_endpoint_problem(endpoint, source.data_parallel_size)):
         return []
-    host, _, port = endpoint[len("tcp://"):].rsplit(";", 1)[-1].rpartition(":")
-    if not (port.isascii() and port.isdigit()) or not 0 < int(port) <= MAX_PORT:
+    parsed = _tcp_host_port(endpoint)
+    if parsed is None:
         return []
-    first = int(port)
+    host, first = parsed
     return [(host, first + rank, rank) for rank in range(source.data_parallel_size)
             if first + rank <= MAX_PORT]
 

@@ -829,7 +829,7 @@ def _fingerprint(payload: bytes) -> tuple[int, bytes]:
     size = len(payload)
     if size <= INLINE_PAYLOAD_BYTES:
         return size, payload if type(payload) is bytes else bytes(payload)
-    return size, hashlib.blake2b(payload, digest_size=16).digest()
+    return _digest(payload)
 
 
 def _digest(payload: bytes) -> tuple[int, bytes]:
