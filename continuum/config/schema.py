@@ -90,6 +90,10 @@ class ServerConfig:
         check_host_port(join(path, "bind"), self.bind, issues, unix=True)
 
 
+#: :attr:`BackendConfig.protocols` by ``type`` (every other type: OpenAI's only).
+_OPENAI = ("openai",)
+_PROTOCOLS = {"anthropic": ("anthropic",), "gemini": ("openai", "anthropic")}
+
 @dataclass(frozen=True)
 class BackendConfig:
     """``backends[]``: one upstream inference server."""
@@ -138,6 +142,12 @@ class BackendConfig:
     def protocol(self) -> str:
         """The API family the backend speaks: ``openai`` or ``anthropic``."""
         return "anthropic" if self.type == "anthropic" else "openai"
+
+    @property
+    def protocols(self) -> tuple[str, ...]:
+        """The API families whose endpoints reach the backend: its own, and for ``type:
+        gemini`` Anthropic's too (the gateway translates those requests)."""
+        return _PROTOCOLS.get(self.type, _OPENAI)
 
     def resolved_api_key(self) -> str | None:
         """The API key, reading ``api_key_env`` now."""

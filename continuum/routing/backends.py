@@ -313,7 +313,7 @@ class BackendPool:
     def serving(self, model: str, protocol: str = "openai") -> list[Backend]:
         """Routable backends speaking ``protocol`` that serve ``model``, healthy or not."""
         return [
-            b for b in self.routable() if b.config.protocol == protocol and b.serves(model)
+            b for b in self.routable() if protocol in b.config.protocols and b.serves(model)
         ]
 
     def candidates(self, model: str, protocol: str = "openai") -> list[Backend]:
@@ -321,7 +321,7 @@ class BackendPool:
         ``model``."""
         return [
             b for b in self.routable()
-            if b.healthy and not b.draining and b.config.protocol == protocol
+            if b.healthy and not b.draining and protocol in b.config.protocols
             and b.serves(model)
         ]
 
@@ -329,7 +329,7 @@ class BackendPool:
         """Union of the models of every routable backend (of ``protocol``), sorted."""
         ids: set[str] = set()
         for backend in self.routable():
-            if protocol is not None and backend.config.protocol != protocol:
+            if protocol is not None and protocol not in backend.config.protocols:
                 continue
             ids.update(backend.models)
         return sorted(ids)

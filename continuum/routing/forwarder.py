@@ -249,7 +249,7 @@ class Forwarder:
         if other == "openai":
             return (f"The model '{model}' is served by this router's OpenAI endpoints "
                     "(/v1/chat/completions, ...), not by /anthropic/v1/messages, which "
-                    "reaches type: anthropic backends only")
+                    "reaches type: anthropic and type: gemini backends only")
         return (f"The model '{model}' is served by this router's Anthropic Messages API "
                 "(/anthropic/v1/messages), not by its OpenAI endpoints: point the Anthropic "
                 "SDK's base_url at http://<router>/anthropic")

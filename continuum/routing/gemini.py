@@ -509,7 +509,7 @@ def native_path(model: str, stream: bool) -> str:
         f"/v1beta/models/{name}:generateContent"
 
 
-def _tokens(value: Any) -> int:
+def tokens(value: Any) -> int:
     """A token count Google reported: a non-negative integer, anything else 0 (the
     answer's other fields still reach the client)."""
     return value if type(value) is int and value >= 0 else 0
@@ -518,13 +518,13 @@ def _tokens(value: Any) -> int:
 def usage(metadata: Any) -> dict[str, Any]:
     """OpenAI ``usage`` from ``usageMetadata`` (thinking tokens count as completion)."""
     meta = metadata if isinstance(metadata, dict) else {}
-    prompt = _tokens(meta.get("promptTokenCount"))
-    thoughts = _tokens(meta.get("thoughtsTokenCount"))
-    completion = _tokens(meta.get("candidatesTokenCount")) + thoughts
+    prompt = tokens(meta.get("promptTokenCount"))
+    thoughts = tokens(meta.get("thoughtsTokenCount"))
+    completion = tokens(meta.get("candidatesTokenCount")) + thoughts
     doc: dict[str, Any] = {
         "prompt_tokens": prompt, "completion_tokens": completion,
-        "total_tokens": _tokens(meta.get("totalTokenCount")) or prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": _tokens(meta.get("cachedContentTokenCount"))},
+        "total_tokens": tokens(meta.get("totalTokenCount")) or prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": tokens(meta.get("cachedContentTokenCount"))},
     }
     if thoughts:
         doc["completion_tokens_details"] = {"reasoning_tokens": thoughts}

@@ -25,6 +25,11 @@ One dispatch (:meth:`GeminiGateway.send`):
 A Responses API request (``/v1/responses``), which Google has no endpoint for, is sent to
 the native API as the chat completion it stands for, without a context-cache reference, and
 its answer comes back in the Responses shapes (:mod:`continuum.routing.gemini_responses`).
+An Anthropic Messages request (``/anthropic/v1/messages``) is sent to the native API as the
+chat completion it stands for, through the context cache as a chat completion is, and its
+answer comes back in Anthropic's shapes; a count-tokens request goes to ``countTokens``
+(:mod:`continuum.routing.gemini_anthropic`). The client's ``anthropic-version`` and
+``anthropic-beta`` headers are not sent to Google.
 """
 
 from __future__ import annotations
@@ -37,8 +42,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client import Counter
 
 from continuum.errors import RequestError
-from continuum.request import CHAT, COMPLETIONS, RESPONSES
-from continuum.routing import gemini, gemini_responses
+from continuum.request import (
+    ANTHROPIC_COUNT_TOKENS,
+    ANTHROPIC_MESSAGES,
+    CHAT,
+    COMPLETIONS,
+    RESPONSES,
+)
+from continuum.routing import gemini, gemini_anthropic, gemini_responses
 from continuum.wire.responses_api import ResponseShape
 
 if TYPE_CHECKING:
@@ -210,6 +221,56 @@ class ResponsesAdapter(ResponseAdapter):
         return gemini_responses.EventTranslator(self.shape).translate(batches(), completed)
 
 
+class AnthropicAdapter(ResponseAdapter):
+    """An Anthropic Messages request's adapter: the native answer as a ``message``, the
+    native stream as Anthropic's events, Google's errors in Anthropic's error shape
+    (:mod:`continuum.routing.gemini_anthropic`)."""
+
+    def __init__(self, backend: str, model: str, count: Callable[[str, int], None],
+                 prefetched: bytes | None = None) -> None:
+        super().__init__(backend, model, True, count, prefetched)
+
+    def read(self, forwarder: Forwarder, upstream: Upstream) -> bytes:
+        if upstream.status >= 400:
+            data = self.prefetched if self.prefetched is not None else \
+                forwarder.read_all(upstream)
+            return gemini_anthropic.error_body(upstream.status, data)
+        return super().read(forwarder, upstream)
+
+    def reshape(self, answer: dict[str, Any]) -> dict[str, Any]:
+        return gemini_anthropic.message_from_chat(answer, self.model)
+
+    def stream(self, pieces: Iterator[bytes], upstream: Upstream) -> Iterator[bytes]:
+        native = gemini.NativeStream(self.model)
+
+        def run() -> Iterator[bytes]:
+            yield from gemini_anthropic.EventTranslator(self.model).translate(
+                pieces, native, lambda: upstream.completed)
+            if native.usage is not None:
+                self.count(self.backend, native.usage["prompt_tokens_details"]["cached_tokens"])
+
+        return run()
+
+
+class CountTokensAdapter(ResponseAdapter):
+    """An Anthropic count-tokens request's adapter: ``totalTokens`` as ``input_tokens``."""
+
+    def __init__(self, backend: str, model: str, count: Callable[[str, int], None]) -> None:
+        super().__init__(backend, model, True, count)
+
+    def read(self, forwarder: Forwarder, upstream: Upstream) -> bytes:
+        data = forwarder.read_all(upstream)
+        if upstream.status >= 400:
+            return gemini_anthropic.error_body(upstream.status, data)
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            return data
+        if not isinstance(doc, dict):
+            return data
+        return json.dumps(gemini_anthropic.count_answer(doc)).encode()
+
+
 class GeminiGateway:
     """Sends requests to ``type: gemini`` backends (see the module doc)."""
 
@@ -230,8 +291,8 @@ class GeminiGateway:
         """Send ``ctx`` to ``backend``; the upstream carries its :class:`ResponseAdapter`.
 
         Raises:
-            RequestError: a legacy completion (Google serves none), or a Responses request
-                the translation cannot honour.
+            RequestError: a legacy completion (Google serves none), or a Responses or
+                Anthropic request the translation cannot honour.
             UpstreamConnectError, UpstreamTimeoutError: as :meth:`Forwarder.send`.
         """
         if ctx.endpoint == COMPLETIONS:
@@ -241,8 +302,14 @@ class GeminiGateway:
                 code="unsupported_endpoint")
         if ctx.endpoint == RESPONSES:
             return self._send_responses(backend, ctx, headers)
-        chat = ctx.endpoint == CHAT
-        native = chat and self.settings.prefer_native_api
+        if ctx.endpoint == ANTHROPIC_COUNT_TOKENS:
+            return self._count_tokens(backend, ctx)
+        anthropic = ctx.endpoint == ANTHROPIC_MESSAGES
+        chat = ctx.endpoint == CHAT or anthropic
+        body = gemini_anthropic.chat_body(ctx.body) if anthropic else ctx.body
+        if anthropic:
+            headers = None  # anthropic-version and anthropic-beta are not Google's
+        native = anthropic or (chat and self.settings.prefer_native_api)
         target = gemini.native_path(ctx.model, ctx.stream) if native else \
             "/v1beta/openai" + path.removeprefix("/v1")
         system: str | None = None
@@ -250,12 +317,12 @@ class GeminiGateway:
         if chat and self.contexts is not None:
             # tools would have to be in the cache; a cache of the client's own is its to
             # manage: both are ineligible (the manager is asked with no prompt)
-            system = None if ctx.body.get("tools") or \
-                gemini.client_cached_content(ctx.body) is not None \
-                else gemini.system_prompt(ctx.body)
+            system = None if body.get("tools") or \
+                gemini.client_cached_content(body) is not None \
+                else gemini.system_prompt(body)
             name = self.contexts.reference(backend, ctx.model, system)
         upstream = self.forwarder.send(backend, ctx, target,
-                                       self._body(ctx, native, name), headers)
+                                       self._body(ctx, body, native, name, anthropic), headers)
         prefetched = None
         if name is not None and upstream.status in _MISSING_STATUSES:
             data = self.forwarder.read_all(upstream)
@@ -266,11 +333,22 @@ class GeminiGateway:
                 self.contexts.invalidate(backend, ctx.model, system, name)
                 self.metrics.operation(backend.name, "stale_retry")
                 upstream = self.forwarder.send(backend, ctx, target,
-                                               self._body(ctx, native, None), headers)
+                                               self._body(ctx, body, native, None, anthropic),
+                                               headers)
             else:
                 prefetched = data
-        upstream.adapter = ResponseAdapter(backend.name, ctx.model, native, self._count,
-                                           prefetched)
+        upstream.adapter = AnthropicAdapter(backend.name, ctx.model, self._count, prefetched) \
+            if anthropic else ResponseAdapter(backend.name, ctx.model, native, self._count,
+                                              prefetched)
+        return upstream
+
+    def _count_tokens(self, backend: Backend, ctx: RequestContext) -> Upstream:
+        """An Anthropic count-tokens request, sent to ``countTokens``."""
+        request = gemini_anthropic.count_request(gemini_anthropic.chat_body(ctx.body),
+                                                 ctx.model)
+        path = f"/v1beta/models/{ctx.model.removeprefix('models/')}:countTokens"
+        upstream = self.forwarder.send(backend, ctx, path, json.dumps(request).encode(), None)
+        upstream.adapter = CountTokensAdapter(backend.name, ctx.model, self._count)
         return upstream
 
     def _send_responses(self, backend: Backend, ctx: RequestContext,
@@ -285,13 +363,17 @@ class GeminiGateway:
         return upstream
 
     @staticmethod
-    def _body(ctx: RequestContext, native: bool, name: str | None) -> bytes:
+    def _body(ctx: RequestContext, body: dict[str, Any], native: bool, name: str | None,
+              anthropic: bool = False) -> bytes:
+        """The bytes to send for ``body`` (``ctx.body``, or the chat completion an Anthropic
+        request stands for), with the context cache's reference ``name`` if any."""
         if native:
-            body = gemini.without_system(ctx.body) if name is not None else ctx.body
-            return json.dumps(gemini.to_native(body, name)).encode()
+            sent = gemini.without_system(body) if name is not None else body
+            translate = gemini_anthropic.to_native if anthropic else gemini.to_native
+            return json.dumps(translate(sent, name)).encode()
         if name is None:
             return ctx.raw
-        stripped = gemini.without_system(ctx.body)
+        stripped = gemini.without_system(body)
         extra = dict(stripped.get("extra_body") or {})
         extra["google"] = {**(extra.get("google") or {}), "cached_content": name}
         return json.dumps({**stripped, "extra_body": extra}).encode()

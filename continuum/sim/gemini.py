@@ -2,6 +2,7 @@
 
 ``python -m continuum.sim.gemini --port 9100 [--api-key K]`` serves, under ``/v1beta``:
 
+* ``models/{model}:countTokens`` (``contents``, or a ``generateContentRequest``);
 * ``models/{model}:generateContent`` and ``models/{model}:streamGenerateContent?alt=sse``
   (``contents``, ``systemInstruction``, ``generationConfig``, ``tools``/``toolConfig``,
   ``cachedContent``; answers with ``candidates``, ``finishReason``, ``usageMetadata``
@@ -466,10 +467,44 @@ class FakeGemini:
 
     # --- native generation -------------------------------------------------------------
 
+    def _count_tokens(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1beta/models/{model}:countTokens``: ``contents``, or a whole
+        ``generateContentRequest`` (its ``model`` required, its system instruction
+        counted), never both, as Google has it; ``totalTokens`` is what ``generateContent``
+        would report as ``promptTokenCount`` without a cache."""
+        request = body.get("generateContentRequest")
+        if request is not None and body.get("contents") is not None:
+            raise GeminiApiError(400, "contents and generate_content_request cannot both be "
+                                 "set")
+        if request is not None:
+            if not isinstance(request, dict) or not request.get("model"):
+                raise GeminiApiError(400, "* CountTokensRequest.generate_content_request.model: "
+                                     "unsupported model name format")
+            if _model_name(str(request["model"])) != model:
+                raise GeminiApiError(400, "generate_content_request.model must be the model "
+                                     "of the request path")
+        source = request if request is not None else body
+        contents = source.get("contents")
+        if not isinstance(contents, list) or not contents:
+            raise GeminiApiError(400, "* CountTokensRequest.contents: contents is not "
+                                 "specified")
+        texts: list[str] = []
+        for i, content in enumerate(contents):
+            texts += _texts(content, f"contents[{i}]")
+        system = source.get("systemInstruction")
+        if system:
+            texts += _texts(system, "systemInstruction")
+        total = self._tokens(texts)
+        return {"totalTokens": total,
+                "promptTokensDetails": [{"modality": "TEXT", "tokenCount": total}]}
+
     def on_post_model(self, req: falcon.Request, resp: falcon.Response, action: str) -> None:
         """``POST /v1beta/models/{model}:generateContent`` or ``:streamGenerateContent``."""
         body = self._read(req)
         model, _, method = action.partition(":")
+        if method == "countTokens":
+            resp.media = self._count_tokens(self._check_model(model, method), body)
+            return
         if method not in ("generateContent", "streamGenerateContent"):
             raise GeminiApiError(404, f"Method not found: {method or action}")
         model = self._check_model(model, method)
