@@ -265,13 +265,8 @@ def _contents(messages: list[Any], model: str) -> list[dict[str, Any]]:
         elif role == "tool":
             turn = "user"
             name = names.get(str(message.get("tool_call_id", "")), message.get("name") or "")
-            text = content_text(message.get("content")) or ""
-            try:
-                result = json.loads(text)
-            except ValueError:
-                result = text
-            response = result if isinstance(result, dict) else {"content": result}
-            parts = [{"functionResponse": {"name": name, "response": response}}]
+            parts = [{"functionResponse": {"name": name, "response": tool_response(
+                content_text(message.get("content")) or "")}}]
         else:
             turn, parts = "user", _parts(message.get("content"))
         if not parts:
@@ -286,6 +281,25 @@ def _contents(messages: list[Any], model: str) -> list[dict[str, Any]]:
             if first is not None and "thoughtSignature" not in first:
                 first["thoughtSignature"] = UNSIGNED
     return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def tool_response(text: str) -> dict[str, Any]:
+    """A ``functionResponse.response`` for a tool's result ``text``: the object itself when
+    the text is a JSON object (strict JSON: ``NaN`` and ``Infinity``, which would make the
+    request invalid JSON, leave it text), else ``{"content": text}`` with the text as it is
+    (a result of ``1.50`` or ``true`` is the tool's text, not a number to reformat)."""
+    if text.startswith("{"):
+        try:
+            result = json.loads(text, parse_constant=_no_constant)
+        except ValueError:
+            result = None
+        if isinstance(result, dict):
+            return result
+    return {"content": text}
 
 
 def _generation_config(body: dict[str, Any]) -> dict[str, Any]:
@@ -655,6 +669,29 @@ def openai_error(status: int, data: bytes) -> bytes:
                                  "param": None}}).encode()
 
 
+#: A broken stream's message when the router's own record cannot be read.
+BROKEN_OFF = "the upstream stream broke off"
+
+
+def broken_off(piece: bytes | None) -> dict[str, Any]:
+    """The error chunk for a stream that broke off: the message of the router's own error
+    record, which the relay sends as the stream's last piece. Google's parser may not see
+    that record: glued to a record the upstream cut in the middle, it reads as that
+    record's broken JSON."""
+    message = BROKEN_OFF
+    for line in (piece or b"").split(b"\n"):
+        if not line.startswith(b"data: "):
+            continue
+        try:
+            doc = json.loads(line[6:])
+        except ValueError:
+            continue
+        error = doc.get("error") if isinstance(doc, dict) else None
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            message = error["message"]
+    return {"error": {"message": message, "type": "server_error", "code": "upstream_error"}}
+
+
 def _event(doc: dict[str, Any]) -> bytes:
     """A chunk (compact JSON) or an error (as the forwarder writes its own) as an SSE event."""
     data = json.dumps(doc) if "error" in doc else json.dumps(doc, separators=(",", ":"))
@@ -678,6 +715,8 @@ class NativeStream:
         self._created = int(time.time())
         self._started: set[int] = set()
         self._calls: dict[int, int] = {}
+        #: An error chunk was made (Google's record, or the router's for a broken stream).
+        self.failed = False
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self._id, "object": "chat.completion.chunk", "created": self._created,
@@ -697,7 +736,7 @@ class NativeStream:
                 continue
             if "error" in doc:
                 error = doc["error"] if isinstance(doc["error"], dict) else {}
-                out.append({"error": {
+                out += self.errors({"error": {
                     "message": str(error.get("message", "upstream error")),
                     "type": "server_error", "code": error.get("status")}})
                 continue
@@ -746,8 +785,21 @@ class NativeStream:
 
     def translate(self, pieces: Iterator[bytes], completed: Any) -> Iterator[bytes]:
         """Translate ``pieces``; the end chunks follow only when ``completed()`` says the
-        upstream ended normally (a broken stream already ended with an error event)."""
+        upstream ended normally. A broken stream ends with an error event: the router's
+        own, which the relay sent last, when it did not come through Google's records
+        (:func:`broken_off`)."""
+        last = None
         for piece in pieces:
+            last = piece
             yield from self.feed(piece)
         if completed():
             yield from self.finish()
+        elif not self.failed:
+            yield from map(_event, self.errors(broken_off(last)))
+
+    def errors(self, doc: dict[str, Any]) -> list[dict[str, Any]]:
+        """The error chunk for ``doc`` (``{"error": …}``), once: none after an error."""
+        if self.failed:
+            return []
+        self.failed = True
+        return [doc]

@@ -72,6 +72,14 @@ from continuum.routing import anthropic, gemini
 #: Chat finish reasons → Anthropic's stop reasons.
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                  "content_filter": "refusal"}
+#: Google's error statuses → Anthropic's error types, for an error record in a stream (a
+#: client that retries Anthropic's ``overloaded_error`` retries Google's ``UNAVAILABLE``).
+_STREAM_ERRORS = {
+    "UNAVAILABLE": "overloaded_error", "RESOURCE_EXHAUSTED": "rate_limit_error",
+    "DEADLINE_EXCEEDED": "timeout_error", "INVALID_ARGUMENT": "invalid_request_error",
+    "FAILED_PRECONDITION": "invalid_request_error", "NOT_FOUND": "not_found_error",
+    "PERMISSION_DENIED": "permission_error", "UNAUTHENTICATED": "authentication_error",
+}
 #: Anthropic ``tool_choice`` types → chat's.
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 #: Request fields with no Gemini equivalent that a request may carry: not sent.
@@ -510,9 +518,10 @@ class EventTranslator:
             error = doc.get("error")
             if error is not None:
                 self.failed = True
-                message = error.get("message") if isinstance(error, dict) else error
-                out.append(_event("error", {"error": {"type": "api_error",
-                                                      "message": str(message or "")}}))
+                error = error if isinstance(error, dict) else {"message": error}
+                out.append(_event("error", {"error": {
+                    "type": _STREAM_ERRORS.get(str(error.get("code")), "api_error"),
+                    "message": str(error.get("message") or "")}}))
                 break
             if not self.started:  # the message's id and model are those of its first record
                 self.id = _message_id(doc.get("id"))
@@ -567,12 +576,15 @@ class EventTranslator:
                   completed: Callable[[], bool]) -> Iterator[bytes]:
         """Translate Google's records in ``pieces`` (the events of one upstream read go out
         together); the closing events follow only when ``completed()`` says the upstream
-        ended normally (a broken stream ended with an error event)."""
+        ended normally; a broken stream ends with an error event (the router's own, when
+        it did not come through Google's records: :func:`~continuum.routing.gemini.broken_off`)."""
+        last = None
         for piece in pieces:
+            last = piece
             events = self.feed(native.chunks(piece), native.usage)
             if events:
                 yield b"".join(events)
-        if completed():
-            events = self.end(native.usage)
-            if events:
-                yield b"".join(events)
+        events = self.end(native.usage) if completed() else \
+            self.feed(native.errors(gemini.broken_off(last)), None)
+        if events:
+            yield b"".join(events)

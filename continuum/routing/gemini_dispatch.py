@@ -211,12 +211,18 @@ class ResponsesAdapter(ResponseAdapter):
 
     def render(self, translator: gemini.NativeStream, pieces: Iterator[bytes],
                completed: Callable[[], bool]) -> Iterator[bytes]:
-        """The typed events, made from the chunk documents (never serialised in between)."""
+        """The typed events, made from the chunk documents (never serialised in between);
+        a broken stream's error as :meth:`~continuum.routing.gemini.NativeStream.translate`
+        makes it."""
         def batches() -> Iterator[list[dict[str, Any]]]:
+            last = None
             for piece in pieces:
+                last = piece
                 yield translator.chunks(piece)
             if completed():
                 yield translator.final_chunks()
+            else:
+                yield translator.errors(gemini.broken_off(last))
 
         return gemini_responses.EventTranslator(self.shape).translate(batches(), completed)
 

@@ -14,6 +14,7 @@ from anthropic.lib.streaming._messages import accumulate_event
 
 from continuum.errors import RequestError
 from continuum.routing import gemini
+from continuum.routing.forwarder import anthropic_error_event
 from continuum.routing.gemini_anthropic import (
     EventTranslator,
     chat_body,
@@ -711,11 +712,27 @@ def test_the_stream_stop_reason(finish: str, reason: str) -> None:
     assert _accumulate(events).stop_reason == reason
 
 
-def test_a_stream_that_did_not_complete_is_not_closed() -> None:
+def test_a_stream_that_did_not_complete_is_not_closed_but_ends_with_an_error() -> None:
     pieces = [_candidate([{"text": "Hel"}]), _candidate([{"text": "lo"}], "STOP")]
     _, events = _stream(pieces, completed=False)
     assert [e["type"] for e in events] == [
-        "message_start", "content_block_start", "content_block_delta", "content_block_delta"]
+        "message_start", "content_block_start", "content_block_delta", "content_block_delta",
+        "error"]
+    assert events[-1]["error"] == {"type": "api_error", "message": gemini.BROKEN_OFF}
+
+
+@pytest.mark.parametrize("cut", [0, 17, -3])
+def test_the_relays_error_after_a_record_cut_short_still_reaches_the_client(cut: int) -> None:
+    """The relay ends a broken stream with the router's own error record: glued to a record
+    Google's connection cut in the middle (``cut`` bytes of it), Google's parser reads one
+    broken record; the client still gets that error, and nothing after it."""
+    relay = anthropic_error_event("the upstream stream broke off (request id r-1)")
+    cut_short = [_candidate([{"text": "lo"}])[:cut]] if cut else []
+    _, events = _stream([_candidate([{"text": "Hel"}]), *cut_short, relay], completed=False)
+    assert [e["type"] for e in events] == [
+        "message_start", "content_block_start", "content_block_delta", "error"]
+    assert events[-1]["error"] == {
+        "type": "api_error", "message": "the upstream stream broke off (request id r-1)"}
 
 
 def test_an_error_record_is_an_error_event_and_the_last_one() -> None:
@@ -729,7 +746,7 @@ def test_an_error_record_is_an_error_event_and_the_last_one() -> None:
         assert [e["type"] for e in events] == [
             "message_start", "content_block_start", "content_block_delta", "error"]
         assert events[-1] == {"type": "error", "error": {
-            "type": "api_error", "message": "The model is overloaded."}}
+            "type": "overloaded_error", "message": "The model is overloaded."}}
         assert b"".join(yielded).endswith(b"\n\n") and \
             b"".join(yielded).count(b"event: error") == 1
 
@@ -738,7 +755,7 @@ def test_an_error_before_anything_is_only_an_error() -> None:
     error = _record({"error": {"code": 429, "message": "Quota exceeded",
                                "status": "RESOURCE_EXHAUSTED"}})
     _, events = _stream([error], completed=True)
-    assert events == [{"type": "error", "error": {"type": "api_error",
+    assert events == [{"type": "error", "error": {"type": "rate_limit_error",
                                                   "message": "Quota exceeded"}}]
 
 

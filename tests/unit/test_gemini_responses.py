@@ -9,6 +9,9 @@ from typing import Any
 import pytest
 
 from continuum.errors import RequestError
+from continuum.routing import gemini
+from continuum.routing.forwarder import openai_error_event
+from continuum.routing.gemini_dispatch import ResponsesAdapter
 from continuum.routing.gemini_responses import EventTranslator, chat_body, response_from_chat
 from continuum.wire.responses_api import ResponseShape
 
@@ -290,3 +293,23 @@ def test_output_text_logprobs_are_asked_for_and_come_back_whole_and_streamed() -
     done = next(e for e in events if e["type"] == "response.output_text.done")
     assert done["logprobs"] == scored
     assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == scored
+
+
+@pytest.mark.parametrize("cut", [0, 20])
+def test_a_broken_stream_ends_with_an_error_event(cut: int) -> None:
+    """After a record Google's connection cut in the middle, the relay's own error record
+    would be read with it as one broken record: the typed events still end with an
+    ``error`` event carrying the relay's message, and nothing is completed."""
+    record = b"data: " + json.dumps({"candidates": [{"content": {
+        "role": "model", "parts": [{"text": "Hel"}]}, "index": 0}]}).encode() + b"\r\n\r\n"
+    relay = openai_error_event("the upstream stream broke off (request id r-3)")
+    adapter = ResponsesAdapter("gem", MODEL, lambda backend, tokens: None,
+                               ResponseShape(MODEL, {"model": MODEL, "input": "x"}))
+    pieces = [record, *([record[:cut]] if cut else []), relay]
+    events = _events(b"".join(adapter.render(gemini.NativeStream(MODEL), iter(pieces),
+                                             lambda: False)))
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "response.created" and "response.output_text.delta" in kinds
+    assert kinds[-1] == "error" and kinds.count("error") == 1
+    assert "response.completed" not in kinds
+    assert events[-1]["message"] == "the upstream stream broke off (request id r-3)"

@@ -11,6 +11,7 @@ import pytest
 from continuum.config import parse_config
 from continuum.errors import ConfigError, RequestError
 from continuum.routing import gemini
+from continuum.routing.forwarder import openai_error_event
 from continuum.routing.gemini_dispatch import is_missing_cache
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Find a page",
@@ -403,3 +404,53 @@ def test_a_blocked_prompt_is_one_empty_choice_finished_by_the_content_filter() -
                                  "finish_reason": "content_filter"}]
     # no candidates and no verdict: nothing to answer with
     assert gemini.from_native({"usageMetadata": {}}, "m")["choices"] == []
+
+
+def _google_record(text: str) -> bytes:
+    return b"data: " + json.dumps({"candidates": [{"content": {
+        "role": "model", "parts": [{"text": text}]}, "index": 0}]}).encode() + b"\r\n\r\n"
+
+
+@pytest.mark.parametrize("cut", [0, 20])
+def test_a_broken_native_stream_ends_with_the_routers_error(cut: int) -> None:
+    """The relay ends a broken stream with its own error record; after a record Google's
+    connection cut in the middle, Google's parser would read the two as one broken record:
+    the client still gets the relay's error (once), and no [DONE]."""
+    relay = openai_error_event("the upstream stream broke off (request id r-2)")
+    pieces = [_google_record("Hel"), *([_google_record("lo")[:cut]] if cut else []), relay]
+    out = list(gemini.NativeStream("m").translate(iter(pieces), lambda: False))
+    docs = [json.loads(o.removeprefix(b"data: ")) for o in out]
+    assert docs[0]["choices"][0]["delta"]["content"] == "Hel"
+    assert [d["error"]["message"] for d in docs if "error" in d] == [
+        "the upstream stream broke off (request id r-2)"]
+    assert "error" in docs[-1] and b"data: [DONE]\n\n" not in out
+
+
+def test_a_stream_that_ends_early_without_the_relays_record_still_ends_with_an_error() -> None:
+    out = list(gemini.NativeStream("m").translate(iter([_google_record("Hel")]), lambda: False))
+    assert json.loads(out[-1].removeprefix(b"data: "))["error"]["message"] == gemini.BROKEN_OFF
+
+
+@pytest.mark.parametrize(("text", "response"), [
+    ('{"rows": 2}', {"rows": 2}),
+    ("NaN", {"content": "NaN"}),  # json.loads reads it as a float: not JSON Google takes
+    ("-Infinity", {"content": "-Infinity"}),
+    ('{"a": NaN}', {"content": '{"a": NaN}'}),
+    ("1.50", {"content": "1.50"}),  # the tool's text, not a number to reformat
+    ("true", {"content": "true"}),
+    ("[1, 2]", {"content": "[1, 2]"}),
+    ("12345678901234567890", {"content": "12345678901234567890"}),
+    ("done", {"content": "done"}),
+    ("", {"content": ""}),
+])
+def test_a_tool_result_is_its_object_or_its_text_unchanged(text: str,
+                                                           response: dict[str, Any]) -> None:
+    body = {"model": "m", "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": text}]}
+    native = gemini.to_native(body)
+    assert native["contents"][-1] == {"role": "user", "parts": [
+        {"functionResponse": {"name": "f", "response": response}}]}
+    json.loads(json.dumps(native), parse_constant=lambda name: pytest.fail(name))
