@@ -409,7 +409,8 @@ class ListenerConfig:
                 continue
             for host, port, rank in _bound_ports(source):
                 for other_host, other, other_rank in taken.get(port, ()):
-                    if other != i and (host == other_host or host in _WILDCARD_HOSTS
+                    # a wildcard binds every local address, whatever the other names
+                    if other != i and (same_host(host, other_host) or host in _WILDCARD_HOSTS
                                        or other_host in _WILDCARD_HOSTS):
                         issues.error(f"sources[{i}].zmq_endpoint", f"port {port} (rank {rank}) "
                                      f"is also bound by sources[{other}] (rank {other_rank})",

@@ -22,7 +22,10 @@ digest as its first 8 bytes. ``continuum.sim.hashing`` computes hashes in the sa
 ``KvEventBatch.skipped`` (TRT-LLM: ``TrtllmEventList.skipped``). Neither is **one malformed
 event** of a ZMQ batch or a TRT-LLM reply: it is skipped and counted in
 ``KvEventBatch.malformed`` (TRT-LLM: ``TrtllmEventList.malformed``; the first one's location
-in ``malformed_at``), and the other events are applied.
+in ``malformed_at``), and the other events are applied. A malformed event of a ZMQ batch
+that removed blocks (tag ``BlockRemoved``, or a tag that cannot be read) makes the batch a
+:class:`RemovalLostBatch`: the source then counts that rank's state as lost (TRT-LLM:
+``malformed-removal``, :data:`MALFORMED_REMOVAL`).
 
 **Errors.** Anything malformed raises :class:`~listener.errors.DecodeError` (a ``ValueError``)
 naming the location, e.g. ``$[1][0].block_hashes: expected an array, got str``; no other
@@ -32,6 +35,7 @@ exception type escapes for any input.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -68,6 +72,7 @@ __all__ = [
     "REMOVED_FIELDS",
     "STORED_FIELDS",
     "DecodeError",
+    "RemovalLostBatch",
     "TrtllmBlockUpdated",
     "TrtllmEvent",
     "TrtllmEventList",
@@ -106,6 +111,33 @@ _OPTIONAL_STR_FIELDS = frozenset(
 )
 _OPTIONAL_INT_FIELDS = frozenset(("lora_id", "group_idx", "kv_cache_spec_sliding_window"))
 _MISSING: Any = object()
+
+
+@dataclass(frozen=True, slots=True)
+class RemovalLostBatch(KvEventBatch):
+    """A ZMQ batch with malformed events of which at least one removed blocks (its tag is
+    ``BlockRemoved``, or cannot be read): what :func:`decode_zmq_payload` returns for it.
+
+    Skipping such an event like a bad store would leave the blocks it removed indexed for
+    good, so the source counts the state of the batch's rank as lost once the batch is
+    applied (as for a TensorRT-LLM ``malformed-removal``, §8). Every other batch is a plain
+    :class:`~continuum.kv_events.KvEventBatch`.
+    """
+
+    #: The malformed events that removed (or may have removed) blocks; 1 or more.
+    lost_removals: int = 1
+
+
+def _removal_tag(raw: object) -> bool:
+    """Whether a malformed event may have removed blocks: its tag is ``BlockRemoved`` or
+    cannot be read (no tag, not a string, not an event at all)."""
+    if isinstance(raw, list):
+        tag = raw[0] if raw else None
+    elif isinstance(raw, dict):
+        tag = raw.get("type")
+    else:
+        tag = None
+    return not isinstance(tag, str) or tag == "BlockRemoved"
 
 
 def _token_ids(
@@ -264,7 +296,9 @@ def decode_zmq_payload(
         topic: Topic frame to record on the batch, if known.
 
     Returns:
-        The batch with its known events in order; unknown tags counted in ``skipped``.
+        The batch with its known events in order; unknown tags counted in ``skipped``,
+        malformed events in ``malformed``. A batch with a malformed removal (or an event
+        whose tag cannot be read) is a :class:`RemovalLostBatch`.
 
     Raises:
         DecodeError: The payload is not a valid batch.
@@ -283,7 +317,7 @@ def decode_zmq_payload(
     if isinstance(ts, bool) or not isinstance(ts, (int, float)):
         raise DecodeError(ts_path, f"expected a float timestamp, got {type_name(ts)}")
     events: list[KvEvent] = []
-    skipped = malformed = 0
+    skipped = malformed = lost_removals = 0
     malformed_at: str | None = None
     for i, raw in enumerate(expect_list(raw_events, events_path)):
         path = f"{events_path}[{i}]"
@@ -301,15 +335,23 @@ def decode_zmq_payload(
             malformed += 1
             if malformed_at is None:
                 malformed_at = exc.path
+            lost_removals += _removal_tag(raw)
             continue
         if event is None:
             skipped += 1
         else:
             events.append(event)
+    data_parallel_rank = optional_int(rank, rank_path, minimum=0)
+    if lost_removals:
+        return RemovalLostBatch(ts=float(ts), events=tuple(events),
+                                data_parallel_rank=data_parallel_rank, seq=seq,
+                                skipped=skipped, malformed=malformed,
+                                malformed_at=malformed_at, topic=topic,
+                                lost_removals=lost_removals)
     return KvEventBatch(
         ts=float(ts),
         events=tuple(events),
-        data_parallel_rank=optional_int(rank, rank_path, minimum=0),
+        data_parallel_rank=data_parallel_rank,
         seq=seq,
         skipped=skipped,
         malformed=malformed,

@@ -21,8 +21,10 @@ is the union of its ranks' caches, but each rank publishes its own stream, rank 
 connects to (connect mode) all N endpoints, so the ZAP domain, ``ZMQ_MAXMSGSIZE`` and the
 topic filter apply to every rank alike. The engines offset ``replay_endpoint`` by the same
 rule (each rank's ROUTER replays that rank's buffer), so rank ``r``'s gaps are replayed from
-rank ``r``'s replay endpoint and the start-up replay asks every rank's, one after another
-(each reply applied and let go before the next is asked: at most one rank's reply is held).
+rank ``r``'s replay endpoint and the start-up replay asks every rank's, up to
+:data:`STARTUP_REPLAYS_AT_ONCE` at a time (each reply applied and let go as it comes: at most
+that many ranks' replies are held; ranks that do not answer cost :data:`REPLAY_TIMEOUT` once
+per that many).
 Blocks are keyed per rank (:mod:`listener.processor`), and state lost on one rank (a gap
 that cannot be replayed, a restart) clears that rank's blocks only, once: a rank cleared
 with nothing of it applied since is not cleared again (as two resets collapse); only while
@@ -53,6 +55,10 @@ replay's first is ``E - 1``, other bytes   the publisher restarted (``restarts``
 replay's first is above ``E - 1``, or      buffer wrapped: a gap cannot be told from a
 the replay is empty                        restart: lost, apply the replay from its start
 ``< E``, in ``R`` with the same bytes      the live copy of a replayed batch: drop it
+``< E``, ``ts`` no newer than ``L``'s,     a late batch of the same publisher (queued during
+a replay from the oldest batch kept        the start-up replay but older than its window,
+(``R`` or ``L``) matches what was applied  or an old process's straggler): drop it; a higher
+                                           one after it too, until ``E`` moves
 ``< E`` otherwise                          the publisher restarted (``restarts``): lost,
                                            then as before the first message
 =========================================  ==================================================
@@ -81,17 +87,32 @@ engine whose first batch the listener gets is numbered exactly ``E`` (it looks i
 and no replay is asked), and a restart with no replay endpoint whose first seen number is
 above ``E`` (lost anyway: reset).
 
-A replay (§1.3, both reply layouts) is asked from a fresh DEALER socket; its batches are
-applied in order, duplicates dropped. At start-up every rank's buffer is replayed from 0
-and applied from where it begins (nothing is known yet, so nothing to compare). A
-malformed message is counted (``decode_errors``) and skipped; the hole it leaves is then a
-gap like any other. A malformed event in a readable batch costs only itself
-(``malformed_events``): the batch's other events are applied and its sequence number
-counts. A reset calls :meth:`~listener.model.SourceProcessor.reset`, which emits
-``cache_cleared``; two resets with nothing applied in between collapse into one. The table
-keeps the ``limits.max_sequence_streams`` most recently used keys, with their ``L``
-(counted in ``pruned_streams`` when one is dropped): a key seen again after that starts
-over as a first message.
+Why late batches are checked: a batch numbered below ``E`` and in no replay is not always
+a restart. Live batches queue in the SUB socket while the start-up replay runs; when the
+engine's buffer has moved past the oldest of them by the time it answers, they arrive
+numbered below ``E``, in no replay. And after a restart found by a replay, the old process's
+last batches may still arrive on their own connection. Either would otherwise clear the
+stream and replay it again, once per batch. A restarted publisher's batch is newer (its
+``ts``) than the last one applied, so only older ones are checked, by one replay; a failed
+or non-matching one is a restart as before.
+
+A replay (§1.3, both reply layouts) is asked from a fresh DEALER socket (one that cannot be
+made fails the replay like any other error); its batches are applied in order, duplicates
+dropped. At start-up every rank's buffer is replayed from 0 and applied from where it
+begins (nothing is known yet, so nothing to compare). A reply in the old layout names no
+topic: its batches are keyed by the configured ``zmq_topic`` until the rank's first live
+batch, whose key takes that state over (:meth:`ZmqSource._adopt`). A malformed message is
+counted (``decode_errors``) and skipped; the hole it leaves is then a gap like any other. A
+malformed event in a readable batch costs only itself (``malformed_events``): the batch's
+other events are applied and its sequence number counts; but a malformed removal (tag
+``BlockRemoved`` or unreadable: :class:`~listener.decode.RemovalLostBatch`) lost blocks
+the index may hold, so after its batch the stream's state is lost (a reset; N > 1: that
+rank's blocks cleared), as for TensorRT-LLM. A reset calls
+:meth:`~listener.model.SourceProcessor.reset`, which emits ``cache_cleared``; two resets
+with nothing applied in between collapse into one. The table keeps the
+``limits.max_sequence_streams`` most recently used keys, with their ``L`` (counted in
+``pruned_streams`` when one is dropped): a key seen again after that starts over as a
+first message.
 
 **Message size.** The SUB socket has ``ZMQ_MAXMSGSIZE`` = ``limits.max_message_bytes``:
 libzmq refuses a larger message part from its length header, before allocating it, and
@@ -125,7 +146,12 @@ from zmq.utils.monitor import parse_monitor_message
 from continuum.errors import ConfigIssue
 from continuum.kv_events import KvEventBatch
 from listener.config import LimitsConfig, SourceConfig, rank_endpoints
-from listener.decode import DecodeError, decode_zmq_frames, decode_zmq_payload
+from listener.decode import (
+    DecodeError,
+    RemovalLostBatch,
+    decode_zmq_frames,
+    decode_zmq_payload,
+)
 from listener.model import SourceProcessor
 from listener.sources import EventSource, SourceStats
 from listener.zap import ZAP_ENDPOINT, ZapAuthenticator
@@ -152,6 +178,9 @@ REPLAY_MAX_BATCHES = 1_000_000
 #: Start-up replays asked at once for a source with several data-parallel ranks: each reply
 #: is held until it is applied, and a rank that does not answer costs REPLAY_TIMEOUT.
 STARTUP_REPLAYS_AT_ONCE = 4
+#: Refused publishers' addresses a source names in a warning each (then one warning for all
+#: later ones, which are logged at debug level): what it keeps of them is bounded.
+REFUSED_PEERS_NAMED = 16
 #: Receive high-water mark: the engines' default send HWM.
 RCVHWM = 100_000
 _POLL_MS = 500
@@ -237,15 +266,18 @@ def fetch_replay(context: Any, endpoint: str, start_seq: int, *,
 
     Returns:
         ``(topic or None, seq, payload)`` per batch up to the end marker, or None when the
-        replay timed out, could not be sent, was too long (more than
+        replay timed out, could not be sent (nor its socket made), was too long (more than
         :data:`REPLAY_MAX_BATCHES`), or its connection dropped before the end marker (a
         message over ``max_message_bytes``, or the engine went away): a dropped connection
         fails the replay within :data:`_DROP_GRACE` rather than at the timeout.
     """
-    sock = context.socket(zmq.DEALER)
+    sock: Any = None
     monitor: Any = None
     out: list[tuple[bytes | None, int, bytes]] = []
     try:
+        # inside the try: no socket to be had (EMFILE, a terminated context) fails the
+        # replay like any other error, rather than escaping to the caller
+        sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         if max_message_bytes is not None:
             sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
@@ -290,7 +322,8 @@ def fetch_replay(context: Any, endpoint: str, start_seq: int, *,
             except zmq.ZMQError:
                 pass
             monitor.close(linger=0)
-        sock.close(linger=0)
+        if sock is not None:
+            sock.close(linger=0)
 
 
 _Key = tuple[bytes, "int | None"]
@@ -392,6 +425,8 @@ class ZmqSource(EventSource):
         # Connections per rank (an endpoint the ranks do not know: per endpoint), see
         # on_monitor_event.
         self._links: dict[int | bytes, _Links] = {}
+        # Refused publishers' addresses already warned about (at most REFUSED_PEERS_NAMED).
+        self._refused: set[str] = set()
         limits = limits or LimitsConfig()
         self.max_message_bytes = limits.max_message_bytes
         self.max_streams = limits.max_sequence_streams
@@ -402,8 +437,16 @@ class ZmqSource(EventSource):
         # replay's batches per stream in ``_expected``.
         self._replayed: dict[_Key, dict[int, tuple[int, bytes]]] = {}
         # The last applied batch of each stream in ``_expected``: (seq, size, payload or its
-        # digest, see _fingerprint); a gap's replay compares it to tell a restart.
-        self._last: dict[_Key, tuple[int, int, bytes]] = {}
+        # digest, see _fingerprint, its ts); a gap's replay compares it to tell a restart.
+        self._last: dict[_Key, tuple[int, int, bytes, float]] = {}
+        # Streams whose late batches (numbered below E, older than the last applied one) a
+        # replay showed to be the same publisher's: the last such number; a higher one is
+        # late too (one publisher's batches arrive in order). Dropped when E moves.
+        self._late: dict[_Key, int] = {}
+        # Per rank, the key its start-up replay's batches got when the reply had no topic
+        # (the [seq, payload] layout, §1.3): the configured topic, a guess; the rank's first
+        # live key takes that state over (see _adopt).
+        self._topicless: dict[int | None, _Key] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -507,9 +550,23 @@ class ZmqSource(EventSource):
         return None
 
     def _rejected(self, peer: str) -> None:
+        """A publisher was refused (ZAP): counted; each of the first
+        :data:`REFUSED_PEERS_NAMED` addresses is named in one warning, any later one at debug
+        level after a single warning saying so (a memory bounded whatever peers try)."""
         self.stats.rejected_publishers += 1
-        self._warn_once(f"reject:{peer}", "%s: refused a publisher from %s (not in "
-                        "allowed_publishers)", self.backend, peer or "<no address>")
+        shown = peer or "<no address>"
+        if peer in self._refused:
+            log.debug("%s: refused a publisher from %s again", self.backend, shown)
+        elif len(self._refused) < REFUSED_PEERS_NAMED:
+            self._refused.add(peer)
+            log.warning("%s: refused a publisher from %s (not in allowed_publishers)",
+                        self.backend, shown)
+        else:
+            self._warn_once("reject", "%s: refused a publisher from %s (not in "
+                            "allowed_publishers); %d refusals so far: the addresses of more "
+                            "than %d refused publishers are logged at debug level only",
+                            self.backend, shown, self.stats.rejected_publishers,
+                            REFUSED_PEERS_NAMED)
 
     def _monitor_loop(self) -> None:
         while not self._stopping:
@@ -586,16 +643,19 @@ class ZmqSource(EventSource):
         """
         assert batch.seq is not None
         key: _Key = (batch.topic or b"", batch.data_parallel_rank)
+        if self._topicless:
+            self._adopt(key)
         seq = batch.seq
         expected = self._expected.get(key)
         if expected is not None and seq < expected:
-            if self._duplicate(key, seq, payload):
+            if self._duplicate(key, seq, payload) or self._late_copy(key, seq, batch.ts):
                 self.stats.duplicates += 1
                 return
             self.stats.restarts += 1
             self._lost(key, f"publisher restarted: sequence went back from {expected} to {seq}")
             self._replayed.pop(key, None)
             self._last.pop(key, None)
+            self._late.pop(key, None)
             expected = None
         start = 0 if expected is None else expected
         if seq > start:
@@ -614,8 +674,19 @@ class ZmqSource(EventSource):
             if seq > start and not cleared:
                 self._lost(key, what)
         self._apply(batch)
-        self._set_expected(key, seq + 1, payload)
+        self._set_expected(key, seq + 1, payload, batch.ts)
         self._replayed.pop(key, None)
+
+    def _apply(self, batch: KvEventBatch) -> None:
+        """Apply one batch (live or replayed); a batch with a malformed removal then loses
+        its rank's state (:class:`~listener.decode.RemovalLostBatch`)."""
+        super()._apply(batch)
+        if type(batch) is RemovalLostBatch:
+            # The blocks it removed are unknown: were it skipped like a bad store, they
+            # would stay indexed for good. Its sequence number still counts (no gap).
+            self._lost((batch.topic or b"", batch.data_parallel_rank),
+                       f"batch {batch.seq} has {batch.lost_removals} malformed removal(s) "
+                       "(malformed-removal): the blocks it removed are unknown")
 
     def _duplicate(self, key: _Key, seq: int, payload: bytes | None) -> bool:
         """Whether a live batch numbered below ``E`` is the live copy of a batch the
@@ -625,9 +696,73 @@ class ZmqSource(EventSource):
         replayed = self._replayed.get(key)
         if replayed is None:
             return False
-        fingerprint = replayed.pop(seq, None)
-        return fingerprint is not None and (payload is None
-                                            or _digest(payload) == fingerprint)
+        fingerprint = replayed.get(seq)
+        if fingerprint is None or (payload is not None and _digest(payload) != fingerprint):
+            return False  # kept: a late batch of another publisher takes no one's copy
+        del replayed[seq]
+        return True
+
+    def _late_copy(self, key: _Key, seq: int, ts: float) -> bool:
+        """Whether a live batch numbered below ``E`` that is no replayed batch's live copy is
+        a late batch of the publisher whose batches were applied, not a restarted one's:
+        live batches queued while the start-up replay ran that are older than its window
+        (the engine's buffer had moved on), or an old process's last batches arriving after
+        its successor's (another connection). Only one no newer than the last applied batch
+        (its ``ts``, the engine's clock) can be: a restarted publisher's is newer. Then the
+        stream is replayed from its oldest batch kept (the last replay's, ``L``), and when
+        every one of them the replay returns has the bytes applied, the publisher is the
+        same: the batch is late, dropped. A higher number after a late one is late too
+        (one publisher's batches arrive in order), until ``E`` moves."""
+        last = self._last.get(key)
+        if last is None or ts > last[3]:
+            return False
+        late = self._late.get(key)
+        if late is not None and seq > late:
+            self._late[key] = seq
+            return True
+        endpoint = self._replay_endpoint(key[1])
+        if endpoint is None:
+            return False
+        kept = self._replayed.get(key, {})
+        since = min(last[0], min(kept)) if kept else last[0]
+        got = self._fetch(key, since, endpoint)
+        if got is None:
+            return False
+        matched = False
+        for wire_topic, number, payload in got:
+            if wire_topic is not None and wire_topic != key[0]:
+                continue
+            if number == last[0]:
+                same = _fingerprint(payload) == last[1:3]
+            elif number in kept:
+                same = _digest(payload) == kept[number]
+            else:
+                continue
+            if not same:
+                return False  # another publisher's batch: a restart
+            matched = True
+        if matched:
+            log.info("%s: batch %d came late (the publisher's replay from %d matches what "
+                     "was applied): dropped%s", self.backend, seq, since, self._of_rank(key))
+            self._late[key] = seq
+        return matched
+
+    def _adopt(self, key: _Key) -> None:
+        """The first live batch of a rank whose start-up replay had no topic: when its key
+        differs from the one the replay's batches were given (the configured topic, e.g. an
+        empty filter for engine topic ``kv``), that state becomes this key's, so the live
+        stream goes on from it instead of starting over (a reset, a replay)."""
+        old = self._topicless.pop(key[1], None)
+        if old is None or old == key or key in self._expected or old not in self._expected:
+            return
+        self._expected[key] = self._expected.pop(old)
+        if old in self._replayed:
+            self._replayed[key] = self._replayed.pop(old)
+        if old in self._last:
+            self._last[key] = self._last.pop(old)
+        if old in self._late:
+            self._late[key] = self._late.pop(old)
+
     def _of_rank(self, key: _Key) -> str:
         """`` (data-parallel rank r)`` for a log line of a source with several ranks."""
         return f" (data-parallel rank {key[1]})" if self.ranks > 1 else ""
@@ -652,21 +787,27 @@ class ZmqSource(EventSource):
         else:
             self._reset(reason)
 
-    def _set_expected(self, key: _Key, following: int, payload: bytes | None) -> None:
-        """Record the next number of ``key`` as its most recent use, and the payload of the
-        batch ``following - 1`` just applied (None: unknown); drop the least recently used
-        key beyond ``max_sequence_streams``."""
+    def _set_expected(self, key: _Key, following: int, payload: bytes | None,
+                      ts: float) -> None:
+        """Record the next number of ``key`` as its most recent use, and the payload (None:
+        unknown) and ``ts`` of the batch ``following - 1`` just applied; drop the least
+        recently used key beyond ``max_sequence_streams``."""
         expected = self._expected
         expected[key] = following
         expected.move_to_end(key)
+        if self._late:
+            self._late.pop(key, None)
         if payload is None:
             self._last.pop(key, None)
         else:
-            self._last[key] = (following - 1, *_fingerprint(payload))
+            self._last[key] = (following - 1, *_fingerprint(payload), ts)
         while len(expected) > self.max_streams:
             old, _ = expected.popitem(last=False)
             self._replayed.pop(old, None)
             self._last.pop(old, None)
+            self._late.pop(old, None)
+            if self._topicless.get(old[1]) == old:
+                del self._topicless[old[1]]
             self.stats.pruned_streams += 1
 
     def catch_up(self) -> int:
@@ -719,7 +860,9 @@ class ZmqSource(EventSource):
             if expected is not None and seq > expected:
                 self._lost(key, f"start-up replay has no batches {expected}..{seq - 1}")
             self._apply(batch)
-            self._set_expected(key, seq + 1, payload)
+            self._set_expected(key, seq + 1, payload, batch.ts)
+            if wire_topic is None:
+                self._topicless[key[1]] = key
             replayed = self._replayed.get(key)
             if replayed is None:
                 replayed = self._replayed[key] = {}
@@ -754,7 +897,7 @@ class ZmqSource(EventSource):
         if check:
             assert last is not None
             first = next(batches, None)
-            if first is not None and first[0] == ask and _fingerprint(first[2]) == last[1:]:
+            if first is not None and first[0] == ask and _fingerprint(first[2]) == last[1:3]:
                 first = None  # the same publisher: the overlap batch, applied already
             elif first is not None and first[0] == ask:
                 self.stats.restarts += 1
@@ -774,6 +917,7 @@ class ZmqSource(EventSource):
                 batches = itertools.chain([first], batches)
         replayed: dict[int, tuple[int, bytes]] = {}
         last_payload: bytes | None = None
+        last_ts = 0.0
         for seq, batch, payload in batches:
             if seq < following:
                 continue
@@ -782,11 +926,11 @@ class ZmqSource(EventSource):
             self._apply(batch)
             replayed[seq] = _digest(payload)
             following = seq + 1
-            last_payload = payload
+            last_payload, last_ts = payload, batch.ts
         log.info("%s: replayed %d batch(es) from %d%s", self.backend, len(replayed), floor,
                  self._of_rank(key))
         if replayed:
-            self._set_expected(key, following, last_payload)
+            self._set_expected(key, following, last_payload, last_ts)
             self._replayed[key] = replayed
         return following, cleared and not replayed
 

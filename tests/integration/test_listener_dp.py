@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import gevent
+import msgpack
 import pytest
 import zmq.green as zmq
 
@@ -460,3 +461,32 @@ def test_a_rank_lost_twice_at_once_is_cleared_once(ctx: Any, zap: ZapAuthenticat
     dp.source.handle_frames(frames(0, 4, removed(HEARTBEAT)))
     assert clears == [1, 1, 0] and stats.resets == 0
     assert dp.blocks() == set()
+
+
+def test_a_malformed_removal_clears_its_rank_after_its_batch(ctx: Any,
+                                                            zap: ZapAuthenticator) -> None:
+    """A malformed ``BlockRemoved`` on rank 1 lost a removal: the blocks it removed are
+    unknown, and skipped they would stay indexed for good. The batch's other events are
+    applied, then rank 1's blocks are cleared (rank 0's stay: no reset of the backend), as
+    for a TensorRT-LLM ``malformed-removal``; its number counts (no gap after it). A
+    malformed store beside it removed nothing: that costs only itself."""
+    dp = Dp(ctx, zap, "tcp://127.0.0.1:1", "bind")
+    dp.source.handle_frames(frames(0, 0, salted((11,), P)))
+    dp.source.handle_frames(frames(1, 0, salted((21, 22), Q)))
+    message = frames(1, 1, salted((23,), Q, parent=22))
+    body = msgpack.unpackb(message[2])
+    body[1].append(["BlockStored", [True], None, [1], 2])  # a bad store: only itself
+    body[1].append(["BlockRemoved", [21, 22], 7])  # a medium that is not a string
+    dp.source.handle_frames([message[0], message[1], msgpack.packb(body)])
+    stats = dp.source.stats
+    assert (stats.malformed_events, stats.sequence_gaps, stats.resets) == (2, 0, 0)
+    assert dp.blocks() == {((0, None), 11)}
+    assert dp.out[-2:] == [PrefixEvent(CACHE_CREATED, Q, 6), PrefixEvent(CACHE_EVICTED, Q, 6)]
+    dp.source.handle_frames(frames(1, 2, salted((31,), Q)))  # the next: in order
+    assert stats.sequence_gaps == 0 and dp.blocks() == {((0, None), 11), ((1, None), 31)}
+    # a malformed store alone clears nothing
+    message = frames(0, 1, salted((12,), P, parent=11))
+    body = msgpack.unpackb(message[2])
+    body[1].append(["BlockStored", [True], None, [1], 2])
+    dp.source.handle_frames([message[0], message[1], msgpack.packb(body)])
+    assert dp.blocks() == {((0, None), 11), ((0, None), 12), ((1, None), 31)}

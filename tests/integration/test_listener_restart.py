@@ -69,7 +69,8 @@ class Engine:
     ``base + s``. A restart is a new ``Engine`` on the same ports."""
 
     def __init__(self, ctx: Any, port: int, replay_port: int, *, base: int,
-                 profile: str = PROFILE, rank: int = 0, buffer_steps: int = 10_000) -> None:
+                 profile: str = PROFILE, rank: int = 0, buffer_steps: int = 10_000,
+                 topic: bytes = b"") -> None:
         self.base = base
         self.seq = 0  # batches published so far
         deadline = time.monotonic() + 10
@@ -78,7 +79,7 @@ class Engine:
                 self.pub = ZmqKvPublisher(
                     profile, f"tcp://127.0.0.1:{port}", bind=True, dp_rank=rank,
                     replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
-                    buffer_steps=buffer_steps, context=ctx)
+                    buffer_steps=buffer_steps, context=ctx, topic=topic)
                 break
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
@@ -192,13 +193,15 @@ def compare(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 @contextlib.contextmanager
 def engine_and_tap(ctx: Any, zap: ZapAuthenticator, *, buffer_steps: int = 10_000,
-                   profile: str = PROFILE) -> Iterator[tuple[Listener, Engine, Tap, Any]]:
-    """An engine (process A), a tap on its PUB, and a listener source for it that has not
-    started (the tests hand it messages); ``reopen(base, buffer_steps)`` restarts the
-    engine on the same ports and returns the new process."""
+                   profile: str = PROFILE, topic: bytes = b""
+                   ) -> Iterator[tuple[Listener, Engine, Tap, Any]]:
+    """An engine (process A, publishing on ``topic``), a tap on its PUB, and a listener
+    source for it (topic filter "": every topic) that has not started (the tests hand it
+    messages); ``reopen(base, buffer_steps)`` restarts the engine on the same ports and
+    returns the new process."""
     port, replay_port = free_port(), free_port()
     engines = [Engine(ctx, port, replay_port, base=A, profile=profile,
-                      buffer_steps=buffer_steps)]
+                      buffer_steps=buffer_steps, topic=topic)]
     lst = Listener(ctx, zap, port, replay_port)
     tap = Tap(ctx, f"tcp://127.0.0.1:{port}")
 
@@ -585,3 +588,122 @@ def test_the_fingerprints_of_a_replay_are_bounded_and_let_go(
         body = encode_zmq_payload([store(A + i)], PROFILE, ts=time.time(), dp_rank=0)
         lst.source._apply_start_up([(b"t%d" % i, 0, body)])
     assert set(lst.source._replayed) == set(lst.source._expected) == {(b"t1", 0), (b"t2", 0)}
+
+
+# -- late batches: older than what was applied, from the same publisher --------------------
+
+
+def test_live_batches_older_than_the_start_up_replay_are_late_not_restarts(
+        ctx: Any, zap: ZapAuthenticator, asked: list[int], compare: str) -> None:
+    """The engine keeps 5 batches. 20 are published while the source starts (its SUB,
+    here the tap, is subscribed: they queue); the start-up replay brings only the last 5.
+    The queued live batches then arrive: the first 15 are older than the replay's window,
+    numbered below E and in no replay. They are not a restart (the engine's replay still
+    holds the very bytes applied): dropped as late, with one replay to check, no clear.
+    Before, each was a restart: the backend reset and replayed again, 15 times."""
+    with engine_and_tap(ctx, zap, buffer_steps=5) as (lst, a, tap, _reopen):
+        tap.until(a, 0)  # the SUB is subscribed from here on
+        queued = tap.take(a, 20)
+        first = seq_of(queued[0])
+        assert lst.source.catch_up() == 5
+        assert lst.blocks() == a.keys(range(first + 15, first + 20))
+        mark = len(lst.out)
+        for message in queued:
+            lst.source.handle_frames(message)
+        stats = lst.stats
+        assert (stats.restarts, stats.resets, stats.sequence_gaps) == (0, 0, 0)
+        assert stats.duplicates == 20 and stats.replay_failures == 0
+        assert asked == [0, first + 15]  # one check, from the oldest batch replayed
+        assert lst.out[mark:] == [] and lst.blocks() == a.keys(range(first + 15, first + 20))
+        # the stream goes on in order; a late batch's verdict ends with it
+        for message in tap.take(a, 2):
+            lst.source.handle_frames(message)
+        assert lst.blocks() == a.keys(range(first + 15, first + 22))
+        assert stats.sequence_gaps == 0 and lst.source._late == {} and len(asked) == 2
+        # a restarted engine's batch numbered below E (newer than the last applied) is
+        # still a restart, at once: nothing to ask
+        b = _reopen(B)
+        b.publish(3)
+        for message in published(ctx, b):
+            lst.source.handle_frames(message)
+        assert (stats.restarts, stats.resets) == (1, 1) and len(asked) == 2
+        assert lst.blocks() == b.keys(range(3))
+
+
+def test_an_old_process_late_batches_after_its_restart_was_found_are_dropped(
+        ctx: Any, zap: ZapAuthenticator, asked: list[int], compare: str) -> None:
+    """A restart is found (B's batch above E, B's history replayed); then A's last live
+    batches arrive late (A's connection, B's on another), numbered below B's E. They are
+    older than B's last batch and B's replay matches what was applied: late, dropped,
+    after one replay to check. Before, each was another restart: rank cleared and B's
+    history replayed again."""
+    with engine_and_tap(ctx, zap) as (lst, a, tap, reopen):
+        a.publish(3)
+        assert lst.source.catch_up() == 3
+        stragglers = [tap.until(a, 3), *tap.take(a, 1)]  # A's, not yet handed over
+        top = seq_of(stragglers[-1])
+        b = reopen(B)
+        lst.source.handle_frames(tap.until(b, top + 5))  # B's, above A's stragglers
+        assert (lst.stats.restarts, lst.stats.resets) == (1, 1)
+        assert lst.blocks() == b.keys(range(b.seq))
+        replays, mark, duplicates = len(asked), len(lst.out), lst.stats.duplicates
+        for message in stragglers:
+            lst.source.handle_frames(message)
+        assert (lst.stats.restarts, lst.stats.resets) == (1, 1)
+        assert lst.stats.duplicates == duplicates + 2
+        assert len(asked) == replays + 1  # the first one checked; the next one follows it
+        assert lst.out[mark:] == [] and lst.blocks() == b.keys(range(b.seq))
+        # B goes on in order
+        lst.source.handle_frames(tap.until(b, b.seq))
+        assert lst.blocks() == b.keys(range(b.seq)) and lst.stats.restarts == 1
+
+
+def test_an_old_batch_is_a_restart_when_the_replay_is_another_publishers(
+        ctx: Any, zap: ZapAuthenticator, asked: list[int], compare: str) -> None:
+    """A batch numbered below E, no newer than the last applied and in no replay (A's
+    batch 2 a second time, its copy already taken) could be late, so the replay is asked:
+    the engine has restarted meanwhile (B), whose batches are not the ones applied: a
+    restart, A's blocks go and B's whole history is indexed."""
+    with engine_and_tap(ctx, zap) as (lst, a, _tap, reopen):
+        a.publish(5)
+        assert lst.source.catch_up() == 5
+        old = published(ctx, a)
+        lst.source.handle_frames(old[2])  # the live copy of a replayed batch: taken
+        assert lst.stats.duplicates == 1 and lst.stats.restarts == 0
+        b = reopen(B)
+        b.publish(6)
+        lst.source.handle_frames(old[2])
+        assert (lst.stats.restarts, lst.stats.resets, lst.stats.duplicates) == (1, 1, 2)
+        assert asked == [0, 0, 0]  # the check (from A's oldest kept), then B's history
+        assert lst.blocks() == b.keys(range(6))
+
+
+# -- a start-up replay without topics (vLLM <=0.25, SGLang <=0.5.21) ----------------------
+
+
+@pytest.mark.parametrize("profile", ["vllm-0.22", "vllm-0.33"])
+def test_a_start_up_replay_without_topics_becomes_the_live_topics_stream(
+        ctx: Any, zap: ZapAuthenticator, asked: list[int], profile: str) -> None:
+    """The engine publishes on topic ``kv``; the listener's filter is "" (every topic).
+    vLLM 0.22 replays ``[seq, payload]``: the start-up replay's stream can only be keyed by
+    the configured topic; the first live batch, on ``kv``, takes that state over and
+    follows it in order (before, its stream started over: a first number above 0, a reset
+    when the buffer had wrapped, the history replayed again). vLLM 0.33's replay names
+    its topic."""
+    with engine_and_tap(ctx, zap, profile=profile, topic=b"kv", buffer_steps=5) as (
+            lst, a, tap, _reopen):
+        tap.until(a, 0)
+        a.publish(8)  # the buffer keeps the last 5
+        assert lst.source.catch_up() == 5
+        expected = a.seq
+        assert lst.blocks() == a.keys(range(expected - 5, expected))
+        for message in tap.take(a, 2):
+            assert message[0] == b"kv"
+            lst.source.handle_frames(message)
+        stats = lst.stats
+        assert (stats.resets, stats.sequence_gaps, stats.duplicates) == (0, 0, 0)
+        assert asked == [0]
+        assert list(lst.source._expected) == [(b"kv", 0)]
+        assert lst.source.health()["sequence_streams"] == 1
+        assert lst.blocks() == a.keys(range(expected - 5, expected + 2))
+        assert lst.source._topicless == {}

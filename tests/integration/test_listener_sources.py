@@ -12,9 +12,11 @@ follows.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import http.server
 import json
+import logging
 import sys
 import threading
 import time
@@ -29,7 +31,7 @@ import requests
 import zmq.green as zmq
 
 from continuum.devtools import procs
-from continuum.devtools.procs import Child, free_port, wait_http
+from continuum.devtools.procs import Child, free_port, free_port_block, wait_http
 from continuum.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
 from continuum.sim.hashing import block_hash_chain, hasher_for
 from continuum.sim.kv_publish import ZmqKvPublisher
@@ -40,6 +42,7 @@ from listener.model import CACHE_CLEARED, CACHE_CREATED, CACHE_EVICTED, Emit, Pr
 from listener.server import ListenerCollector
 from listener.sources_trtllm import TrtllmSource
 from listener.sources_zmq import (
+    REFUSED_PEERS_NAMED,
     ZapAuthenticator,
     ZmqSource,
     zmq_endpoint_host,
@@ -316,7 +319,7 @@ def test_sequence_table_without_replay(ctx: Any, zap: ZapAuthenticator, hub: Eve
 
 def test_a_malformed_event_costs_only_itself_over_a_socket(
         ctx: Any, zap: ZapAuthenticator, hub: EventHub) -> None:
-    """A batch with one bad event (a ``BlockRemoved`` whose hashes are booleans) beside a
+    """A batch with one bad event (a ``BlockStored`` whose hashes are booleans) beside a
     good store: the store is applied, the bad event counted, and the next batch is no gap
     (before, the whole batch was refused and the next one reset the backend)."""
     with heard_source(ctx, zap, hub) as (source, processor, pub):
@@ -324,13 +327,45 @@ def test_a_malformed_event_costs_only_itself_over_a_socket(
         gaps = source.stats.sequence_gaps
         good = frames(last + 1, stored(7))
         events = msgpack.unpackb(good[2])
-        events[1].append({"type": "BlockRemoved", "block_hashes": [True]})
+        events[1].append({"type": "BlockStored", "block_hashes": [True], "token_ids": [1],
+                          "block_size": 1})
         pub.send_multipart([good[0], good[1], msgpack.packb(events)])
         pub.send_multipart(frames(last + 2, stored(8)))
         wait_until(lambda: processor.seqs()[-1] == last + 2, "the batch after the bad event")
         assert processor.seqs()[-2:] == [last + 1, last + 2]
         assert (source.stats.malformed_events, source.stats.decode_errors) == (1, 0)
         assert (source.stats.sequence_gaps, len(processor.resets)) == (gaps, resets)
+
+
+@pytest.mark.parametrize("bad", [
+    {"type": "BlockRemoved", "block_hashes": [True]},  # a removal whose hashes are booleans
+    ["BlockRemoved", [7], 3],  # an array removal whose medium is not a string
+    {"type": 3, "block_hashes": [7]},  # a tag that cannot be read
+])
+def test_a_malformed_removal_over_a_socket_resets_after_its_batch(
+        ctx: Any, zap: ZapAuthenticator, hub: EventHub, bad: Any) -> None:
+    """A malformed removal lost the removal of blocks the index may hold: skipped like a
+    bad store, they would stay indexed for good (the engine dropped them). The batch's
+    other events are applied, then the backend is reset (one rank: the whole backend), as
+    for a TensorRT-LLM ``malformed-removal``; its number counts, so the next batch is no
+    gap and no second reset."""
+    with heard_source(ctx, zap, hub) as (source, processor, pub):
+        last, resets = processor.seqs()[-1], len(processor.resets)
+        gaps = source.stats.sequence_gaps
+        mark = hub.latest_id(BACKEND)
+        good = frames(last + 1, stored(7))
+        events = msgpack.unpackb(good[2])
+        events[1].append(bad)
+        pub.send_multipart([good[0], good[1], msgpack.packb(events)])
+        pub.send_multipart(frames(last + 2, stored(8)))
+        wait_until(lambda: processor.seqs()[-1] == last + 2, "the batch after the bad event")
+        assert processor.seqs()[-2:] == [last + 1, last + 2]
+        assert (source.stats.malformed_events, source.stats.decode_errors) == (1, 0)
+        assert source.stats.sequence_gaps == gaps
+        assert len(processor.resets) == resets + 1
+        assert "malformed removal" in processor.resets[-1]
+        assert stream_events(hub, mark) == [
+            (CACHE_CREATED, f"{7:064x}"), (CACHE_CLEARED, None), (CACHE_CREATED, f"{8:064x}")]
 
 
 @pytest.mark.parametrize("profile", ["vllm-0.22", "vllm-0.33", "sglang-0.5.9", "sglang-0.5.22"])
@@ -430,6 +465,70 @@ def test_replay_that_cannot_cover_the_gap_resets(
     finally:
         source.stop()
         silent.close(linger=0)
+
+
+class OutOfSockets:
+    """A context that cannot make the first ``refuse`` DEALER sockets (replays'): EMFILE,
+    as when the process is out of file descriptors; other sockets are ``ctx``'s."""
+
+    def __init__(self, ctx: Any, refuse: int = 1_000_000) -> None:
+        self.ctx = ctx
+        self.refuse = refuse
+
+    def socket(self, kind: int) -> Any:
+        if kind == zmq.DEALER and self.refuse > 0:
+            self.refuse -= 1
+            raise zmq.ZMQError(errno.EMFILE)
+        return self.ctx.socket(kind)
+
+
+def test_a_replay_socket_that_cannot_be_made_fails_that_replay_only(
+        ctx: Any, zap: ZapAuthenticator, hub: EventHub) -> None:
+    """No socket for a replay (EMFILE) is a failed replay like a silent engine: counted,
+    the stream reset and the live batch applied (before, the error escaped: counted as a
+    processor error, the live batch dropped); at start-up, the other ranks are still asked."""
+    pub = ZmqKvPublisher("vllm-0.33", "tcp://127.0.0.1:0", bind=True,
+                         replay_endpoint="tcp://127.0.0.1:0", context=ctx)
+    pub.start_replay_server()
+    assert pub.replay_endpoint is not None
+    processor = StubProcessor(hub.publisher(BACKEND))
+    source = ZmqSource(zmq_config("tcp://127.0.0.1:1", replay=pub.replay_endpoint),
+                       processor, context=OutOfSockets(ctx), zap=zap)
+    try:
+        for n in range(4):
+            pub.publish(stored(n))
+        source.handle_frames(frames(0, stored(0)))
+        source.handle_frames(frames(3, stored(3)))  # 1 and 2 missed: a replay is needed
+        stats = source.stats
+        assert (stats.replays, stats.replay_failures, stats.processor_errors) == (1, 1, 0)
+        assert processor.seqs() == [0, 3] and len(processor.resets) == 1
+        assert "sequence gap: expected 1, got 3" in processor.resets[0]
+    finally:
+        source.stop()
+        pub.close()
+    # start-up: rank 0's or rank 1's replay gets no socket, the other rank's is applied
+    port, replay = free_port_block(2), free_port_block(2)
+    pubs = [ZmqKvPublisher("vllm-0.33", f"tcp://127.0.0.1:{port}", bind=True, dp_rank=r,
+                           replay_endpoint=f"tcp://127.0.0.1:{replay}", context=ctx)
+            for r in (0, 1)]
+    config = SourceConfig(backend_name=BACKEND, engine="vllm", model="sim-model",
+                          zmq_endpoint=f"tcp://127.0.0.1:{port}", zmq_mode="connect",
+                          replay_endpoint=f"tcp://127.0.0.1:{replay}",
+                          data_parallel_size=2, allowed_publishers=("127.0.0.1",))
+    processor = StubProcessor(hub.publisher(BACKEND))
+    source = ZmqSource(config, processor, context=OutOfSockets(ctx, refuse=1), zap=zap)
+    try:
+        for pub in pubs:
+            pub.start_replay_server()
+            pub.publish(stored(10 + pub.dp_rank))
+        assert source.catch_up() == 1
+        stats = source.stats
+        assert (stats.replays, stats.replay_failures, stats.processor_errors) == (2, 1, 0)
+        assert processor.seqs(0) + processor.seqs(1) == [0]
+    finally:
+        source.stop()
+        for pub in pubs:
+            pub.close()
 
 
 # -- allowed_publishers --------------------------------------------------------------------
@@ -568,6 +667,38 @@ def test_zap_answers_by_domain(ctx: Any) -> None:
         assert refused == ["10.0.0.2"]
     finally:
         auth.close()
+
+
+def test_refused_publishers_are_named_in_a_bounded_number_of_warnings(
+        ctx: Any, zap: ZapAuthenticator, hub: EventHub, caplog: pytest.LogCaptureFixture) -> None:
+    """Peers from ever new addresses (an IPv6 scanner) are each refused and counted; the
+    first ``REFUSED_PEERS_NAMED`` addresses are named in a warning each, then one warning
+    says later ones are logged at debug level only. What the source keeps of them is
+    bounded (before, one warned-about key per address, for good)."""
+    source = ZmqSource(zmq_config(f"tcp://127.0.0.1:{free_port()}", allowed=("127.0.0.2",)),
+                       StubProcessor(hub.publisher(BACKEND)), context=ctx, zap=zap)
+    domain = f"continuum-kv/{BACKEND}".encode()
+    try:
+        source.start()
+        with caplog.at_level(logging.DEBUG, logger="listener"):
+            for i in range(3000):
+                for _ in range(2):  # each address tries twice
+                    reply = zap.answer([b"1.0", b"1", domain, f"2001:db8::{i:x}".encode(),
+                                        b"", b"NULL"])
+                    assert reply[2] == b"400"
+    finally:
+        source.stop()
+    assert source.stats.rejected_publishers == 6000
+    warned = [r.getMessage() for r in caplog.records
+              if r.levelno == logging.WARNING and "refused a publisher" in r.getMessage()]
+    assert len(warned) == REFUSED_PEERS_NAMED + 1
+    assert all(f"from 2001:db8::{i:x} " in warned[i] for i in range(REFUSED_PEERS_NAMED))
+    assert f"{2 * REFUSED_PEERS_NAMED + 1} refusals so far" in warned[-1]
+    assert "debug level" in warned[-1]
+    debug = [r for r in caplog.records if r.levelno == logging.DEBUG
+             and f"refused a publisher from 2001:db8::{2999:x} " in r.getMessage()]
+    assert len(debug) == 2  # a later address is still in the log, at debug level
+    assert len(source._refused) == REFUSED_PEERS_NAMED and len(source._warned) <= 1
 
 
 def test_connect_mode_host_must_be_allowed(ctx: Any) -> None:

@@ -28,6 +28,7 @@ from continuum.sim.kv_wire import PROFILES, encode_zmq_payload, get_profile
 from listener.decode import (
     STORED_FIELDS,
     DecodeError,
+    RemovalLostBatch,
     TrtllmEvent,
     canonical_block_hash,
     decode_trtllm_events,
@@ -341,6 +342,34 @@ def test_a_malformed_event_costs_only_itself(event: Any, where: str) -> None:
                                          {"type": "BlockRemoved", "block_hashes": [True]}]))
     assert batch.events == (BlockRemoved((5,)), AllBlocksCleared())
     assert (batch.malformed, batch.malformed_at, batch.skipped) == (2, where, 0)
+
+
+@pytest.mark.parametrize(("event", "lost"), [
+    (["BlockRemoved", [1], 3], True),  # a medium that is not a string
+    (["BlockRemoved"], True),  # no hashes
+    ({"type": "BlockRemoved", "block_hashes": "1"}, True),
+    ({"block_hashes": [1]}, True),  # no type: it may have been a removal
+    ({"type": ["BlockRemoved"], "block_hashes": [1]}, True),  # a type that is not a str
+    ([7, [1]], True),
+    ([], True),
+    (7, True),  # not an event at all
+    (["BlockStored", [1], None, [1, -1], 4], False),  # a bad store removed nothing
+    ({"type": "BlockStored", "block_hashes": [1]}, False),
+])
+def test_a_malformed_removal_marks_its_batch(event: Any, lost: bool) -> None:
+    """A malformed event that removed blocks (or whose tag cannot be read) makes the batch a
+    ``RemovalLostBatch`` (the source then clears the rank: the removed blocks are unknown);
+    a malformed store does not. The batch is otherwise the same."""
+    batch = decode_zmq_payload(_payload([["BlockStored", [5], None, [1], 1], event,
+                                         ["Unknown"]]), seq=4, topic=b"kv")
+    assert batch.events == (BlockStored((5,), None, (1,), 1),)
+    assert (batch.malformed, batch.skipped, batch.seq, batch.topic) == (1, 1, 4, b"kv")
+    assert isinstance(batch, KvEventBatch)
+    assert (type(batch) is RemovalLostBatch) == lost
+    if lost:
+        assert isinstance(batch, RemovalLostBatch) and batch.lost_removals == 1
+    two = decode_zmq_payload(_payload([event, event]))
+    assert getattr(two, "lost_removals", 0) == (2 if lost else 0)
 
 
 @pytest.mark.parametrize(("payload", "where"), [

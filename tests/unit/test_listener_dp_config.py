@@ -140,6 +140,24 @@ def test_two_sources_may_not_bind_the_same_rank_port() -> None:
     assert errors_of(first, {**second, "zmq_mode": "connect"}) == {}
 
 
+@pytest.mark.parametrize(("ours", "theirs"), [("127.0.0.1", "localhost"),
+                                              ("localhost", "127.0.0.1"),
+                                              ("::1", "localhost")])
+def test_two_names_of_the_loopback_bind_the_same_port(ours: str, theirs: str) -> None:
+    """``localhost`` and ``127.0.0.1`` (or ``::1``) are one interface to ZMQ: the second
+    bind of a port would fail with EADDRINUSE at start, so ``--check`` refuses it (it
+    compared the host texts, and passed it)."""
+    host = f"[{ours}]" if ":" in ours else ours
+    first = {"zmq_endpoint": f"tcp://{host}:5557", "zmq_mode": "bind", "data_parallel_size": 2}
+    second = {"backend_name": "other", "zmq_endpoint": f"tcp://{theirs}:5558",
+              "zmq_mode": "bind"}
+    errors = errors_of(first, second)
+    assert list(errors) == ["sources[1].zmq_endpoint"]
+    assert "port 5558 (rank 0) is also bound by sources[0] (rank 1)" in errors[
+        "sources[1].zmq_endpoint"]
+    assert errors_of(first, {**second, "zmq_endpoint": f"tcp://{theirs}:5559"}) == {}
+
+
 def test_source_config_built_in_code_is_checked_by_the_source() -> None:
     """A SourceConfig made without the config table (tests, embedders) still cannot make a
     ZmqSource whose ranks' ports overflow."""
