@@ -487,14 +487,18 @@ class RouterService:
 
     def _body_for(self, ctx: RequestContext, backend: Backend,
                   stream_usage: bool = False) -> bytes:
-        """The bytes to send ``backend``: the client's own, except for Anthropic backends
-        that get ``cache_control`` injected (where the precedence says so) and backends
-        with a KV event source, which get a router-issued ``cache_salt`` (a client's own is
-        never replaced; with per-tenant salts it is refused before this). ``stream_usage``
-        adds ``stream_options.include_usage`` (see :mod:`continuum.routing.usage`)."""
+        """The bytes to send ``backend``: the client's own, except for ``type: anthropic``
+        backends that get ``cache_control`` injected (where the precedence says so) and
+        OpenAI requests to backends with a KV event source, which get a router-issued
+        ``cache_salt`` (a client's own is never replaced; with per-tenant salts it is
+        refused before this). An Anthropic request to an engine (``anthropic_messages``)
+        goes as the client sent it: the engine caches prefixes by itself, and its Messages
+        endpoint takes no ``cache_salt``. ``stream_usage`` adds
+        ``stream_options.include_usage`` (see :mod:`continuum.routing.usage`)."""
         if ctx.protocol == "anthropic":
-            if should_inject(self.config.prefix_routing.anthropic_cache_control_injection,
-                             backend.config.anthropic_auto_cache_control):
+            if backend.config.type == "anthropic" and should_inject(
+                    self.config.prefix_routing.anthropic_cache_control_injection,
+                    backend.config.anthropic_auto_cache_control):
                 return injected_body(ctx.body) or ctx.raw
             return ctx.raw
         secret = self._salt_secret

@@ -92,7 +92,9 @@ class ServerConfig:
 
 #: :attr:`BackendConfig.protocols` by ``type`` (every other type: OpenAI's only).
 _OPENAI = ("openai",)
-_PROTOCOLS = {"anthropic": ("anthropic",), "gemini": ("openai", "anthropic")}
+_OPENAI_AND_ANTHROPIC = ("openai", "anthropic")
+_PROTOCOLS = {"anthropic": ("anthropic",), "gemini": _OPENAI_AND_ANTHROPIC}
+
 
 @dataclass(frozen=True)
 class BackendConfig:
@@ -133,6 +135,10 @@ class BackendConfig:
     anthropic_auto_cache_control: bool = setting(
         True, doc="mark the last system block cache_control: ephemeral (type: anthropic)"
     )
+    anthropic_messages: bool = setting(
+        False, doc="the engine also serves Anthropic's Messages API at /v1/messages (vLLM "
+        ">= 0.11.1, SGLang, llama.cpp): /anthropic/v1/messages requests for its models are "
+        "passed through to it (type: openai)")
     enabled: bool = setting(True, doc="false removes the backend from every path")
     internal: bool = setting(
         False, doc="only the router itself calls it (e.g. embeddings); hidden from clients"
@@ -145,8 +151,11 @@ class BackendConfig:
 
     @property
     def protocols(self) -> tuple[str, ...]:
-        """The API families whose endpoints reach the backend: its own, and for ``type:
-        gemini`` Anthropic's too (the gateway translates those requests)."""
+        """The API families whose endpoints reach the backend: its own, and Anthropic's
+        too for ``type: gemini`` (the gateway translates those requests) and for an engine
+        with ``anthropic_messages`` (they are passed through to its /v1/messages)."""
+        if self.anthropic_messages and self.type == "openai":
+            return _OPENAI_AND_ANTHROPIC
         return _PROTOCOLS.get(self.type, _OPENAI)
 
     def resolved_api_key(self) -> str | None:
@@ -168,6 +177,11 @@ class BackendConfig:
             issues.error(join(path, "learn_slots"),
                          f"needs an engine's Prometheus /metrics (vLLM, SGLang); a type: "
                          f"{self.type} backend has none")
+        if self.anthropic_messages and self.type != "openai":
+            why = "it speaks the Messages API natively" if self.type == "anthropic" \
+                else "the router translates those requests to its own API"
+            issues.warn(join(path, "anthropic_messages"),
+                        f"has no effect on a type: {self.type} backend: {why}")
         # a disabled backend sends nothing: its key is checked once it is enabled
         if self.api_key_env is not None and self.api_key_env not in os.environ and self.enabled:
             issues.warn(
@@ -937,6 +951,7 @@ class RouterConfig:
             issues.warn("gemini_context_cache.enabled", "no type: gemini backend; nothing "
                         "will be cached")
         if kv.cache_salt.enabled and kv.cache_salt.per_tenant:
+            self._check_unsalted_messages(issues)
             if not self.prefix_routing.enabled:
                 issues.warn("kv_cache_index.cache_salt.per_tenant", "salts are only issued "
                             "with prefix_routing.enabled: true; tenants are not isolated")
@@ -950,6 +965,21 @@ class RouterConfig:
                 "name, pinning each model to one backend",
                 self.selection_strategy,
             )
+
+    def _check_unsalted_messages(self, issues: Issues) -> None:
+        """Per-tenant salts keep tenants out of each other's engine prefix caches, but an
+        engine's Messages endpoint takes no ``cache_salt``: /anthropic requests passed
+        through to a salted backend (one with a KV event source, as the service salts)
+        would share its cache across tenants. Refused rather than silently unisolated."""
+        salted = {s.backend_name for s in self.kv_cache_index.event_sources if s is not None}
+        for i, backend in enumerate(self.backends):
+            if backend is not None and backend.anthropic_messages and \
+                    backend.type == "openai" and backend.name in salted:
+                issues.error(f"backends[{i}].anthropic_messages",
+                             "the engine's /v1/messages takes no cache_salt, so its "
+                             "/anthropic requests would share its prefix cache across "
+                             "tenants despite kv_cache_index.cache_salt.per_tenant; set one "
+                             "of the two false")
 
     def _check_scorers(self, issues: Issues) -> None:
         """A name listed twice would score twice; a list of one's own (the default is

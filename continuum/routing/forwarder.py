@@ -249,7 +249,8 @@ class Forwarder:
         if other == "openai":
             return (f"The model '{model}' is served by this router's OpenAI endpoints "
                     "(/v1/chat/completions, ...), not by /anthropic/v1/messages, which "
-                    "reaches type: anthropic and type: gemini backends only")
+                    "reaches type: anthropic and type: gemini backends, and engines "
+                    "configured with anthropic_messages: true")
         return (f"The model '{model}' is served by this router's Anthropic Messages API "
                 "(/anthropic/v1/messages), not by its OpenAI endpoints: point the Anthropic "
                 "SDK's base_url at http://<router>/anthropic")

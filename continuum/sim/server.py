@@ -1,11 +1,24 @@
 """HTTP face of the simulated engine: vLLM's OpenAI server routes on a Falcon WSGI app.
 
 ``create_app()`` is the reusable base (vLLM-style JSON errors, ``/health``);
-``create_engine_app(engine)`` adds the engine routes; ``make_server``/``serve`` run any of
-them on gevent's WSGI server with ``TCP_NODELAY`` on every accepted socket, so each SSE
-chunk leaves as soon as it is yielded. Bodies and chunks are compact JSON, the way vLLM's
-pydantic models serialise; streams are ``data: <json>\\n\\n`` events ending with
-``data: [DONE]\\n\\n``.
+``create_engine_app(engine)`` adds the engine routes:
+
+* ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/responses``
+  (:mod:`continuum.sim.responses`);
+* ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (not trtllm): Anthropic's
+  Messages API, translated into the chat path as vLLM (>= 0.11.1) does
+  (:mod:`continuum.sim.messages`), errors in Anthropic's ``{"type": "error", "error":
+  {...}}`` shape;
+* ``GET /v1/models``, ``/version``, ``/metrics`` (vLLM's Prometheus names), ``/health``;
+  ``POST /tokenize``, ``/detokenize`` (not trtllm); ``/reset_prefix_cache`` and
+  ``/flush_cache``; ``/kv_cache_events`` (trtllm);
+* for tests: ``GET /sim/stats`` (counters) and ``GET /sim/received?n=N`` (the last POST
+  bodies with their path and ``anthropic-*``/``authorization`` headers, oldest first).
+
+``make_server``/``serve`` run any of them on gevent's WSGI server with ``TCP_NODELAY`` on
+every accepted socket, so each SSE chunk leaves as soon as it is yielded. Bodies and chunks
+are compact JSON, the way vLLM's pydantic models serialise; OpenAI streams are
+``data: <json>\\n\\n`` events ending with ``data: [DONE]\\n\\n``.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ import socket
 import struct
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,11 +37,17 @@ import falcon
 from gevent.pywsgi import WSGIHandler, WSGIServer
 
 from continuum.errors import ContinuumError, RequestError
+from continuum.sim import messages as anthropic_messages
 from continuum.sim.engine import Generation, GenerationRequest, SimEngine, render_metrics
 from continuum.sim.responses import ResponseShape, chat_messages
 
 _OWNERS = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError"}
+#: Paths whose errors take Anthropic's shape (vLLM's Messages router translates its own).
+_MESSAGES_PATH = "/v1/messages"
+#: POST bodies kept for ``GET /sim/received``, and the request headers kept with them.
+_RECEIVED = 64
+_RECEIVED_HEADERS = ("anthropic-version", "anthropic-beta", "authorization")
 
 
 def dumps(doc: Any) -> bytes:
@@ -60,12 +80,13 @@ def send_json(resp: falcon.Response, doc: Any, status: int = 200) -> None:
 
 def _error_handler(req: falcon.Request, resp: falcon.Response, ex: Exception, params: Any) -> None:
     assert isinstance(ex, ContinuumError)
-    error = {
-        "message": ex.message,
-        "type": _ERROR_TYPES.get(ex.status, "InternalServerError"),
-        "param": ex.fields.get("param"),
-        "code": ex.status,
-    }
+    kind = _ERROR_TYPES.get(ex.status, "InternalServerError")
+    if req.path.startswith(_MESSAGES_PATH):  # vLLM keeps the type, in Anthropic's shape
+        send_json(resp, {"type": "error", "error": {"type": kind, "message": ex.message}},
+                  ex.status)
+        return
+    error = {"message": ex.message, "type": kind, "param": ex.fields.get("param"),
+             "code": ex.status}
     send_json(resp, {"error": error}, ex.status)
 
 
@@ -100,12 +121,16 @@ def create_engine_app(
     app.add_route("/v1/completions", api, suffix="completions")
     app.add_route("/v1/embeddings", api, suffix="embeddings")
     app.add_route("/v1/responses", api, suffix="responses")
-    if engine.config.engine != "trtllm":  # trtllm-serve has no public (de)tokenize endpoints
+    # trtllm-serve has neither the Messages API nor public (de)tokenize endpoints
+    if engine.config.engine != "trtllm":
+        app.add_route("/v1/messages", api, suffix="messages")
+        app.add_route("/v1/messages/count_tokens", api, suffix="count_tokens")
         app.add_route("/tokenize", api, suffix="tokenize")
         app.add_route("/detokenize", api, suffix="detokenize")
     app.add_route("/version", api, suffix="version")
     app.add_route("/metrics", api, suffix="metrics")
     app.add_route("/sim/stats", api, suffix="stats")
+    app.add_route("/sim/received", api, suffix="received")
     # vLLM's (dev-mode) and SGLang's ways to drop the prefix cache
     app.add_route("/reset_prefix_cache", api, suffix="reset")
     app.add_route("/flush_cache", api, suffix="reset")
@@ -200,6 +225,19 @@ def usage_doc(gen: Generation) -> dict[str, Any]:
 class _EngineApi:
     def __init__(self, engine: SimEngine) -> None:
         self.engine = engine
+        self.received: deque[dict[str, Any]] = deque(maxlen=_RECEIVED)
+
+    def _read(self, req: falcon.Request) -> dict[str, Any]:
+        """The request's JSON body, recorded for ``GET /sim/received`` before any check."""
+        body = read_json(req)
+        headers = {name: value for name in _RECEIVED_HEADERS
+                   if (value := req.get_header(name)) is not None}
+        self.received.append({"path": req.path, "headers": headers, "body": body})
+        return body
+
+    def on_get_received(self, req: falcon.Request, resp: falcon.Response) -> None:
+        n = req.get_param_as_int("n", min_value=1) or _RECEIVED
+        send_json(resp, {"received": list(self.received)[-n:]})
 
     def on_get_models(self, req: falcon.Request, resp: falcon.Response) -> None:
         created = int(time.time())
@@ -237,7 +275,7 @@ class _EngineApi:
         resp.data = b""
 
     def on_post_tokenize(self, req: falcon.Request, resp: falcon.Response) -> None:
-        body = read_json(req)
+        body = self._read(req)
         engine = self.engine
         engine.resolve_model(body.get("model"))
         if "messages" in body:
@@ -263,7 +301,7 @@ class _EngineApi:
         send_json(resp, doc)
 
     def on_post_detokenize(self, req: falcon.Request, resp: falcon.Response) -> None:
-        body = read_json(req)
+        body = self._read(req)
         self.engine.resolve_model(body.get("model"))
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(
@@ -273,7 +311,7 @@ class _EngineApi:
         send_json(resp, {"prompt": self.engine.tokenizer.decode(tokens)})
 
     def on_post_embeddings(self, req: falcon.Request, resp: falcon.Response) -> None:
-        body = read_json(req)
+        body = self._read(req)
         engine = self.engine
         model = engine.resolve_model(body.get("model"))
         raw = body.get("input")
@@ -310,7 +348,7 @@ class _EngineApi:
 
     def on_post_responses(self, req: falcon.Request, resp: falcon.Response) -> None:
         """``POST /v1/responses`` (see :mod:`continuum.sim.responses`)."""
-        body = read_json(req)
+        body = self._read(req)
         if body.get("previous_response_id") is not None:
             raise RequestError("previous_response_id is not supported: this server stores "
                                "no responses (store: false)", param="previous_response_id")
@@ -330,8 +368,31 @@ class _EngineApi:
         else:
             send_json(resp, shape.full(gen.run()))
 
+    def on_post_messages(self, req: falcon.Request, resp: falcon.Response) -> None:
+        """``POST /v1/messages`` (see :mod:`continuum.sim.messages`)."""
+        body = self._read(req)
+        engine = self.engine
+        model = engine.resolve_model(body.get("model"))
+        stream = _flag(body, "stream", False)
+        prompt = engine.chat_prompt(anthropic_messages.chat_messages(body))
+        gen = engine.start(_sampling(engine, anthropic_messages.sampling(body), model, prompt))
+        shape = anthropic_messages.MessageShape(model)
+        if stream:
+            resp.content_type = "text/event-stream"
+            resp.stream = shape.events(gen)
+        else:
+            send_json(resp, shape.full(gen.run()))
+
+    def on_post_count_tokens(self, req: falcon.Request, resp: falcon.Response) -> None:
+        """``POST /v1/messages/count_tokens``: the rendered prompt's length."""
+        body = self._read(req)
+        engine = self.engine
+        engine.resolve_model(body.get("model"))
+        prompt = engine.chat_prompt(anthropic_messages.chat_messages(body))
+        send_json(resp, {"input_tokens": len(prompt)})
+
     def _generate(self, req: falcon.Request, resp: falcon.Response, *, chat: bool) -> None:
-        body = read_json(req)
+        body = self._read(req)
         engine = self.engine
         model = engine.resolve_model(body.get("model"))
         stream = _flag(body, "stream", False)

@@ -256,3 +256,57 @@ def test_a_gpu_tier_weight_under_the_threshold_warns(
         (message,) = [w.message for w in result.warnings
                       if w.path == "kv_cache_index.scoring.gpu_tier_weight"]
         assert "always falls back" in message
+
+
+def test_anthropic_messages_adds_the_anthropic_protocol_to_engines_only() -> None:
+    assert "anthropic_messages: false" in defaults_text()
+    cfg = parse_config({"backends": [
+        BACKEND,
+        dict(BACKEND, name="engine", anthropic_messages=True),
+        {"name": "claude", "url": "https://api.anthropic.com", "type": "anthropic",
+         "anthropic_messages": True},
+        {"name": "g", "url": "https://generativelanguage.googleapis.com", "type": "gemini"},
+    ]})
+    assert [b.protocols for b in cfg.backends] == [
+        ("openai",), ("openai", "anthropic"), ("anthropic",), ("openai", "anthropic")]
+
+
+def test_anthropic_messages_warns_where_it_has_no_effect() -> None:
+    result = check_config({"backends": [
+        dict(BACKEND, anthropic_messages=True),
+        {"name": "claude", "url": "https://api.anthropic.com", "type": "anthropic",
+         "anthropic_messages": True},
+        {"name": "g", "url": "https://generativelanguage.googleapis.com", "type": "gemini",
+         "anthropic_messages": True},
+    ], "admin": {"token": "t"}})
+    assert result.config is not None and not result.errors
+    assert {w.path: w.message for w in result.warnings} == {
+        "backends[1].anthropic_messages": "has no effect on a type: anthropic backend: it "
+                                          "speaks the Messages API natively",
+        "backends[2].anthropic_messages": "has no effect on a type: gemini backend: the "
+                                          "router translates those requests to its own API",
+    }
+
+
+@pytest.mark.parametrize(("per_tenant", "sourced", "refused"), [
+    (True, True, True),  # salted per tenant, but the Messages endpoint takes no salt
+    (False, True, False),  # shared salts: nothing to isolate
+    (True, False, False),  # no event source: the router never salts that engine
+])
+def test_per_tenant_salts_refuse_an_engine_serving_anthropic_messages(
+        per_tenant: bool, sourced: bool, refused: bool) -> None:
+    sources = [{"backend_name": "engine", "endpoint": "http://127.0.0.1:7000/events"}] \
+        if sourced else []
+    result = check_config({
+        "backends": [BACKEND, dict(BACKEND, name="engine", anthropic_messages=True)],
+        "prefix_routing": {"enabled": True},
+        "auth": {"keys": [{"key": "sk-1", "tenant": "acme"}]},
+        "admin": {"token": "t"},
+        "kv_cache_index": {"event_sources": sources, "cache_salt": {
+            "enabled": True, "secret": "s", "per_tenant": per_tenant}},
+    })
+    errors = {e.path: e.message for e in result.errors}
+    assert errors == ({"backends[1].anthropic_messages": (
+        "the engine's /v1/messages takes no cache_salt, so its /anthropic requests would "
+        "share its prefix cache across tenants despite kv_cache_index.cache_salt.per_tenant; "
+        "set one of the two false")} if refused else {})
