@@ -56,6 +56,28 @@ def content_text(content: Any) -> str | None:
     return None
 
 
+#: The start of Claude Code's first system block: an attribution line whose hash changes
+#: with each conversation (``x-anthropic-billing-header: cc_version=…; cch=…;``).
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def system_text(system: Any) -> str | None:
+    """Text of Anthropic's top-level ``system``: a string, or its text blocks joined without
+    a separator (as vLLM's Messages API renders them, so the engine's prompt and the key
+    agree), Claude Code's attribution block (:data:`BILLING_HEADER`) left out, as vLLM
+    leaves it out: it would give each conversation a key, and an engine, of its own. None
+    when there is no text."""
+    if isinstance(system, str):
+        return system or None
+    if isinstance(system, list):
+        return "".join(
+            block["text"] for block in system
+            if isinstance(block, dict) and isinstance(block.get("text"), str)
+            and block.get("type", "text") == "text"
+            and not block["text"].startswith(BILLING_HEADER)) or None
+    return None
+
+
 #: Models whose ``SHA256(model ++ 0x00)`` state is kept; names come from clients: bounded.
 _MAX_MODELS = 256
 _model_states: dict[str, Any] = {}
@@ -105,11 +127,11 @@ def anchor_text(body: dict[str, Any]) -> tuple[bytes, str] | None:
     """The (tag, text) a request's key is computed from, or None when it has no text.
 
     OpenAI shape: the first ``system``/``developer`` message, else the first other message.
-    Anthropic shape: the top-level ``system`` (string or blocks), else the first message.
+    Anthropic shape: the top-level ``system`` (:func:`system_text`), else the first message.
     """
     system = body.get("system")
-    if system is not None:  # content_text(None) is None
-        text = content_text(system)
+    if system is not None:  # system_text(None) is None
+        text = system_text(system)
         if text is not None:
             return SYSTEM_TAG, text
     messages = body.get("messages")

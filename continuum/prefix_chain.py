@@ -17,7 +17,8 @@ trailing whitespace stripped (chat templates such as Llama-3 strip it, so the KV
 cannot tell). Each message is cut into chunks of ``chunk_bytes`` bytes on its own, so a chunk
 never spans two messages; the last, shorter chunk of a message counts only when the message
 is complete (a request's messages always are; a prompt recovered from a KV block chain may
-end inside one). Anthropic's top-level ``system`` is a first ``system`` message. At most
+end inside one). Anthropic's top-level ``system`` is a first ``system`` message (its text as
+:func:`continuum.prefix.system_text` reads it: Claude Code's attribution block left out). At most
 ``max_keys`` keys are made; the rest of the prompt is ignored.
 
 Key *i* covers bytes ``0 .. ends[i]`` of the rendering, so two requests share key *i*
@@ -50,7 +51,7 @@ from typing import Any
 
 from xxhash import xxh3_64_digest
 
-from continuum.prefix import content_text
+from continuum.prefix import content_text, system_text
 
 DEFAULT_CHUNK_BYTES = 1024
 DEFAULT_MAX_KEYS = 128
@@ -123,7 +124,7 @@ def request_messages(body: dict[str, Any]) -> list[Message]:
     out: list[Message] = []
     system = body.get("system")
     if system is not None:
-        text = content_text(system)
+        text = system_text(system)
         if text is not None:
             out.append(("system", text))
     messages = body.get("messages")

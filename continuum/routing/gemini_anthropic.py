@@ -11,7 +11,10 @@ and the context cache serves these requests as it serves chat completions.
 
 * **The request** becomes a chat completion (:func:`chat_body`):
 
-  - ``system`` (a string, or text blocks) → system messages; each ``user`` and
+  - ``system`` (a string, or text blocks) → system messages, Claude Code's attribution
+    block (``x-anthropic-billing-header: …``) left out; a ``system`` message inside
+    ``messages`` (Claude Code adds them along a conversation) → user text where it stands,
+    so the prompt's head stays the same from turn to turn; each ``user`` and
     ``assistant`` message's blocks: ``text``; ``image`` (``base64`` or ``url`` source) →
     an image part; ``document`` with a ``base64`` source (a PDF) → inline data, with a
     ``text`` source → text; ``tool_use`` → the assistant's ``tool_calls``;
@@ -67,6 +70,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from continuum.errors import RequestError
+from continuum.prefix import BILLING_HEADER
 from continuum.routing import anthropic, gemini
 
 #: Chat finish reasons → Anthropic's stop reasons.
@@ -165,12 +169,42 @@ def _result_text(block: dict[str, Any], where: str) -> str:
     return text
 
 
+def _system_blocks(system: Any, where: str) -> list[str]:
+    """The texts of a ``system`` value (a string, or text blocks), Claude Code's attribution
+    block left out (:data:`~continuum.prefix.BILLING_HEADER`: Anthropic reads it, a model
+    would only be confused by it, and its hash, new with each conversation, would defeat
+    Google's caches)."""
+    if isinstance(system, str):
+        return [system] if system else []
+    if not isinstance(system, list):
+        raise _refuse(f"'{where}' must be a string or an array of text blocks", where,
+                      "invalid_type")
+    texts = []
+    for k, block in enumerate(system):
+        inner = f"{where}[{k}]"
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise _refuse(f"'{inner}' must be a text block", inner)
+        text = _text(block, inner)
+        if text and not text.startswith(BILLING_HEADER):
+            texts.append(text)
+    return texts
+
+
 def _messages(messages: list[Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         role = message.get("role")
+        if role == "system":
+            # Claude Code adds system messages along the conversation; moved up into
+            # systemInstruction they would change the prompt's head at every turn (and make
+            # the context cache ineligible): a user text where they stand keeps the prompt
+            # an extension of the last one (the chat translation merges it into its turn)
+            out += [{"role": "user", "content": [{"type": "text", "text": text}]}
+                    for text in _system_blocks(message.get("content"),
+                                               f"messages[{i}].content")]
+            continue
         if role not in ("user", "assistant"):
-            raise _refuse(f"'messages[{i}].role' must be 'user' or 'assistant'",
+            raise _refuse(f"'messages[{i}].role' must be 'user', 'assistant' or 'system'",
                           f"messages[{i}].role")
         content = message.get("content")
         if isinstance(content, str):
@@ -325,17 +359,9 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     for name, reason in _REFUSED.items():
         if body.get(name):
             raise _refuse(f"'{name}' cannot be used with a Gemini backend: {reason}", name)
-    messages: list[dict[str, Any]] = []
     system = body.get("system")
-    if isinstance(system, str):
-        if system:
-            messages.append({"role": "system", "content": system})
-    elif isinstance(system, list):
-        for k, block in enumerate(system):
-            where = f"system[{k}]"
-            if not isinstance(block, dict) or block.get("type") != "text":
-                raise _refuse(f"'{where}' must be a text block", where)
-            messages.append({"role": "system", "content": _text(block, where)})
+    messages: list[dict[str, Any]] = [] if system is None else [
+        {"role": "system", "content": text} for text in _system_blocks(system, "system")]
     messages += _messages(body.get("messages") or [])
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
     for name in ("max_tokens", "temperature", "top_p", "stream"):

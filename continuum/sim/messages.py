@@ -112,9 +112,14 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         raise RequestError("'messages' must be a non-empty array", param="messages")
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
+        if role == "system":  # one along the conversation: folded in where it stands
+            text = _system_text(message.get("content"))
+            if text is not None:
+                chat.append({"role": "user", "content": text})
+            continue
         if role not in ("user", "assistant"):
-            raise RequestError(f"'messages[{i}].role' must be 'user' or 'assistant'",
-                               param=f"messages[{i}].role")
+            raise RequestError(f"'messages[{i}].role' must be 'user', 'assistant' or "
+                               "'system'", param=f"messages[{i}].role")
         _message(role, message.get("content"), f"messages[{i}]", chat)
     return chat
 

@@ -201,6 +201,34 @@ def test_a_shared_system_prompt_sticks_to_one_engine_that_reports_cache_hits(
     assert len(spread) > 1
 
 
+def test_claude_codes_attribution_block_does_not_split_its_conversations(
+    engines: EngineFleet, router_factory: Callable[..., Any],
+    clients: Callable[[Any], anthropic.Anthropic],
+) -> None:
+    """Claude Code opens ``system`` with an attribution block whose hash changes with each
+    conversation; the engine leaves it out of the prompt (as vLLM does), and so does the
+    prefix key: every conversation behind one system prompt goes to one engine, whose
+    cache serves that prompt."""
+    router = router_factory(_config(engines))
+    client = clients(router)
+    backends = []
+    for i in range(6):
+        raw = client.messages.with_raw_response.create(
+            model=MODEL, max_tokens=8, messages=[{"role": "user", "content": f"Task {i}"}],
+            system=[{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.88."
+                     f"{i:03x}; cc_entrypoint=cli; cch={i * 7919:05x};"},
+                    {"type": "text", "text": "You are Claude Code. "},
+                    {"type": "text", "text": SYSTEM}])
+        backends.append(raw.headers["x-continuum-backend"])
+        answer = raw.parse()
+        if i:
+            assert (answer.usage.cache_read_input_tokens or 0) > 500
+    assert len(set(backends)) == 1
+    # the engine got the blocks as the client sent them
+    sent = engines.received(backends[0])[-1]["body"]
+    assert sent["system"][0]["text"].startswith("x-anthropic-billing-header: cc_version")
+
+
 def test_models_list_and_a_backend_without_the_setting_until_a_reload(
     engines: EngineFleet, router_factory: Callable[..., Any],
     clients: Callable[[Any], anthropic.Anthropic],
@@ -238,7 +266,8 @@ def test_models_list_and_a_backend_without_the_setting_until_a_reload(
                                messages=[{"role": "robot", "content": "hi"}])  # type: ignore[typeddict-item]
     bad_body: Any = bad.value.body
     assert bad_body["type"] == "error"
-    assert bad_body["error"]["message"] == "'messages[0].role' must be 'user' or 'assistant'"
+    assert bad_body["error"]["message"] == \
+        "'messages[0].role' must be 'user', 'assistant' or 'system'"
 
 
 def test_per_tenant_salts_refuse_an_engine_with_the_setting(

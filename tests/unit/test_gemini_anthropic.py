@@ -184,7 +184,7 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
     ({"messages": [{"role": "user", "content": "hi"},
                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t"}]}]},
      "messages[1].content[0]"),
-    ({"messages": [{"role": "system", "content": "rules"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "rules"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]},
      "messages[1].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
@@ -794,3 +794,42 @@ def test_an_empty_stream_that_completed_is_an_empty_message() -> None:
             "cache_read_input_tokens": 0, "output_tokens": 0}
     assert events[0]["message"]["usage"] == zero and events[1]["usage"] == zero
     assert events[0]["message"]["model"] == MODEL
+
+
+def test_claude_codes_attribution_block_is_not_sent_to_gemini() -> None:
+    chat = chat_body({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                      "system": [{"type": "text", "text": "x-anthropic-billing-header: "
+                                  "cc_version=2.1.88.a3f; cc_entrypoint=cli; cch=00000;"},
+                                 {"type": "text", "text": "You are Claude Code."}]})
+    assert chat["messages"][0] == {"role": "system", "content": "You are Claude Code."}
+    assert to_native(chat)["systemInstruction"] == {"parts": [{"text": "You are Claude Code."}]}
+
+
+def test_system_messages_along_the_conversation_stay_where_they_are() -> None:
+    """Claude Code adds ``system`` messages inside ``messages``: sent where they stand, as
+    user text merged into the turn around them, the prompt's head (systemInstruction and
+    the earlier turns) stays what the last request sent, and the context cache still
+    sees one leading system prompt."""
+    body = {"model": MODEL, "system": "Rules.", "messages": [
+        {"role": "user", "content": "Read a.py"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "read",
+                                           "input": {"path": "a.py"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": "print(1)"}]},
+        {"role": "system", "content": [{"type": "text", "text": "Reminder: be brief."}]},
+        {"role": "assistant", "content": "Done."},
+        {"role": "system", "content": "Note."},
+        {"role": "user", "content": "Thanks"}]}
+    chat = chat_body(body)
+    native = to_native(chat)
+    assert native["systemInstruction"] == {"parts": [{"text": "Rules."}]}
+    assert native["contents"][2:] == [
+        {"role": "user", "parts": [
+            {"functionResponse": {"name": "read", "response": {"content": "print(1)"}}},
+            {"text": "Reminder: be brief."}]},
+        {"role": "model", "parts": [{"text": "Done."}]},
+        {"role": "user", "parts": [{"text": "Note."}, {"text": "Thanks"}]}]
+    assert gemini.system_prompt(chat) == "Rules."  # the context cache's key: unchanged
+    with pytest.raises(RequestError) as caught:
+        chat_body({**body, "messages": [{"role": "system", "content": [{"type": "image"}]}]})
+    assert caught.value.param == "messages[0].content[0]"

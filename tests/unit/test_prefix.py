@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -13,6 +14,7 @@ from continuum.prefix import (
     content_text,
     prefix_key_from_text,
     request_prefix_key,
+    system_text,
     truncate_utf8,
 )
 
@@ -84,6 +86,28 @@ def test_anthropic_system_string_and_blocks() -> None:
     assert request_prefix_key(as_blocks, "claude") == request_prefix_key(as_string, "claude")
     no_system = {"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}]}
     assert request_prefix_key(no_system, "claude") == _expected("claude", b"M", b"q")
+
+
+def test_claude_codes_attribution_block_is_not_part_of_the_key() -> None:
+    """Claude Code's first system block carries a hash that changes with each conversation:
+    left out of the key (as vLLM leaves it out of the prompt), the blocks joined without a
+    separator, as vLLM joins them."""
+    def body(header: str) -> dict[str, Any]:
+        return {"system": [{"type": "text", "text": header},
+                           {"type": "text", "text": "You are Claude Code. "},
+                           {"type": "text", "text": "Use the tools.", "cache_control": {}}],
+                "messages": [{"role": "user", "content": "q"}]}
+
+    first = body("x-anthropic-billing-header: cc_version=2.1.88.a3f; cch=00000;")
+    other = body("x-anthropic-billing-header: cc_version=2.1.88.e91; cch=4873d;")
+    expected = _expected("claude", b"S", b"You are Claude Code. Use the tools.")
+    assert request_prefix_key(first, "claude") == request_prefix_key(other, "claude") == expected
+    assert system_text(first["system"]) == "You are Claude Code. Use the tools."
+    # a string system prompt is the client's own text, kept whole (vLLM keeps it too)
+    assert system_text("x-anthropic-billing-header: a; You are here.") == \
+        "x-anthropic-billing-header: a; You are here."
+    assert system_text([{"type": "text", "text": "x-anthropic-billing-header: a;"}]) is None
+    assert system_text([{"type": "image", "source": {}}, "text"]) is None
 
 
 def test_no_text_or_disabled_gives_no_key() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import pytest
 import xxhash
@@ -81,6 +82,18 @@ def test_depth_is_bounded_and_the_tail_ignored() -> None:
     assert long is not None and len(long.keys) == 8 and long.ends[-1] == 8 * 64
     assert long.total_bytes == len(message_bytes("user", "y" * 10_000))
     assert request_chain(body(("user", "   ")), "m") is None
+
+
+def test_claude_codes_attribution_block_is_not_in_the_chain() -> None:
+    def body(header: str) -> dict[str, Any]:
+        return {"model": "m", "system": [{"type": "text", "text": header},
+                                         {"type": "text", "text": SYSTEM}],
+                "messages": [{"role": "user", "content": "hi"}]}
+
+    first = body("x-anthropic-billing-header: cc_version=2.1.88.a3f; cch=00000;")
+    assert request_messages(first) == [("system", SYSTEM), ("user", "hi")]
+    assert request_chain(first, "m") == request_chain(
+        body("x-anthropic-billing-header: cc_version=2.1.88.e91; cch=4873d;"), "m")
 
 
 def test_anthropic_system_is_the_first_message() -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from continuum.sim.engine import EngineConfig, SimEngine
 from continuum.sim.latency import LatencyModel
+from continuum.sim.messages import chat_messages
 from continuum.sim.server import create_engine_app
 
 MODEL = "sim-model"
@@ -137,3 +138,16 @@ def test_received_records_the_last_bodies_with_their_headers() -> None:
     assert salted == {"path": "/v1/messages", "body": _messages(cache_salt="s"), "headers": {
         "anthropic-version": "2023-06-01", "authorization": "Bearer k"}}
     assert count["path"] == "/v1/messages/count_tokens" and count["headers"] == {}
+
+
+def test_a_system_message_along_the_conversation_is_folded_where_it_stands() -> None:
+    """vLLM takes Claude Code's ``system`` messages inside ``messages`` without moving them
+    to the head of the prompt; the engine keeps them where they stand too."""
+    chat = chat_messages({"system": "Rules.", "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "system", "content": [{"type": "text", "text": "Reminder."}]},
+        {"role": "assistant", "content": "Hello"}]})
+    assert chat == [{"role": "system", "content": "Rules."},
+                    {"role": "user", "content": "Hi"},
+                    {"role": "user", "content": "Reminder."},
+                    {"role": "assistant", "content": "Hello"}]
