@@ -126,6 +126,16 @@ def is_missing_cache(status: int, data: bytes) -> bool:
                                           "does not exist"))
 
 
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    """``data`` decoded when it is a JSON object, else None (the answer then goes to the
+    client as it came)."""
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 class ResponseAdapter:
     """Reads or streams a Gemini answer back in OpenAI's shapes (see the module doc)."""
 
@@ -146,11 +156,8 @@ class ResponseAdapter:
         if not self.native:
             self._count_openai(data)
             return data
-        try:
-            doc = json.loads(data)
-        except ValueError:
-            return data
-        if not isinstance(doc, dict):
+        doc = _json_object(data)
+        if doc is None:
             return data
         answer = gemini.from_native(doc, self.model)
         self.count(self.backend, answer["usage"]["prompt_tokens_details"]["cached_tokens"])
@@ -268,13 +275,8 @@ class CountTokensAdapter(ResponseAdapter):
         data = forwarder.read_all(upstream)
         if upstream.status >= 400:
             return gemini_anthropic.error_body(upstream.status, data)
-        try:
-            doc = json.loads(data)
-        except ValueError:
-            return data
-        if not isinstance(doc, dict):
-            return data
-        return json.dumps(gemini_anthropic.count_answer(doc)).encode()
+        doc = _json_object(data)
+        return data if doc is None else json.dumps(gemini_anthropic.count_answer(doc)).encode()
 
 
 class GeminiGateway:

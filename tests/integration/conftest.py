@@ -8,11 +8,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq.green as zmq
 
+from continuum.devtools.gemini_fake import FakeGeminiProcess
 from continuum.devtools.redis_server import RedisServer, redis_available, unique_prefix
 from continuum.wire.sse import SseTransport
 from listener.sources_zmq import ZapAuthenticator
@@ -215,3 +217,16 @@ def zap(ctx: Any) -> Iterator[ZapAuthenticator]:
     auth = ZapAuthenticator(ctx)
     yield auth
     auth.close()
+
+
+#: The key the fake Gemini API of :func:`fake` requires (``x-goog-api-key``).
+GEMINI_KEY = "AIza-upstream-key"
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> Iterator[FakeGeminiProcess]:
+    """A fake Gemini API that requires :data:`GEMINI_KEY` and caches prompts of 100 tokens
+    or more; stopped at the end."""
+    started = FakeGeminiProcess(tmp_path, api_key=GEMINI_KEY, min_cache_tokens=100)
+    yield started
+    started.stop()

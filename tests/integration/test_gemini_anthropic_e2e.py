@@ -5,7 +5,6 @@ the router sent it is read back from ``/_sim/received``)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -15,10 +14,10 @@ import requests
 from continuum.devtools.fleet import metric_sum
 from continuum.devtools.gemini_fake import FakeGeminiProcess
 from continuum.devtools.procs import wait_until
+from tests.integration.conftest import GEMINI_KEY as KEY
 
 pytestmark = pytest.mark.e2e
 
-KEY = "AIza-upstream-key"
 MODEL = "gemini-2.5-flash"
 SIGNING = "gemini-3-pro-preview"  # signs its function calls, refuses unsigned history
 PRO = "gemini-2.5-pro"  # cannot turn thinking off: Google refuses a budget of 0
@@ -27,13 +26,6 @@ NATIVE = ":generateContent"
 LOOKUP = {"name": "lookup", "description": "Look a term up in the manual",
           "input_schema": {"type": "object", "properties": {"query": {"type": "string"}},
                            "required": ["query"], "additionalProperties": False}}
-
-
-@pytest.fixture
-def fake(tmp_path: Path) -> Iterator[FakeGeminiProcess]:
-    started = FakeGeminiProcess(tmp_path, api_key=KEY, min_cache_tokens=100)
-    yield started
-    started.stop()
 
 
 def _router(router_factory: Callable[..., Any], fake: FakeGeminiProcess,

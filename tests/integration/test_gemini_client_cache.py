@@ -7,8 +7,7 @@ request; and an endpoint without ``cachedContents`` (501) ends in the negative c
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -24,13 +23,6 @@ pytestmark = pytest.mark.e2e
 
 NATIVE = ":generateContent"
 LET_THROUGH = [{"category": "HARM_CATEGORY_DANGEROUS_CONTENT", "threshold": "BLOCK_NONE"}]
-
-
-@pytest.fixture
-def fake(tmp_path: Path) -> Iterator[FakeGeminiProcess]:
-    started = FakeGeminiProcess(tmp_path, api_key=KEY, min_cache_tokens=100)
-    yield started
-    started.stop()
 
 
 def _router(router_factory: Callable[..., Any], fake: FakeGeminiProcess,
