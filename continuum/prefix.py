@@ -126,8 +126,12 @@ def prefix_key_from_text(
 def anchor_text(body: dict[str, Any]) -> tuple[bytes, str] | None:
     """The (tag, text) a request's key is computed from, or None when it has no text.
 
-    OpenAI shape: the first ``system``/``developer`` message, else the first other message.
-    Anthropic shape: the top-level ``system`` (:func:`system_text`), else the first message.
+    OpenAI shape: the first of the leading ``system``/``developer`` messages with text, else
+    the first other message. Anthropic shape: the top-level ``system``
+    (:func:`system_text`), else as for OpenAI's. A system message *after* the first other
+    message is no system prompt: it stands where it is in the prompt (Claude Code adds them
+    along a conversation, and engines leave them there), so the key stays the first turn's,
+    as the KV listener reads it from the engine's prompt.
     """
     system = body.get("system")
     if system is not None:  # system_text(None) is None
@@ -141,14 +145,14 @@ def anchor_text(body: dict[str, Any]) -> tuple[bytes, str] | None:
     for message in messages:
         if not isinstance(message, dict):
             continue
-        if message.get("role") in _SYSTEM_ROLES:
-            content = message.get("content")
-            # content_text, with its common case (a non-empty string) inline
-            text = content if type(content) is str and content else content_text(content)
-            if text is not None:
-                return SYSTEM_TAG, text
-        elif first_other is None:
+        if message.get("role") not in _SYSTEM_ROLES:
             first_other = message
+            break
+        content = message.get("content")
+        # content_text, with its common case (a non-empty string) inline
+        text = content if type(content) is str and content else content_text(content)
+        if text is not None:
+            return SYSTEM_TAG, text
     if first_other is None:
         return None
     content = first_other.get("content")

@@ -18,7 +18,7 @@ from continuum.caching.gemini_context import GeminiContextCache
 from continuum.caching.response_cache import BYPASS, HIT, MISS, ResponseCache
 from continuum.config import restart_required
 from continuum.config.fields import keep_restart_fields, walk
-from continuum.errors import ContinuumError, RequestError, UpstreamConnectError
+from continuum.errors import ConfigError, ContinuumError, RequestError, UpstreamConnectError
 from continuum.hostshm import open_segment
 from continuum.kv.bus_consumer import add_bus_consumers, rebuild_consumers
 from continuum.kv.chain_scorer import ChainOverlapScorer
@@ -617,8 +617,19 @@ class RouterService:
         return views.KvIndexCleared(entries_before_clear=before, cleared_entries=index.clear())
 
     def reload(self, new: RouterConfig) -> ReloadReport:
-        """Apply ``new`` to the running worker; report what needs a restart instead."""
+        """Apply ``new`` to the running worker; report what needs a restart instead.
+
+        Raises:
+            ConfigError: ``new``'s backends pass /anthropic requests, which carry no
+                ``cache_salt``, to a salted engine while the running per-tenant salts (a
+                restart-only setting, which ``new`` may turn off in vain) are in force:
+                tenants would share its cache. Nothing was changed.
+        """
         old = self.config
+        conflicts = new.unsalted_messages(
+            keep_restart_fields(old.kv_cache_index.cache_salt, new.kv_cache_index.cache_salt))
+        if conflicts:
+            raise ConfigError(conflicts)
         report = ReloadReport(restart_required=restart_required(old, new))
         backends = old.backends
         if old.backends != new.backends:

@@ -14,9 +14,9 @@ end-of-turn marker and the next header simply waits for a longer chain.
 :func:`find_anchor` mirrors :func:`continuum.prefix.anchor_text` on that text: the first
 ``system``/``developer`` turn with text gives tag ``S``; otherwise the first other turn gives
 ``M``. A content that is not complete yet is enough once it holds ``max_prefix_length``
-bytes (the key only hashes that much). Known divergences, inherent to recovering text from
-tokens: templates that strip whitespace (Llama-3 strips each content) hash the stripped text,
-and a system message placed *after* the first user message is not looked for.
+bytes (the key only hashes that much; a system message placed *after* the first user
+message is no anchor there either). Known divergence, inherent to recovering text from
+tokens: templates that strip whitespace (Llama-3 strips each content) hash the stripped text.
 
 ChatML and Llama-3 are built in; ``template: auto`` learns the markers once from two probe
 conversations (:func:`learn_markers`). Templates that fold the system prompt into the first

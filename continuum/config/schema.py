@@ -20,6 +20,7 @@ from continuum.config.fields import (
     secret_from_file_or_env,
     setting,
 )
+from continuum.errors import ConfigIssue
 
 NAME_PATTERN = r"[A-Za-z0-9_-]{1,64}"
 BACKEND_TYPES = ("openai", "anthropic", "gemini")
@@ -966,6 +967,15 @@ class RouterConfig:
                 self.selection_strategy,
             )
 
+    def unsalted_messages(self, salts: CacheSaltConfig) -> list[ConfigIssue]:
+        """The errors :meth:`_check_unsalted_messages` finds in this config's backends when
+        ``salts`` are the cache-salt settings in force (a reload keeps the running ones:
+        they need a restart); none unless they are on and per tenant."""
+        issues = Issues()
+        if salts.enabled and salts.per_tenant:
+            self._check_unsalted_messages(issues)
+        return issues.errors
+
     def _check_unsalted_messages(self, issues: Issues) -> None:
         """Per-tenant salts keep tenants out of each other's engine prefix caches, but an
         engine's Messages endpoint takes no ``cache_salt``: /anthropic requests passed
@@ -973,7 +983,8 @@ class RouterConfig:
         would share its cache across tenants. Refused rather than silently unisolated."""
         salted = {s.backend_name for s in self.kv_cache_index.event_sources if s is not None}
         for i, backend in enumerate(self.backends):
-            if backend is not None and backend.anthropic_messages and \
+            # a disabled backend takes no request: checked again when a reload enables it
+            if backend is not None and backend.enabled and backend.anthropic_messages and \
                     backend.type == "openai" and backend.name in salted:
                 issues.error(f"backends[{i}].anthropic_messages",
                              "the engine's /v1/messages takes no cache_salt, so its "

@@ -48,6 +48,7 @@ from continuum.errors import (
     UpstreamTimeoutError,
 )
 from continuum.wire import http_client as upstream_http
+from continuum.wire.sse import MAX_SSE_BUFFER_SIZE
 
 if TYPE_CHECKING:
     from continuum.metrics import RouterMetrics
@@ -374,7 +375,10 @@ class Forwarder:
 
         A stream that breaks midway ends with ``error_event(message)`` (an SSE error record
         in the client's dialect that names only the request id: the backend, its address
-        and the error go to the log under that id), never a hang; the lease is released
+        and the error go to the log under that id), never a hang. The start of a record
+        the upstream has not finished is held back until it is (:func:`_whole_records`),
+        so that error record never lands inside a cut one, where no SDK could read it
+        (nor the cut record, which the client could not have parsed either); the lease is released
         and the upstream connection closed on every exit path, including ``GeneratorExit``
         when the client disconnects.
         """
@@ -382,6 +386,7 @@ class Forwarder:
         complete = False
         status = response.status
         limit = self.max_stream_seconds
+        held = b""  # the start of a record the upstream has not finished sending
         try:
             # Decoded body bytes (chunked framing removed) as they arrive, several records
             # per piece when several were already received.
@@ -389,13 +394,20 @@ class Forwarder:
             for piece in response.stream():
                 if not lease.admitted:  # the first token
                     lease.admit()
-                yield piece
+                if held:
+                    piece, held = held + piece, b""
+                if not piece.endswith(_RECORD_ENDS):  # (engines send whole records)
+                    piece, held = _whole_records(piece)
+                if piece:
+                    yield piece
                 if deadline is not None and time.perf_counter() > deadline:
                     status = self._stream_too_long(upstream)
                     yield error_event(
                         "upstream stream exceeded server.max_stream_duration_seconds")
                     return
             complete = upstream.completed = True
+            if held:  # a last record without its blank line: the client's to judge
+                yield held
         except (upstream_http.HTTPClientError, OSError) as exc:
             kind = "timeout" if isinstance(exc, upstream_http.ReadTimeout) else "stream"
             self.metrics.child(self.metrics.upstream_errors, upstream.backend.name, kind).inc()
@@ -421,6 +433,24 @@ class Forwarder:
         log.warning("stream from %s cut after %.0f s (server.max_stream_duration_seconds)",
                     upstream.backend.name, self.max_stream_seconds)
         return 504
+
+
+#: How an SSE record ends: a blank line (LF or CRLF line ends).
+_RECORD_ENDS = (b"\n\n", b"\r\n\r\n")
+#: The most of an unfinished record :func:`_whole_records` holds back (a stream that is not
+#: SSE, or a record this long, goes on as it comes): the SSE parsers' own record limit.
+MAX_HELD_BYTES = MAX_SSE_BUFFER_SIZE
+
+
+def _whole_records(piece: bytes) -> tuple[bytes, bytes]:
+    """``piece`` split into its whole SSE records and the start of an unfinished one."""
+    lf, crlf = piece.rfind(b"\n\n"), piece.rfind(b"\n\r\n")
+    end = max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
+    if not end:  # no blank line in it at all
+        return (piece, b"") if len(piece) > MAX_HELD_BYTES else (b"", piece)
+    if len(piece) - end > MAX_HELD_BYTES:
+        return piece, b""
+    return piece[:end], piece[end:]
 
 
 def openai_error_event(message: str) -> bytes:

@@ -292,3 +292,21 @@ def test_per_tenant_salts_refuse_an_engine_with_the_setting(
     with pytest.raises(RuntimeError, match="router did not start") as failed:
         router_factory(cfg)
     assert message in str(failed.value)
+
+    # per-tenant salts need a restart: a reload that turns them off in the file, together
+    # with the setting, would run the setting under the salts still in force
+    for backend in cfg["backends"][:3]:
+        backend["anthropic_messages"] = False
+    router = router_factory(cfg)
+    cfg["backends"][0]["anthropic_messages"] = True
+    cfg["kv_cache_index"]["cache_salt"]["per_tenant"] = False
+    router.config_path.write_text(yaml.safe_dump(
+        {**cfg, "server": {"bind": f"127.0.0.1:{router.port}", "workers": 1}}))
+    reload = requests.post(router.url + "/admin/config/reload", timeout=10,
+                           headers={"Authorization": "Bearer t"})
+    assert reload.status_code == 400, reload.text
+    assert message in reload.text
+    refused = requests.post(router.url + "/anthropic/v1/messages", timeout=10,
+                            headers={"x-api-key": "sk-a"},
+                            json={"model": MODEL, "max_tokens": 8, "messages": USER})
+    assert refused.status_code == 404  # nothing was changed

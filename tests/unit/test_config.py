@@ -288,17 +288,19 @@ def test_anthropic_messages_warns_where_it_has_no_effect() -> None:
     }
 
 
-@pytest.mark.parametrize(("per_tenant", "sourced", "refused"), [
-    (True, True, True),  # salted per tenant, but the Messages endpoint takes no salt
-    (False, True, False),  # shared salts: nothing to isolate
-    (True, False, False),  # no event source: the router never salts that engine
+@pytest.mark.parametrize(("per_tenant", "sourced", "enabled", "refused"), [
+    (True, True, True, True),  # salted per tenant, but the Messages endpoint takes no salt
+    (False, True, True, False),  # shared salts: nothing to isolate
+    (True, False, True, False),  # no event source: the router never salts that engine
+    (True, True, False, False),  # disabled: no request; checked when a reload enables it
 ])
 def test_per_tenant_salts_refuse_an_engine_serving_anthropic_messages(
-        per_tenant: bool, sourced: bool, refused: bool) -> None:
+        per_tenant: bool, sourced: bool, enabled: bool, refused: bool) -> None:
     sources = [{"backend_name": "engine", "endpoint": "http://127.0.0.1:7000/events"}] \
         if sourced else []
     result = check_config({
-        "backends": [BACKEND, dict(BACKEND, name="engine", anthropic_messages=True)],
+        "backends": [BACKEND, dict(BACKEND, name="engine", anthropic_messages=True,
+                                   enabled=enabled)],
         "prefix_routing": {"enabled": True},
         "auth": {"keys": [{"key": "sk-1", "tenant": "acme"}]},
         "admin": {"token": "t"},

@@ -110,6 +110,27 @@ def test_claude_codes_attribution_block_is_not_part_of_the_key() -> None:
     assert system_text([{"type": "image", "source": {}}, "text"]) is None
 
 
+def test_a_system_message_after_the_first_turn_is_no_system_prompt() -> None:
+    """Claude Code adds ``system`` messages along a conversation (with no top-level system
+    prompt, or one of its attribution block alone): the key stays the first turn's, as the
+    engine renders them where they stand and the KV listener reads the first turn."""
+    turn_1 = {"system": [{"type": "text", "text": "x-anthropic-billing-header: cch=1;"}],
+              "messages": [{"role": "user", "content": "Fix the bug"}]}
+    turn_2 = {**turn_1, "messages": [*turn_1["messages"],
+                                     {"role": "assistant", "content": "Which one?"},
+                                     {"role": "system", "content": "<system-reminder>"},
+                                     {"role": "user", "content": "The parser"}]}
+    assert request_prefix_key(turn_2, "m") == request_prefix_key(turn_1, "m") == \
+        _expected("m", b"M", b"Fix the bug")
+    openai = {"messages": [{"role": "user", "content": "q"},
+                           {"role": "system", "content": "late"}]}
+    assert request_prefix_key(openai, "m") == _expected("m", b"M", b"q")
+    leading = {"messages": [{"role": "system", "content": ""},
+                            {"role": "developer", "content": "rules"},
+                            {"role": "user", "content": "q"}]}
+    assert request_prefix_key(leading, "m") == _expected("m", b"S", b"rules")
+
+
 def test_no_text_or_disabled_gives_no_key() -> None:
     assert request_prefix_key({}, "m") is None
     assert request_prefix_key({"messages": []}, "m") is None
