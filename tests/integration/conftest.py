@@ -41,6 +41,28 @@ def _own_redis_server() -> Iterator[RedisServer]:
         server.stop()
 
 
+@pytest.fixture(autouse=True)
+def _close_sdk_clients(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Close every openai and anthropic SDK client a test made, at its end. A client holds
+    kept-alive sockets and refers to itself (its resources point back at it), so a test
+    that drops it leaves it to the cycle collector, which may finalise a socket before the
+    client that would have closed it: the socket's ResourceWarning then fails whichever
+    later test is running (``filterwarnings = error``; seen under CPython 3.13)."""
+    import anthropic
+    import openai
+
+    made: list[Any] = []
+    for cls in (openai.OpenAI, anthropic.Anthropic):
+        def init(self: Any, *args: Any, __init: Any = cls.__init__, **kwargs: Any) -> None:
+            __init(self, *args, **kwargs)
+            made.append(self)
+
+        monkeypatch.setattr(cls, "__init__", init)
+    yield
+    for client in made:
+        client.close()
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """One redis-server for the session (tests use their own key prefixes)."""

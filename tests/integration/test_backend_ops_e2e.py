@@ -43,6 +43,24 @@ def ups(tmp_path: Path) -> Iterator[Callable[[str], FakeUpstream]]:
         up.stop()
 
 
+_CLIENTS: list[openai.OpenAI] = []
+
+
+def _client(router: RouterProcess) -> openai.OpenAI:
+    """An SDK client, closed after the test (one left to the collector closes its kept-alive
+    sockets with a ResourceWarning, reported in whichever later test the collection runs)."""
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    _CLIENTS.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    while _CLIENTS:
+        _CLIENTS.pop().close()
+
+
 def _config(*backends: dict[str, Any], timeout_ms: int = 1500) -> dict[str, Any]:
     return {"backends": list(backends), "selection_strategy": "RoundRobin",
             "admin": {"allow_unauthenticated": True},
@@ -144,7 +162,7 @@ def test_backends_a_reload_adds_are_unprobed_until_a_check_passes(
     base = _config({"name": "a", "url": a.url, "models": ["m"]}, timeout_ms=probe_timeout_ms)
     router = RouterProcess(base, tmp_path, workers=2)
     try:
-        client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+        client = _client(router)
         dead = f"http://127.0.0.1:{dead_port}"
         silent = f"http://127.0.0.1:{silent_port}"
         report = _reload(router, _config(
@@ -209,7 +227,7 @@ def test_a_reloaded_live_backend_takes_traffic_once_probed(
                                 {"name": "b", "url": b.url, "models": ["m"]}))
         wait_until(lambda: _every(_views(router), lambda v: _state(v, "b") == "healthy"),
             lambda: f"both workers probe b: {_views(router)}", timeout=60)
-        client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+        client = _client(router)
         assert "b" in _backends_of(client, 8)
     finally:
         router.stop()
@@ -224,7 +242,7 @@ def test_drain_stops_new_requests_in_every_worker_and_lets_in_flight_ones_finish
                                     "enabled": False}),
                            tmp_path, workers=2)
     try:
-        client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+        client = _client(router)
         # A slow stream in flight on one backend...
         slow = client.chat.completions.with_raw_response.create(
             model="m", messages=MESSAGES, stream=True,
@@ -338,9 +356,8 @@ def test_a_drain_reaches_the_other_routers_sharing_redis(
     first, second = RouterProcess(config, tmp_path), RouterProcess(config, tmp_path)
     try:
         members = config["response_cache"]["redis"]["key_prefix"].rstrip(":") + ".fleet:members"
-        client = redis.Redis.from_url(redis_server.url)
-        wait_until(lambda: client.zcard(members) == 2, "2 fleet members", 15)
-        client.close()
+        with redis.Redis.from_url(redis_server.url) as client:
+            wait_until(lambda: client.zcard(members) == 2, "2 fleet members", 15)
         resp = requests.post(f"{first.url}/admin/backends/a/drain", timeout=5)
         assert resp.status_code == 200 and resp.json()["fleet"]["routers_applied"] == 2
         view = requests.get(second.url + "/admin/backends", timeout=5).json()

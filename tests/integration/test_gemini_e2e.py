@@ -54,8 +54,22 @@ def _config(fake: FakeGeminiProcess, **cache: Any) -> dict[str, Any]:
     }
 
 
+_CLIENTS: list[openai.OpenAI] = []
+
+
 def _client(router: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=router.url + "/v1", api_key="client", max_retries=0)
+    """An SDK client, closed after the test (one left to the collector closes its kept-alive
+    sockets with a ResourceWarning, reported in whichever later test the collection runs)."""
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="client", max_retries=0)
+    _CLIENTS.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    while _CLIENTS:
+        _CLIENTS.pop().close()
 
 
 def _ask(client: openai.OpenAI, question: str = "How do I clear the cache?",
