@@ -43,22 +43,9 @@ def ups(tmp_path: Path) -> Iterator[Callable[[str], FakeUpstream]]:
         up.stop()
 
 
-_CLIENTS: list[openai.OpenAI] = []
-
-
 def _client(router: RouterProcess) -> openai.OpenAI:
-    """An SDK client, closed after the test (one left to the collector closes its kept-alive
-    sockets with a ResourceWarning, reported in whichever later test the collection runs)."""
-    client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
-    _CLIENTS.append(client)
-    return client
-
-
-@pytest.fixture(autouse=True)
-def _close_clients() -> Iterator[None]:
-    yield
-    while _CLIENTS:
-        _CLIENTS.pop().close()
+    """An SDK client of ``router`` (closed at the test's end: tests/integration/conftest.py)."""
+    return openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
 
 
 def _config(*backends: dict[str, Any], timeout_ms: int = 1500) -> dict[str, Any]:
