@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from continuum.devtools.procs import Child, free_port, http_get, wait_http
+from continuum.devtools.procs import Child, free_port, http_get, wait_http, wait_until
 
 
 class FakeUpstream:
@@ -99,6 +99,28 @@ class RouterProcess:
         except RuntimeError:
             self.stop()
             raise RuntimeError("router did not start:\n" + self.proc.log_text()) from None
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        """Wait until ``/admin/backends`` (open to 127.0.0.1 without a token) shows every
+        enabled backend healthy. A worker serves once its first health checks answered
+        or a second passed; on a busy machine a backend may still be unprobed then, and a
+        first request finds no healthy backend (503).
+
+        Raises:
+            as :func:`~continuum.devtools.procs.wait_until`: not all healthy within
+            ``timeout`` (the last view seen in the message).
+        """
+        seen: list[Any] = [None]
+
+        def healthy() -> bool:
+            status, body = http_get(self.url + "/admin/backends")
+            rows = json.loads(body)["backends"] if status == 200 else None
+            seen[0] = rows if rows is not None else status
+            return rows is not None and all(
+                row["state"] in ("healthy", "disabled") for row in rows)
+
+        wait_until(healthy, lambda: f"every backend healthy: {seen[0]}", timeout,
+                   children=[self.proc])
 
     def metrics(self) -> str:
         """``GET /metrics``: the Prometheus exposition."""

@@ -115,6 +115,7 @@ def test_answers_streams_and_counts_pass_through_unchanged(
     clients: Callable[[Any], anthropic.Anthropic],
 ) -> None:
     router = router_factory(_config(engines))
+    router.wait_healthy()
     client = clients(router)
     args: dict[str, Any] = {"model": MODEL, "max_tokens": 64, "system": SYSTEM,
                             "messages": USER}
@@ -183,6 +184,7 @@ def test_a_shared_system_prompt_sticks_to_one_engine_that_reports_cache_hits(
     clients: Callable[[Any], anthropic.Anthropic],
 ) -> None:
     router = router_factory(_config(engines))
+    router.wait_healthy()
     client = clients(router)
 
     def ask(system: str, question: str) -> tuple[str, anthropic.types.Message]:
@@ -210,6 +212,7 @@ def test_claude_codes_attribution_block_does_not_split_its_conversations(
     prefix key: every conversation behind one system prompt goes to one engine, whose
     cache serves that prompt."""
     router = router_factory(_config(engines))
+    router.wait_healthy()
     client = clients(router)
     backends = []
     for i in range(6):
@@ -235,6 +238,7 @@ def test_models_list_and_a_backend_without_the_setting_until_a_reload(
 ) -> None:
     cfg = _config(engines)
     router = router_factory(cfg)
+    router.wait_healthy()
     client = clients(router)
     assert [m.id for m in client.models.list()] == [MODEL]
 

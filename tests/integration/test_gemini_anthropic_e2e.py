@@ -30,12 +30,14 @@ LOOKUP = {"name": "lookup", "description": "Look a term up in the manual",
 
 def _router(router_factory: Callable[..., Any], fake: FakeGeminiProcess,
             **cache: Any) -> Any:
-    return router_factory({
+    router = router_factory({
         "backends": [{"name": "gem", "url": fake.url, "type": "gemini", "api_key": KEY,
                       "models": [MODEL, SIGNING, PRO]}],
         "health_check": {"interval_seconds": 0.5},
         "gemini_context_cache": {"enabled": True, "min_prefix_bytes": 1024, **cache},
     })
+    router.wait_healthy()
+    return router
 
 
 @pytest.fixture
@@ -271,6 +273,7 @@ def test_googles_errors_come_back_in_anthropics_shape(
         "backends": [{"name": "gem", "url": fake.url, "type": "gemini", "api_key": KEY,
                       "models": [MODEL, "gemini-9-unserved"]}],
         "health_check": {"interval_seconds": 0.5}})
+    router.wait_healthy()
     client = connect(router)
     assert [model.id for model in client.models.list()] == [MODEL, "gemini-9-unserved"]
     with pytest.raises(anthropic.NotFoundError) as missing:

@@ -80,10 +80,12 @@ def cut_engine() -> Iterator[str]:
 
 
 def _router(router_factory: Callable[..., Any], url: str) -> Any:
-    return router_factory({
+    router = router_factory({
         "backends": [{"name": "cut", "url": url, "models": [MODEL],
                       "anthropic_messages": True}],
         "health_check": {"interval_seconds": 0.5}})
+    router.wait_healthy()
+    return router
 
 
 def test_the_anthropic_sdk_gets_the_routers_error_not_a_cut_record(
