@@ -375,10 +375,12 @@ class Forwarder:
 
         A stream that breaks midway ends with ``error_event(message)`` (an SSE error record
         in the client's dialect that names only the request id: the backend, its address
-        and the error go to the log under that id), never a hang. The start of a record
-        the upstream has not finished is held back until it is (:func:`_whole_records`),
-        so that error record never lands inside a cut one, where no SDK could read it
-        (nor the cut record, which the client could not have parsed either); the lease is released
+        and the error go to the log under that id), never a hang. Once the stream has shown
+        SSE framing (a blank line), the start of a record the upstream has not finished is
+        held back until it is (:func:`_whole_records`), so that error record never lands
+        inside a cut one, where no SDK could read it (nor the cut record, which the client
+        could not have parsed either); a stream without blank lines goes as it comes. The
+        lease is released
         and the upstream connection closed on every exit path, including ``GeneratorExit``
         when the client disconnects.
         """
@@ -387,6 +389,7 @@ class Forwarder:
         status = response.status
         limit = self.max_stream_seconds
         held = b""  # the start of a record the upstream has not finished sending
+        framed = False  # a blank line came: the stream is SSE records
         try:
             # Decoded body bytes (chunked framing removed) as they arrive, several records
             # per piece when several were already received.
@@ -396,8 +399,11 @@ class Forwarder:
                     lease.admit()
                 if held:
                     piece, held = held + piece, b""
-                if not piece.endswith(_RECORD_ENDS):  # (engines send whole records)
+                if piece.endswith(_RECORD_ENDS):  # engines send whole records
+                    framed = True
+                elif framed or b"\n\n" in piece or b"\n\r\n" in piece:
                     piece, held = _whole_records(piece)
+                    framed = True
                 if piece:
                     yield piece
                 if deadline is not None and time.perf_counter() > deadline:

@@ -35,6 +35,9 @@ OPENAI_START = b'data: {"id":"c1","object":"chat.completion.chunk","created":1,'
     b'"model":"cut-model","choices":[{"index":0,"delta":{"role":"assistant",' \
     b'"content":"Hel"},"finish_reason":null}]}\r\n\r\n'
 OPENAI_CUT = b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"cut'
+#: A stream that is not SSE (lines of JSON, no blank line): nothing is held back.
+LINES_START = b'{"text": "Hel"}\n'
+LINES_CUT = b'{"text": "l'
 
 
 class _CutEngine(BaseHTTPRequestHandler):
@@ -55,8 +58,9 @@ class _CutEngine(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        whole, cut = (ANTHROPIC_START, ANTHROPIC_CUT) if self.path == "/v1/messages" \
-            else (OPENAI_START, OPENAI_CUT)
+        whole, cut = {"/v1/messages": (ANTHROPIC_START, ANTHROPIC_CUT),
+                      "/v1/completions": (LINES_START, LINES_CUT)}.get(
+                          self.path, (OPENAI_START, OPENAI_CUT))
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
@@ -128,6 +132,19 @@ def test_the_openai_sdk_gets_the_routers_error_not_a_cut_record(
         client.close()
     assert texts == ["Hel"]
     assert "the upstream stream broke off" in str(broke.value)
+
+
+def test_a_stream_without_blank_lines_is_relayed_as_it_comes(
+    cut_engine: str, router_factory: Callable[..., Any]
+) -> None:
+    """Only a stream that has shown SSE framing has its unfinished record held back: one
+    that never sends a blank line reaches the client as it comes, cut record included."""
+    router = _router(router_factory, cut_engine)
+    raw = requests.post(router.url + "/v1/completions", timeout=10, json={
+        "model": MODEL, "prompt": "hi", "stream": True})
+    assert raw.status_code == 200
+    assert raw.content.startswith(LINES_START + LINES_CUT)
+    assert b"the upstream stream broke off" in raw.content[len(LINES_START + LINES_CUT):]
 
 
 @pytest.mark.parametrize(("piece", "whole", "held"), [
