@@ -34,6 +34,7 @@ if __name__ == "__main__":  # before anything below imports socket
     monkey.patch_all()
 
 import json
+import os
 import socket
 import sys
 import time
@@ -123,7 +124,8 @@ def app(environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
     path = environ["PATH_INFO"]
     if path == "/health":
         STATS["health_probes"] += 1
-        return _json(start, 200 if STATS["healthy"] else 503, {"ok": STATS["healthy"]})
+        return _json(start, 200 if STATS["healthy"] else 503, {"ok": STATS["healthy"],
+                                                                "pid": os.getpid()})
     if path == "/_test/stats":
         return _json(start, 200, STATS)
     if path == "/_test/sick":

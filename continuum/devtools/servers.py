@@ -39,15 +39,24 @@ class FakeUpstream:
 
     def __init__(self, name: str, tmp: Path, timeout: float = 20.0) -> None:
         self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = Child([sys.executable, "-m", "continuum.devtools.fake_upstream",
-                           str(self.port), name], tmp / f"upstream-{name}.log")
-        try:
-            wait_http(self.url + "/health", timeout, children=[self.proc])
-        except BaseException:
+        for _ in range(3):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.proc = Child([sys.executable, "-m", "continuum.devtools.fake_upstream",
+                               str(self.port), name], tmp / f"upstream-{name}.log")
+            try:
+                wait_http(self.url + "/health", timeout, children=[self.proc])
+                status, body = http_get(self.url + "/health")
+            except BaseException:
+                self.stop()
+                raise
+            if status == 200 and json.loads(body).get("pid") == self.proc.popen.pid:
+                return
+            # Another server (another test's, started in parallel) took the free port
+            # before this one bound it, and answered for it: try another port.
             self.stop()
-            raise
+        raise RuntimeError(f"fake upstream {name}: three free ports were taken by other "
+                           "servers before it could bind them")
 
     def stats(self) -> dict[str, Any]:
         """What it saw (``GET /_test/stats``): request count, the last request's headers

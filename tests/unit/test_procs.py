@@ -283,3 +283,42 @@ def test_a_refused_port_refuses_and_cannot_be_taken_by_another_server() -> None:
     finally:
         other.close()
     assert refused_port() != port
+
+
+class _Impostor(http.server.BaseHTTPRequestHandler):
+    """Another test's server, answering /health on a port a fake upstream was given."""
+
+    def do_GET(self) -> None:
+        body = b'{"ok": true}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        return None
+
+
+def test_a_fake_upstream_whose_port_another_server_took_moves_to_another(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests run in parallel: between free_port() and the fake upstream's bind another
+    test's server may take the port, and answer its /health. The upstream tells it by
+    the pid its own /health reports, and starts again on another port."""
+    from continuum.devtools import servers
+
+    impostor = http.server.HTTPServer(("127.0.0.1", 0), _Impostor)
+    thread = threading.Thread(target=impostor.serve_forever, daemon=True)
+    thread.start()
+    taken = impostor.server_address[1]
+    ports = iter([taken])
+    monkeypatch.setattr(servers, "free_port", lambda: next(ports, None) or free_port())
+    try:
+        upstream = servers.FakeUpstream("a", tmp_path)
+        try:
+            assert upstream.port != taken
+            assert upstream.stats()["requests"] == 0  # its own, answering
+        finally:
+            upstream.stop()
+    finally:
+        impostor.shutdown()
+        impostor.server_close()
