@@ -650,18 +650,29 @@ def from_native(doc: dict[str, Any], model: str) -> dict[str, Any]:
             "usage": usage(doc.get("usageMetadata"))}
 
 
-def openai_error(status: int, data: bytes) -> bytes:
-    """An OpenAI error body for a Google one (``{"error": {code, message, status}}``, or a
-    list of them as the OpenAI-compatible surface sometimes sends); other bodies as they
-    are."""
+def as_dict(value: Any) -> dict[str, Any]:
+    """``value`` when it is an object, else an empty one (for fields read from answers)."""
+    return value if isinstance(value, dict) else {}
+
+
+def google_error(data: bytes) -> dict[str, Any] | None:
+    """The ``error`` object of a Google error body (``{"error": {code, message, status}}``,
+    or a list of them as the OpenAI-compatible surface sometimes sends), or None."""
     try:
         doc = json.loads(data)
     except ValueError:
-        return data
+        return None
     if isinstance(doc, list) and doc and isinstance(doc[0], dict):
         doc = doc[0]
     error = doc.get("error") if isinstance(doc, dict) else None
-    if not isinstance(error, dict) or "type" in error:
+    return error if isinstance(error, dict) else None
+
+
+def openai_error(status: int, data: bytes) -> bytes:
+    """An OpenAI error body for a Google one (:func:`google_error`); other bodies, and ones
+    already in OpenAI's shape, as they are."""
+    error = google_error(data)
+    if error is None or "type" in error:
         return data
     kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
     return json.dumps({"error": {"message": str(error.get("message", "")), "type": kind,
@@ -717,6 +728,7 @@ class NativeStream:
         self._calls: dict[int, int] = {}
         #: An error chunk was made (Google's record, or the router's for a broken stream).
         self.failed = False
+        self._last: bytes | None = None  # the last piece fed (see ended_early)
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self._id, "object": "chat.completion.chunk", "created": self._created,
@@ -724,6 +736,7 @@ class NativeStream:
 
     def chunks(self, piece: bytes) -> list[dict[str, Any]]:
         """The chunks ``piece`` completes, as documents (an error as ``{"error": …}``)."""
+        self._last = piece
         out = []
         for record in self._parser.feed(piece):
             if not record.data:
@@ -788,14 +801,17 @@ class NativeStream:
         upstream ended normally. A broken stream ends with an error event: the router's
         own, which the relay sent last, when it did not come through Google's records
         (:func:`broken_off`)."""
-        last = None
         for piece in pieces:
-            last = piece
             yield from self.feed(piece)
         if completed():
             yield from self.finish()
-        elif not self.failed:
-            yield from map(_event, self.errors(broken_off(last)))
+        else:
+            yield from map(_event, self.ended_early())
+
+    def ended_early(self) -> list[dict[str, Any]]:
+        """After the upstream broke off: its error chunk, unless one was made already
+        (:func:`broken_off` of the last piece fed, the relay's own error record)."""
+        return self.errors(broken_off(self._last))
 
     def errors(self, doc: dict[str, Any]) -> list[dict[str, Any]]:
         """The error chunk for ``doc`` (``{"error": …}``), once: none after an error."""

@@ -72,6 +72,7 @@ from typing import Any
 from continuum.errors import RequestError
 from continuum.prefix import BILLING_HEADER
 from continuum.routing import anthropic, gemini
+from continuum.routing.gemini import as_dict
 
 #: Chat finish reasons → Anthropic's stop reasons.
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
@@ -93,10 +94,6 @@ _REFUSED = {
     "mcp_servers": "MCP servers are connected by Anthropic's API, not by Gemini",
     "container": "code-execution containers are Anthropic's, not Gemini's",
 }
-
-
-def _dict(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
 
 
 def _refuse(message: str, param: str, code: str = "invalid_value") -> RequestError:
@@ -453,8 +450,8 @@ def stop_reason(finish: Any) -> str:
 def message_from_chat(answer: dict[str, Any], model: str) -> dict[str, Any]:
     """A Messages API ``message`` for a (translated) chat completion."""
     choices = answer.get("choices") or []
-    choice = _dict(choices[0]) if choices else {}
-    message = _dict(choice.get("message"))
+    choice = as_dict(choices[0]) if choices else {}
+    message = as_dict(choice.get("message"))
     content: list[dict[str, Any]] = []
     if message.get("reasoning_content"):
         content.append({"type": "thinking", "thinking": message["reasoning_content"],
@@ -462,7 +459,7 @@ def message_from_chat(answer: dict[str, Any], model: str) -> dict[str, Any]:
     if message.get("content"):
         content.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or []:
-        function = _dict(call.get("function"))
+        function = as_dict(call.get("function"))
         content.append({"type": "tool_use", "id": call.get("id", ""),
                         "name": function.get("name", ""),
                         "input": _input(function.get("arguments"))})
@@ -474,16 +471,8 @@ def message_from_chat(answer: dict[str, Any], model: str) -> dict[str, Any]:
 
 def error_body(status: int, data: bytes) -> bytes:
     """An Anthropic error document for a Google error answer (its message kept)."""
-    message = ""
-    try:
-        doc = json.loads(data)
-    except ValueError:
-        doc = None
-    if isinstance(doc, list) and doc and isinstance(doc[0], dict):
-        doc = doc[0]
-    error = doc.get("error") if isinstance(doc, dict) else None
-    if isinstance(error, dict):
-        message = str(error.get("message", ""))
+    error = gemini.google_error(data)
+    message = "" if error is None else str(error.get("message", ""))
     if not message:
         message = data[:1024].decode("utf-8", "replace").strip() or f"upstream status {status}"
     return anthropic.error_document(status, message)
@@ -560,7 +549,7 @@ class EventTranslator:
         return out
 
     def _choice(self, choice: dict[str, Any], out: list[bytes]) -> None:
-        delta = _dict(choice.get("delta"))
+        delta = as_dict(choice.get("delta"))
         thoughts = delta.get("reasoning_content")
         if isinstance(thoughts, str) and thoughts:
             if self.open != "thinking":
@@ -575,7 +564,7 @@ class EventTranslator:
         for call in delta.get("tool_calls") or []:  # Gemini sends each call whole
             if not isinstance(call, dict):
                 continue
-            function = _dict(call.get("function"))
+            function = as_dict(call.get("function"))
             self._open("tool_use", {"type": "tool_use", "id": str(call.get("id") or ""),
                                     "name": str(function.get("name") or ""), "input": {}},
                        out)
@@ -604,13 +593,11 @@ class EventTranslator:
         together); the closing events follow only when ``completed()`` says the upstream
         ended normally; a broken stream ends with an error event (the router's own, when
         it did not come through Google's records: :func:`~continuum.routing.gemini.broken_off`)."""
-        last = None
         for piece in pieces:
-            last = piece
             events = self.feed(native.chunks(piece), native.usage)
             if events:
                 yield b"".join(events)
         events = self.end(native.usage) if completed() else \
-            self.feed(native.errors(gemini.broken_off(last)), None)
+            self.feed(native.ended_early(), None)
         if events:
             yield b"".join(events)

@@ -222,14 +222,9 @@ class ResponsesAdapter(ResponseAdapter):
         a broken stream's error as :meth:`~continuum.routing.gemini.NativeStream.translate`
         makes it."""
         def batches() -> Iterator[list[dict[str, Any]]]:
-            last = None
             for piece in pieces:
-                last = piece
                 yield translator.chunks(piece)
-            if completed():
-                yield translator.final_chunks()
-            else:
-                yield translator.errors(gemini.broken_off(last))
+            yield translator.final_chunks() if completed() else translator.ended_early()
 
         return gemini_responses.EventTranslator(self.shape).translate(batches(), completed)
 

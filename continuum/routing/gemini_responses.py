@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from continuum.errors import RequestError
-from continuum.routing.gemini import signed, thought_signature
+from continuum.routing.gemini import as_dict, signed, thought_signature
 from continuum.wire import responses_api
 from continuum.wire.responses_api import ResponseShape
 
@@ -72,10 +72,6 @@ LOGPROBS = "message.output_text.logprobs"
 _SUMMARIES = ("auto", "concise", "detailed")
 #: Chat finish reasons that leave a response incomplete, with the Responses reason.
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
-
-
-def _dict(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
 
 
 def _part(part: Any, where: str) -> dict[str, Any]:
@@ -263,8 +259,8 @@ def _logprobs(choice: dict[str, Any]) -> list[Any]:
 def response_from_chat(doc: dict[str, Any], shape: ResponseShape) -> dict[str, Any]:
     """The ``response`` object for a ``chat.completion`` ``doc``."""
     choices = doc.get("choices")
-    choice = _dict(choices[0] if isinstance(choices, list) and choices else None)
-    message = _dict(choice.get("message"))
+    choice = as_dict(choices[0] if isinstance(choices, list) and choices else None)
+    message = as_dict(choice.get("message"))
     output: list[dict[str, Any]] = []
     thoughts = message.get("reasoning_content")
     if isinstance(thoughts, str) and thoughts:
@@ -367,7 +363,7 @@ class EventTranslator:
         for choice in doc.get("choices") or []:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
-            delta = _dict(choice.get("delta"))
+            delta = as_dict(choice.get("delta"))
             thoughts = delta.get("reasoning_content")
             if isinstance(thoughts, str) and thoughts:
                 self._thought_delta(thoughts, out)
@@ -435,7 +431,7 @@ class EventTranslator:
 
     def _call_delta(self, delta: dict[str, Any], out: list[bytes]) -> None:
         index = delta.get("index", 0)
-        function = _dict(delta.get("function"))
+        function = as_dict(delta.get("function"))
         call = self.calls.get(index)
         if call is None:
             self._close_thoughts(out)
